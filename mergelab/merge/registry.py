@@ -1,0 +1,193 @@
+"""One registry of merge methods: a method is one decorated function over one parameter tensor.
+
+    @merge_method("my_average", per_model=("weight",))
+    def my_average(base, experts, *, weight, ctx):
+        return sum(w * t for w, t in zip(weight, experts)) / sum(weight)
+
+The function receives
+
+* ``base`` — the base model's tensor (``None`` when the method declares ``needs_base=False`` and
+  no base was given), already cast to the compute dtype;
+* ``experts`` — a list of the expert tensors, same shape and dtype;
+* one keyword per per-model parameter (named in ``per_model``), as a list with one float per
+  expert;
+* its global parameters as keyword-only arguments; their defaults are read from the signature;
+* ``ctx`` — a :class:`TensorContext` (tensor name, a per-tensor seeded generator, statistics
+  computed in a first pass for methods that need whole-model statistics).
+
+and returns the merged tensor. Where the tensors come from (state dicts in memory, streamed
+safetensors shards, LoRA products) and which dtype the output is stored in are decided by the
+engines in :mod:`mergelab.merge.state_dict`, :mod:`mergelab.merge.checkpoint` and
+:mod:`mergelab.merge.lora`, never by the method.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# A first-pass hook: (resolved params, iterable of (name, base, experts)) -> statistics dict.
+PrepareFn = Callable[[dict[str, Any], Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]], dict]
+
+
+@dataclass
+class TensorContext:
+    """What a method may know about the tensor it merges, besides the values."""
+
+    name: str = ""
+    seed: int = 0
+    # Whole-model statistics from the method's ``prepare`` pass (e.g. global top-k thresholds).
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded from (seed, tensor name): reproducible and different per tensor."""
+        digest = hashlib.sha256(f"{self.seed}:{self.name}".encode()).digest()
+        g = torch.Generator(device=device)
+        g.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        return g
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    name: str
+    fn: Callable[..., torch.Tensor]
+    per_model: tuple[str, ...]
+    per_model_defaults: dict[str, float]
+    global_defaults: dict[str, Any]
+    needs_base: bool
+    doc: str
+    # Optional whole-model first pass, run only when ``needs_prepare(params)`` is true.
+    prepare: PrepareFn | None = None
+    needs_prepare: Callable[[dict[str, Any]], bool] | None = None
+
+    def resolve(
+        self,
+        n_experts: int,
+        params: dict[str, Any] | None = None,
+        per_model_params: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        """Fill defaults and validate names; returns (global params, per-model lists)."""
+        params = dict(params or {})
+        per_model_params = dict(per_model_params or {})
+        # Accept a per-model parameter given once as a scalar in ``params`` (e.g. density=0.2).
+        for key in list(params):
+            if key in self.per_model:
+                per_model_params.setdefault(key, params.pop(key))
+        if "lambda" in params:  # config files may say lambda; Python can't
+            params["lambda_"] = params.pop("lambda")
+        unknown = set(params) - set(self.global_defaults)
+        if unknown:
+            raise ValueError(
+                f"merge method {self.name!r} has no parameter(s) {sorted(unknown)}; "
+                f"global parameters: {sorted(self.global_defaults)}, per-model: {list(self.per_model)}"
+            )
+        unknown = set(per_model_params) - set(self.per_model)
+        if unknown:
+            raise ValueError(
+                f"merge method {self.name!r} has no per-model parameter(s) {sorted(unknown)}; "
+                f"per-model parameters: {list(self.per_model)}"
+            )
+        resolved = {**self.global_defaults, **params}
+        lists: dict[str, list[float]] = {}
+        for key in self.per_model:
+            value = per_model_params.get(key, self.per_model_defaults.get(key))
+            if value is None:
+                raise ValueError(f"merge method {self.name!r} needs per-model parameter {key!r}")
+            if isinstance(value, (int, float)):
+                value = [float(value)] * n_experts
+            value = [float(v) for v in value]
+            if len(value) != n_experts:
+                raise ValueError(
+                    f"merge method {self.name!r}: {key!r} has {len(value)} values for {n_experts} experts"
+                )
+            lists[key] = value
+        return resolved, lists
+
+    def __call__(
+        self,
+        base: torch.Tensor | None,
+        experts: list[torch.Tensor],
+        *,
+        ctx: TensorContext | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        return self.fn(base, experts, ctx=ctx or TensorContext(), **kwargs)
+
+
+_REGISTRY: dict[str, MergeMethod] = {}
+
+
+def merge_method(
+    name: str | None = None,
+    *,
+    per_model: tuple[str, ...] = ("weight",),
+    per_model_defaults: dict[str, float] | None = None,
+    needs_base: bool = True,
+    prepare: PrepareFn | None = None,
+    needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
+    replace: bool = False,
+) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Register ``fn`` as a merge method. See the module docstring for the function's contract.
+
+    ``per_model_defaults`` gives defaults for per-model parameters (``weight`` defaults to 1.0).
+    """
+    defaults = {"weight": 1.0, **(per_model_defaults or {})}
+
+    def decorate(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        method_name = name or fn.__name__
+        if method_name in _REGISTRY and not replace:
+            raise ValueError(f"merge method {method_name!r} is already registered")
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        if len(params) < 2 or "ctx" not in sig.parameters:
+            raise TypeError(f"{fn.__name__}: a merge method takes (base, experts, *, ..., ctx)")
+        global_defaults = {}
+        for p in params[2:]:
+            if p.name == "ctx" or p.name in per_model:
+                continue
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+                raise TypeError(f"{fn.__name__}: parameter {p.name!r} must be keyword-only")
+            if p.default is inspect.Parameter.empty:
+                raise TypeError(f"{fn.__name__}: global parameter {p.name!r} needs a default")
+            global_defaults[p.name] = p.default
+        for key in per_model:
+            if key not in sig.parameters:
+                raise TypeError(
+                    f"{fn.__name__}: per-model parameter {key!r} is not in the signature"
+                )
+        _REGISTRY[method_name] = MergeMethod(
+            name=method_name,
+            fn=fn,
+            per_model=tuple(per_model),
+            per_model_defaults={k: v for k, v in defaults.items() if k in per_model},
+            global_defaults=global_defaults,
+            needs_base=needs_base,
+            doc=inspect.getdoc(fn) or "",
+            prepare=prepare,
+            needs_prepare=needs_prepare,
+        )
+        return fn
+
+    return decorate
+
+
+def get_merge_method(name: str) -> MergeMethod:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown merge method {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def list_merge_methods() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def unregister_merge_method(name: str) -> None:
+    _REGISTRY.pop(name, None)
