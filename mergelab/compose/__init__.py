@@ -1,5 +1,29 @@
-"""Logit (probability-space) composition of a base and experts that share a vocabulary."""
+"""Logit (probability-space) composition of a base and experts that share a vocabulary.
 
-from .formula import compose_logprobs
+* :class:`Composition` — the formula (paper rule, weights, CFG, DExperts, proxy-tuning, PoE).
+* :class:`ModelCandidate` — one model (or a weight merge) as a Candidate.
+* :class:`ComposedDecoder` — a composition as a Candidate; ``ComposedDecoder.from_lora`` is the
+  batched fast path for LoRA experts.
+* :mod:`mergelab.compose.diagnostics` — per-token KL, active fractions, co-activity.
+"""
 
-__all__ = ["compose_logprobs"]
+from .decoder import ComposedDecoder, ModelCandidate
+from .eos import EOS_POLICIES
+from .formula import Composition, Term, compose_logprobs
+from .lora import LoraAdapter
+from .projective import ProjectivityReport, check_projectivity, project_onto_mask
+from .vocab import check_same_tokenizer
+
+__all__ = [
+    "EOS_POLICIES",
+    "ComposedDecoder",
+    "Composition",
+    "LoraAdapter",
+    "ModelCandidate",
+    "ProjectivityReport",
+    "Term",
+    "check_projectivity",
+    "check_same_tokenizer",
+    "compose_logprobs",
+    "project_onto_mask",
+]

@@ -1,21 +1,24 @@
 """Weight-space merges: a registry of per-tensor methods and engines that apply them."""
 
-from . import methods  # noqa: F401  (registers the built-in methods)
+from . import methods, ops  # noqa: F401  (importing methods registers the built-in methods)
 from .registry import (
     MergeMethod,
     TensorContext,
+    UnknownMergeMethodError,
     get_merge_method,
     list_merge_methods,
     merge_method,
     unregister_merge_method,
 )
 from .state_dict import merge_models, merge_state_dicts
-from .validation import MergeInputError
+from .validation import VOCAB_PADDING_RULES, MergeInputError
 
 __all__ = [
     "MergeInputError",
     "MergeMethod",
     "TensorContext",
+    "UnknownMergeMethodError",
+    "VOCAB_PADDING_RULES",
     "get_merge_method",
     "list_merge_methods",
     "merge_method",

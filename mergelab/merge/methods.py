@@ -1,25 +1,34 @@
 """The registered merge methods. Each is a pure function over one parameter tensor.
 
-Conventions: ``base`` is θ_b, ``experts`` are θ_i, a *task vector* is τ_i = θ_i − θ_b. All
-tensors arrive in the compute dtype (float32 by default); the engine casts the result back.
+Conventions: ``base`` is θ_b, ``experts`` are θ_i, a *task vector* is τ_i = θ_i − θ_b, ``weight``
+is w_i and ``lambda_`` is λ. All tensors arrive in the compute dtype (float32 by default); the
+engine casts the result back to the checkpoint's dtype. Where the TIES/DARE papers and the tools
+(PEFT 0.21 ``merge_utils``, mergekit 0.1.5) disagree the choice is a parameter, the paper's choice
+is the default, and each docstring says which setting reproduces which tool.
 """
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
 
+from . import ops
+from .ops import DareRescale, DivideBy, MajoritySign
 from .registry import TensorContext, merge_method
 
-
-def task_vectors(base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
-    """Stack τ_i = θ_i − θ_b into shape ``[n_experts, *base.shape]``."""
-    return torch.stack([e - base for e in experts])
+_DENSITY_RANGE = {"density": (0.0, 1.0)}
 
 
-def _broadcast(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """Per-expert scalars as a ``[n, 1, 1, ...]`` tensor that broadcasts against a stack."""
-    t = torch.tensor(values, dtype=like.dtype, device=like.device)
-    return t.view(-1, *([1] * (like.dim() - 1)))
+def _weighted_sum(stack: torch.Tensor, weight: list[float], normalize: bool) -> torch.Tensor:
+    """Σ_i w_i x_i over the stack, divided by Σ_i w_i when ``normalize``."""
+    merged = (ops.per_expert(weight, stack) * stack).sum(0)
+    if normalize:
+        total = sum(weight)
+        if abs(total) < 1e-8:  # mergekit's rule: a (near-)zero total is not divided by
+            return merged
+        merged = merged / total
+    return merged
 
 
 @merge_method("linear", per_model=("weight",), needs_base=False)
@@ -36,14 +45,33 @@ def linear(
     ``normalize=False`` gives the plain weighted sum Σ w_i θ_i. mergekit's ``linear`` normalises by
     default, as here. The base, if given, is not part of the average.
     """
-    stack = torch.stack(experts)
-    merged = (_broadcast(weight, stack) * stack).sum(0)
-    if normalize:
-        total = sum(weight)
-        if total == 0:
-            raise ValueError("linear merge: weights sum to zero, cannot normalise")
-        merged = merged / total
-    return merged
+    if normalize and sum(weight) == 0:
+        raise ValueError("linear merge: weights sum to zero, cannot normalise")
+    return _weighted_sum(torch.stack(experts), weight, normalize)
+
+
+@merge_method("slerp", per_model=(), needs_base=False)
+def slerp(
+    base: torch.Tensor | None,
+    experts: list[torch.Tensor],
+    *,
+    t: float = 0.5,
+    dot_threshold: float = 0.9995,
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """Spherical interpolation of two models per tensor: t = 0 gives the first, t = 1 the second.
+
+    The two models are (base, expert) as in mergekit, or (expert 0, expert 1) without a base.
+    Falls back to linear interpolation when |cos θ| > ``dot_threshold`` (0.9995, mergekit's).
+    """
+    if base is not None and len(experts) == 1:
+        return ops.slerp(t, base, experts[0], dot_threshold=dot_threshold)
+    if base is None and len(experts) == 2:
+        return ops.slerp(t, experts[0], experts[1], dot_threshold=dot_threshold)
+    raise ValueError(
+        f"slerp interpolates exactly two models: a base and one expert, or two experts without "
+        f"a base; got {'a base and ' if base is not None else ''}{len(experts)} expert(s)"
+    )
 
 
 @merge_method("task_arithmetic", per_model=("weight",))
@@ -53,13 +81,225 @@ def task_arithmetic(
     *,
     weight: list[float],
     lambda_: float = 1.0,
+    normalize: bool = False,
     ctx: TensorContext,
 ) -> torch.Tensor:
     """Task arithmetic (Ilharco et al. 2023): θ_b + λ Σ_i w_i τ_i.
 
+    ``normalize`` divides Σ w_i τ_i by Σ w_i (mergekit's ``normalize``, off by default there too).
+    mergekit's ``task_arithmetic`` equals this; PEFT's returns Σ w_i τ_i only (no base, no λ).
     With λ = 1 and w_i = 1 on a model whose logits are linear in θ this is exactly logit
-    composition. PEFT's ``task_arithmetic`` returns Σ w_i τ_i only (no base, no λ); mergekit's
-    equals this with λ as its ``lambda`` (default 1) and ``normalize`` off.
+    composition.
     """
-    tv = task_vectors(base, experts)
-    return base + lambda_ * (_broadcast(weight, tv) * tv).sum(0)
+    tv = ops.task_vectors(base, experts)
+    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+
+
+def _ties_prepare(params: dict[str, Any], make_iter) -> dict[str, Any]:
+    """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops)."""
+    return {"ties_thresholds": ops.global_magnitude_thresholds(make_iter, params["density"])}
+
+
+def _sign_elect_and_merge(
+    tv: torch.Tensor,
+    weight: list[float],
+    *,
+    majority_sign: MajoritySign,
+    weighted_sign: bool,
+    divide_by: DivideBy,
+) -> torch.Tensor:
+    """TIES' elect + disjoint merge on a stack of sparsified task vectors (modified in place)."""
+    w = ops.per_expert(weight, tv)
+    if weighted_sign:
+        tv.mul_(w)
+    agree = ops.majority_sign_mask(tv, majority_sign)
+    if not weighted_sign:
+        tv.mul_(w)
+    return ops.disjoint_merge(tv, agree, divide_by, weight)
+
+
+@merge_method(
+    "ties",
+    per_model=("weight", "density"),
+    per_model_defaults={"density": 0.2},
+    per_model_ranges=_DENSITY_RANGE,
+    prepare=_ties_prepare,
+    needs_prepare=lambda p: p["trim_scope"] == "model" and any(d < 1 for d in p["density"]),
+)
+def ties(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    weight: list[float],
+    density: list[float],
+    lambda_: float = 1.0,
+    trim_scope: Literal["model", "tensor"] = "model",
+    majority_sign: MajoritySign = "sum",
+    weighted_sign: bool = False,
+    divide_by: DivideBy = "count",
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """TIES-merging (Yadav et al. 2023): trim, elect sign, disjoint mean; θ_b + λ τ_merged.
+
+    * Trim: expert i keeps its top ``density_i`` fraction of |τ_i| (default 0.2, the paper's k),
+      over the whole model (``trim_scope="model"``, the paper's code; exact global threshold from
+      a two-pass first pass) or per tensor (``"tensor"``: mergekit, PEFT).
+    * Elect: the sign of Σ_i τ_i per entry (``majority_sign="sum"``: paper, PEFT "total",
+      mergekit "sum") or of the count of signs (``"count"``: PEFT "frequency", mergekit "count"),
+      on the unweighted trimmed τ_i (``weighted_sign=False``: paper, PEFT) or on w_i τ_i
+      (``True``: mergekit). Ties (sum = 0) elect +, as in every implementation.
+    * Disjoint merge: Σ w_i τ_i over the agreeing entries divided by their count
+      (``divide_by="count"``: paper, PEFT), by Σ w_i (``"weight_sum"``: mergekit
+      ``normalize: true``, its default for ties) or not at all (``"none"``).
+
+    PEFT's ``ties(...)`` is ``trim_scope="tensor"`` and returns τ_merged only. mergekit's ``ties``
+    is ``trim_scope="tensor", weighted_sign=True, divide_by="weight_sum"`` (its density default is
+    1.0, i.e. no trimming). Exact ties in |τ| at the threshold are all kept (a sort keeps exactly k).
+    """
+    tv = ops.task_vectors(base, experts)
+    if trim_scope == "model":
+        if any(d < 1 for d in density) and "ties_thresholds" not in ctx.stats:
+            raise ValueError(
+                "ties with trim_scope='model' needs whole-model thresholds from its prepare pass: "
+                "merge through an engine (merge_state_dicts, merge_models, the checkpoint merger) "
+                "or use trim_scope='tensor'"
+            )
+        thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
+    else:
+        thresholds = [ops.magnitude_threshold(tau, d) for tau, d in zip(tv, density)]
+    for tau, threshold in zip(tv, thresholds):
+        ops.magnitude_trim_(tau, threshold)
+    merged = _sign_elect_and_merge(
+        tv, weight, majority_sign=majority_sign, weighted_sign=weighted_sign, divide_by=divide_by
+    )
+    return base + lambda_ * merged
+
+
+def _dare_drop(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    density: list[float],
+    rescale: DareRescale,
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """Stack of DARE-sparsified task vectors; masks drawn from ``ctx.generator()`` in expert order."""
+    tv = ops.task_vectors(base, experts)
+    generator = ctx.generator(base.device)
+    for tau, d in zip(tv, density):
+        if d < 1:  # no draw when nothing is dropped, as in mergekit and PEFT
+            ops.random_drop_(tau, ops.dare_keep_mask(tau.shape, d, generator), d, rescale)
+    return tv
+
+
+@merge_method(
+    "dare_linear",
+    per_model=("weight", "density"),
+    per_model_defaults={"density": 0.1},
+    per_model_ranges=_DENSITY_RANGE,
+)
+def dare_linear(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    weight: list[float],
+    density: list[float],
+    lambda_: float = 1.0,
+    rescale: DareRescale = "keep_rate",
+    normalize: bool = False,
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """DARE then task arithmetic (Yu et al. 2024): θ_b + λ Σ_i w_i DARE(τ_i).
+
+    DARE drops each entry of τ_i with probability p_i = 1 − ``density_i`` (default density 0.1,
+    i.e. the drop rate 0.9 of the paper's LLM experiments) and rescales the survivors: by
+    1/(1−p) (``rescale="keep_rate"``: paper, PEFT ``dare_linear``) or to τ_i's pre-drop L1 norm
+    (``"l1"``: mergekit, whose ``rescale: true`` is its default), or not (``"none"``).
+    Masks come from a generator seeded by (seed, tensor name): reproducible, different per tensor.
+    ``normalize`` divides by Σ w_i (mergekit's option). mergekit's ``dare_linear`` is
+    ``rescale="l1"``; PEFT's returns Σ w_i DARE(τ_i) only.
+    """
+    tv = _dare_drop(base, experts, density, rescale, ctx)
+    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+
+
+@merge_method(
+    "dare_ties",
+    per_model=("weight", "density"),
+    per_model_defaults={"density": 0.1},
+    per_model_ranges=_DENSITY_RANGE,
+)
+def dare_ties(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    weight: list[float],
+    density: list[float],
+    lambda_: float = 1.0,
+    rescale: DareRescale = "keep_rate",
+    majority_sign: MajoritySign = "sum",
+    weighted_sign: bool = False,
+    divide_by: DivideBy = "count",
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """DARE then TIES' sign election and disjoint merge: θ_b + λ τ_merged (no magnitude trim).
+
+    Drop and rescale as in ``dare_linear``; elect and merge as in ``ties`` (same parameters, same
+    defaults: the papers' choices, which PEFT's ``dare_ties`` also makes). mergekit's
+    ``dare_ties`` is ``rescale="l1", weighted_sign=True, divide_by="none"`` (``normalize: false``
+    is its default here; ``normalize: true`` is ``divide_by="weight_sum"``).
+    """
+    tv = _dare_drop(base, experts, density, rescale, ctx)
+    merged = _sign_elect_and_merge(
+        tv, weight, majority_sign=majority_sign, weighted_sign=weighted_sign, divide_by=divide_by
+    )
+    return base + lambda_ * merged
+
+
+@merge_method(
+    "breadcrumbs",
+    per_model=("weight", "density", "gamma"),
+    per_model_defaults={"density": 0.9, "gamma": 0.01},
+    per_model_ranges={**_DENSITY_RANGE, "gamma": (0.0, 1.0)},
+)
+def breadcrumbs(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    weight: list[float],
+    density: list[float],
+    gamma: list[float],
+    lambda_: float = 1.0,
+    normalize: bool = False,
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """Model Breadcrumbs (Davari & Belilovsky 2023), mergekit semantics: θ_b + λ Σ_i w_i m_i ⊙ τ_i.
+
+    Per tensor, m_i drops the largest ``gamma_i`` fraction of |τ_i| (outliers) and keeps the next
+    ``density_i`` fraction, dropping the smallest rest (see ``ops.magnitude_outlier_trim_``).
+    Defaults density 0.9, gamma 0.01 are mergekit's documented example (its parameter default
+    density = 1.0 disables the mask altogether). ``normalize`` divides by Σ w_i as in mergekit.
+    """
+    tv = ops.task_vectors(base, experts)
+    for tau, d, g in zip(tv, density, gamma):
+        ops.magnitude_outlier_trim_(tau, d, g)
+    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+
+
+@merge_method("model_stock", per_model=())
+def model_stock(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    filter_wise: bool = False,
+    ctx: TensorContext,
+) -> torch.Tensor:
+    """Model Stock (Jang et al. 2024): interpolate from the base toward the experts' average by
+    t = N cos θ / (1 + (N − 1) cos θ), cos θ the mean pairwise cosine of the task vectors, per
+    tensor (or per row with ``filter_wise``). Needs ≥ 2 experts; weights are not used. Same as
+    mergekit's ``model_stock``.
+    """
+    return ops.model_stock(base, experts, filter_wise=filter_wise)
+
+
+# Kept importable from here: ``from mergelab.merge.methods import task_vectors``.
+task_vectors = ops.task_vectors

@@ -18,21 +18,45 @@ The function receives
 and returns the merged tensor. Where the tensors come from (state dicts in memory, streamed
 safetensors shards, LoRA products) and which dtype the output is stored in are decided by the
 engines in :mod:`mergelab.merge.state_dict`, :mod:`mergelab.merge.checkpoint` and
-:mod:`mergelab.merge.lora`, never by the method.
+:mod:`mergelab.merge.lora`, never by the method. The input tensors may be the caller's own
+parameters: a method must not modify them in place (it may modify what it allocates).
+
+A global parameter annotated ``Literal["a", "b"]`` is checked against those choices when the
+parameters are resolved, before any tensor is touched; ``per_model_ranges`` bounds per-model ones.
+
+Whole-model statistics (e.g. TIES' global top-k threshold) come from an optional first pass:
+``prepare(params, make_iter) -> dict`` where ``params`` holds the resolved global parameters and
+the per-model lists (exactly the keywords the method function receives) and ``make_iter()``
+returns a FRESH iterable of ``(name, base, experts)`` (compute dtype, as the method would get
+them) on every call, so a prepare hook may take several passes without the engine ever holding
+the model. The result reaches the method as ``ctx.stats``.
+
+For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``;
+``stats = method.compute_stats({**globals_, **lists}, make_iter)`` (``{}`` if not needed); then
+per tensor ``method.fn(base, experts, ctx=TensorContext(name, seed, stats), **globals_, **lists)``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-# A first-pass hook: (resolved params, iterable of (name, base, experts)) -> statistics dict.
-PrepareFn = Callable[[dict[str, Any], Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]], dict]
+TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
+# A first-pass hook: (resolved params, make_iter) -> statistics dict; make_iter() is a fresh pass.
+PrepareFn = Callable[[dict[str, Any], Callable[[], TensorTriples]], dict]
+
+
+class UnknownMergeMethodError(KeyError, ValueError):
+    """A merge method name that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
 
 
 @dataclass
@@ -64,6 +88,10 @@ class MergeMethod:
     # Optional whole-model first pass, run only when ``needs_prepare(params)`` is true.
     prepare: PrepareFn | None = None
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None
+    # Allowed values of global parameters annotated ``Literal[...]``.
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    # Inclusive bounds of per-model parameters, e.g. {"density": (0.0, 1.0)}.
+    per_model_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def resolve(
         self,
@@ -71,10 +99,13 @@ class MergeMethod:
         params: dict[str, Any] | None = None,
         per_model_params: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], dict[str, list[float]]]:
-        """Fill defaults and validate names; returns (global params, per-model lists)."""
+        """Fill defaults and validate names and values; returns (global params, per-model lists).
+
+        A per-model parameter may be given once in ``params`` (a scalar is broadcast to every
+        expert, e.g. ``density=0.2``); the config spelling ``lambda`` is accepted for ``lambda_``.
+        """
         params = dict(params or {})
         per_model_params = dict(per_model_params or {})
-        # Accept a per-model parameter given once as a scalar in ``params`` (e.g. density=0.2).
         for key in list(params):
             if key in self.per_model:
                 per_model_params.setdefault(key, params.pop(key))
@@ -93,6 +124,14 @@ class MergeMethod:
                 f"per-model parameters: {list(self.per_model)}"
             )
         resolved = {**self.global_defaults, **params}
+        for key, value in params.items():
+            _check_type(self.name, key, value, self.global_defaults[key])
+        for key, allowed in self.choices.items():
+            if resolved[key] not in allowed:
+                raise ValueError(
+                    f"merge method {self.name!r}: {key}={resolved[key]!r} is not one of "
+                    f"{', '.join(repr(a) for a in allowed)}"
+                )
         lists: dict[str, list[float]] = {}
         for key in self.per_model:
             value = per_model_params.get(key, self.per_model_defaults.get(key))
@@ -105,8 +144,25 @@ class MergeMethod:
                 raise ValueError(
                     f"merge method {self.name!r}: {key!r} has {len(value)} values for {n_experts} experts"
                 )
+            low, high = self.per_model_ranges.get(key, (-float("inf"), float("inf")))
+            bad = [v for v in value if not low <= v <= high]
+            if bad:
+                raise ValueError(
+                    f"merge method {self.name!r}: {key!r} must lie in [{low}, {high}], got {bad}"
+                )
             lists[key] = value
         return resolved, lists
+
+    def compute_stats(
+        self, params: dict[str, Any], make_iter: Callable[[], TensorTriples]
+    ) -> dict[str, Any]:
+        """Run the whole-model first pass if this method needs one for ``params``; else ``{}``.
+
+        ``params``: resolved global parameters and per-model lists merged into one dict.
+        """
+        if self.prepare is None or (self.needs_prepare is not None and not self.needs_prepare(params)):
+            return {}
+        return self.prepare(params, make_iter)
 
     def __call__(
         self,
@@ -114,12 +170,53 @@ class MergeMethod:
         experts: list[torch.Tensor],
         *,
         ctx: TensorContext | None = None,
-        **kwargs: Any,
+        **params: Any,
     ) -> torch.Tensor:
-        return self.fn(base, experts, ctx=ctx or TensorContext(), **kwargs)
+        """Merge one tensor with user-level parameters, e.g. ``ties(b, [e1, e2], density=0.2)``.
+
+        Parameters are resolved as in :meth:`resolve`. Without ``ctx.stats`` a method that needs
+        whole-model statistics computes them from this one tensor (it is the whole "model").
+        """
+        ctx = ctx or TensorContext()
+        globals_, lists = self.resolve(len(experts), params)
+        if not ctx.stats:
+            ctx.stats = self.compute_stats(
+                {**globals_, **lists}, lambda: [(ctx.name, base, list(experts))]
+            )
+        return self.fn(base, experts, ctx=ctx, **globals_, **lists)
 
 
 _REGISTRY: dict[str, MergeMethod] = {}
+
+
+def _check_type(method: str, key: str, value: Any, default: Any) -> None:
+    """A global parameter must have its default's kind: bool, number or string (None: anything)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(
+            f"merge method {method!r}: {key}={value!r} should be a {type(default).__name__} "
+            f"like its default {default!r}"
+        )
+
+
+def _literal_choices(fn: Callable[..., Any], names: list[str]) -> dict[str, tuple[Any, ...]]:
+    """Choices of the parameters annotated ``Literal[...]`` (directly or via an alias)."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations (e.g. local names): skip the check
+        return {}
+    return {
+        name: typing.get_args(hints[name])
+        for name in names
+        if name in hints and typing.get_origin(hints[name]) is Literal
+    }
 
 
 def merge_method(
@@ -127,6 +224,7 @@ def merge_method(
     *,
     per_model: tuple[str, ...] = ("weight",),
     per_model_defaults: dict[str, float] | None = None,
+    per_model_ranges: dict[str, tuple[float, float]] | None = None,
     needs_base: bool = True,
     prepare: PrepareFn | None = None,
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
@@ -134,7 +232,9 @@ def merge_method(
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
 
-    ``per_model_defaults`` gives defaults for per-model parameters (``weight`` defaults to 1.0).
+    ``per_model_defaults`` gives defaults for per-model parameters (``weight`` defaults to 1.0);
+    ``per_model_ranges`` their inclusive bounds; ``prepare``/``needs_prepare`` a whole-model
+    first pass (module docstring). The decorated function is returned unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
 
@@ -170,6 +270,8 @@ def merge_method(
             doc=inspect.getdoc(fn) or "",
             prepare=prepare,
             needs_prepare=needs_prepare,
+            choices=_literal_choices(fn, list(global_defaults)),
+            per_model_ranges=dict(per_model_ranges or {}),
         )
         return fn
 
@@ -180,7 +282,7 @@ def get_merge_method(name: str) -> MergeMethod:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(
+        raise UnknownMergeMethodError(
             f"unknown merge method {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
         ) from None
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .registry import MergeMethod, TensorContext, get_merge_method
-from .validation import check_tensors_compatible
+from .validation import (
+    MergeInputError,
+    VocabPadding,
+    check_same_architecture,
+    check_tensors_compatible,
+)
 
 
 def merge_state_dicts(
@@ -22,12 +27,16 @@ def merge_state_dicts(
     weights: list[float] | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    vocab_padding: VocabPadding = "error",
 ) -> dict[str, torch.Tensor]:
     """Merge ``experts`` (and ``base``) tensor by tensor with a registered method.
 
     ``weights`` is shorthand for ``per_model_params={"weight": weights}``. Every tensor is merged
     in ``dtype`` (float32 by default) and stored back in the base's (or first expert's) dtype.
-    Non-floating tensors (e.g. integer buffers) are copied from the base unchanged.
+    Non-floating tensors (e.g. integer buffers) are copied from the base unchanged. Methods that
+    need whole-model statistics (TIES with ``trim_scope="model"``) get them from a first pass over
+    the same tensors. ``vocab_padding``: see :mod:`mergelab.merge.validation`. ``seed`` seeds the
+    per-tensor generators of random methods (DARE). The inputs are never modified.
     """
     m = get_merge_method(method) if isinstance(method, str) else method
     if not experts:
@@ -39,29 +48,71 @@ def merge_state_dicts(
         per_model_params["weight"] = list(weights)
     resolved, lists = m.resolve(len(experts), params, per_model_params)
     reference = base if base is not None else experts[0]
-    check_tensors_compatible(
-        reference, experts, base_label="base" if base is not None else "expert 0"
+    rows = check_tensors_compatible(
+        reference,
+        experts,
+        base_label="base" if base is not None else "expert 0",
+        vocab_padding=vocab_padding,
     )
+    # Tied tensors (e.g. input embedding = output head) are one parameter: merge it once, so a
+    # random method cannot give the two names different values and global statistics count it once.
+    first_name: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    alias_of: dict[str, str] = {}
+    for name, t in reference.items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in first_name:
+            alias_of[name] = first_name[key]
+        else:
+            first_name[key] = name
+    floating = [k for k, v in reference.items() if v.is_floating_point() and k not in alias_of]
 
-    def cast(name: str):
-        b = base[name].to(dtype) if base is not None else None
-        return b, [e[name].to(dtype) for e in experts]
+    def load(name: str) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The tensor in every model, sliced to the shared vocabulary rows, in the compute dtype."""
+        r = rows.get(name)
+        tensors = [sd[name] if r is None else sd[name][:r] for sd in experts]
+        b = None
+        if base is not None:
+            b = (base[name] if r is None else base[name][:r]).to(dtype)
+        return b, [t.to(dtype) for t in tensors]
 
-    stats: dict[str, Any] = {}
-    if m.prepare is not None and (m.needs_prepare is None or m.needs_prepare(resolved)):
-        floating = [k for k, v in reference.items() if v.is_floating_point()]
-        stats = m.prepare(resolved, ((k, *cast(k)) for k in floating))
+    def make_iter() -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
+        return ((name, *load(name)) for name in floating)
+
+    stats = m.compute_stats({**resolved, **lists}, make_iter)
 
     out: dict[str, torch.Tensor] = {}
     for name, ref in reference.items():
+        if name in alias_of:
+            out[name] = out[alias_of[name]]
+            continue
         if not ref.is_floating_point():
             out[name] = ref.clone()
             continue
-        b, es = cast(name)
+        b, es = load(name)
         ctx = TensorContext(name=name, seed=seed, stats=stats)
         merged = m.fn(b, es, ctx=ctx, **resolved, **lists)
-        out[name] = merged.to(ref.dtype)
+        expected = es[0].shape
+        if not isinstance(merged, torch.Tensor) or merged.shape != expected:
+            got = tuple(merged.shape) if isinstance(merged, torch.Tensor) else type(merged).__name__
+            raise TypeError(
+                f"merge method {m.name!r} returned {got} for tensor {name!r}, "
+                f"expected shape {tuple(expected)}"
+            )
+        if name in rows:  # merged the shared vocabulary rows; the rest stay the reference's
+            full = ref.clone()
+            full[: rows[name]] = merged.to(ref.dtype)
+            out[name] = full
+            continue
+        merged = merged.to(ref.dtype)
+        if any(merged.data_ptr() == t.data_ptr() for t in [ref, *(sd[name] for sd in experts)]):
+            merged = merged.clone()  # never hand back (an alias of) an input tensor
+        out[name] = merged
     return out
+
+
+def _config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
+    config = getattr(module, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else None
 
 
 def merge_models(
@@ -70,8 +121,26 @@ def merge_models(
     experts: list[torch.nn.Module],
     **kwargs: Any,
 ) -> torch.nn.Module:
-    """Merge modules of one architecture; returns a new module (the inputs are not modified)."""
+    """Merge modules of one architecture; returns a new module in eval mode (inputs unchanged).
+
+    Keyword arguments are those of :func:`merge_state_dicts`. Models of different classes or
+    with different structural config entries (hidden size, layers, ...) are refused.
+    """
     template = base if base is not None else experts[0]
+    others = experts if base is not None else experts[1:]
+    reference_label = "base" if base is not None else "expert 0"
+    labels = [f"expert {i + (base is None)}" for i in range(len(others))]
+    for label, module in zip(labels, others):
+        if type(module) is not type(template):
+            raise MergeInputError(
+                f"different architectures: {label} is a {type(module).__name__} but the "
+                f"{reference_label} is a {type(template).__name__}"
+            )
+    check_same_architecture(
+        [_config_dict(template)] + [_config_dict(m) for m in others],
+        [reference_label, *labels],
+        vocab_padding=kwargs.get("vocab_padding", "error"),
+    )
     merged_sd = merge_state_dicts(
         method,
         base.state_dict() if base is not None else None,

@@ -1,0 +1,290 @@
+"""The LoRA fast path: base and k LoRA experts in one batched forward per decoding step.
+
+When every expert is a LoRA adapter of the same base, expert i's layer output is
+``W x + s_i·B_i A_i x``. Stacking the batch ``k + 1`` times — rows ``[0, B)`` for the base, rows
+``[iB, (i+1)B)`` for adapter i — one forward of the base model computes every component, with one
+copy of the base weights and one KV cache for the ``(k+1)·B`` rows. The low-rank terms are added
+by forward hooks on the adapted layers (installed only while the runner is decoding, so the
+user's model is untouched otherwise): per layer, two batched matmuls over contiguous row blocks,
+no per-row gathering. This is the same computation as PEFT's mixed-adapter batches
+(``adapter_names=`` in ``forward``) without its per-adapter index bookkeeping.
+
+Supported: plain LoRA (and rsLoRA) on ``nn.Linear`` and transformers ``Conv1D`` layers, no LoRA
+bias, no DoRA/other variants, no ``modules_to_save`` — anything else raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .runners import ModelCall, log_softmax_last, new_cache
+from .vocab import model_identity
+
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraAdapter:
+    """One LoRA expert: for each adapted module, ``A [r, in]``, ``B [out, r]`` and the scaling s.
+
+    The module's output becomes ``W x + s·B (A x)``. Module names are those of the plain base
+    model (``model.layers.0.self_attn.q_proj``), without PEFT's prefixes.
+    """
+
+    name: str
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    def checksum(self) -> str:
+        digest = hashlib.sha1()
+        for key in sorted(self.modules):
+            a, b, s = self.modules[key]
+            digest.update(f"{key}:{float(a.double().sum()):.8e}:{float(b.double().sum()):.8e}:{s}".encode())
+        return digest.hexdigest()[:16]
+
+    @classmethod
+    def from_peft_model(
+        cls, model: nn.Module, adapter_name: str | None = None, name: str | None = None
+    ) -> LoraAdapter:
+        """Read adapter ``adapter_name`` (default: the active one) from a PEFT model."""
+        peft_config = getattr(model, "peft_config", None)
+        if peft_config is None:
+            raise ValueError(f"{type(model).__name__} is not a PEFT model (no peft_config)")
+        if adapter_name is None:
+            active = getattr(model, "active_adapter", None)
+            adapter_name = active[0] if isinstance(active, list | tuple) else active
+        if adapter_name not in peft_config:
+            raise ValueError(f"adapter {adapter_name!r} not in {list(peft_config)}")
+        _check_config(peft_config[adapter_name], adapter_name)
+        modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for module_name, module in model.named_modules():
+            lora_a = getattr(module, "lora_A", None)
+            if lora_embedding := getattr(module, "lora_embedding_A", None):
+                if adapter_name in lora_embedding:
+                    raise ValueError(f"LoRA on embeddings ({module_name}) is not supported")
+            if lora_a is None or adapter_name not in lora_a:
+                continue
+            if getattr(module, "lora_variant", {}).get(adapter_name) is not None:
+                raise ValueError(f"{module_name}: LoRA variants (DoRA, ...) are not supported")
+            if getattr(module, "lora_bias", {}).get(adapter_name, False):
+                raise ValueError(f"{module_name}: LoRA bias is not supported")
+            key = module_name[len(_PEFT_PREFIX) :] if module_name.startswith(_PEFT_PREFIX) else module_name
+            modules[key] = (
+                lora_a[adapter_name].weight.detach(),
+                module.lora_B[adapter_name].weight.detach(),
+                float(module.scaling[adapter_name]),
+            )
+        if not modules:
+            raise ValueError(f"adapter {adapter_name!r} adapts no module")
+        return cls(name or adapter_name, modules)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, name: str | None = None) -> LoraAdapter:
+        """Read a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        path = Path(path)
+        config_file = path / "adapter_config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: not a PEFT adapter folder")
+        config = json.loads(config_file.read_text())
+        _check_config(config, str(path))
+        if (path / "adapter_model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            state = load_file(str(path / "adapter_model.safetensors"))
+        elif (path / "adapter_model.bin").is_file():
+            state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"no adapter_model.safetensors or .bin in {path}")
+        from peft.utils.other import get_pattern_key
+
+        alpha_pattern = config.get("alpha_pattern") or {}
+        modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for key, a in state.items():
+            if not key.endswith(".lora_A.weight"):
+                if "lora_embedding" in key or "lora_magnitude" in key:
+                    raise ValueError(f"{path}: {key} (embedding LoRA / DoRA) is not supported")
+                continue
+            module_name = key[: -len(".lora_A.weight")]
+            b = state[f"{module_name}.lora_B.weight"]
+            if module_name.startswith(_PEFT_PREFIX):
+                module_name = module_name[len(_PEFT_PREFIX) :]
+            r = a.shape[0]
+            alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module_name), config["lora_alpha"])
+            scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+            modules[module_name] = (a, b, float(scaling))
+        if not modules:
+            raise ValueError(f"{path} holds no LoRA weights")
+        return cls(name or path.name, modules)
+
+
+def _check_config(config: Any, where: str) -> None:
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    peft_type = str(get("peft_type", "LORA"))
+    if "LORA" not in peft_type.upper():
+        raise ValueError(f"{where}: adapter type {peft_type} is not LoRA")
+    if get("use_dora", False):
+        raise ValueError(f"{where}: DoRA adapters are not supported by the fast path")
+    if get("modules_to_save", None):
+        raise ValueError(f"{where}: modules_to_save is not supported by the fast path")
+    if get("bias", "none") != "none" or get("lora_bias", False):
+        raise ValueError(f"{where}: adapters that train biases are not supported")
+
+
+def as_lora_adapter(obj: Any) -> LoraAdapter:
+    """A :class:`LoraAdapter` from an adapter, a PEFT model or an adapter folder."""
+    if isinstance(obj, LoraAdapter):
+        return obj
+    if isinstance(obj, str | Path):
+        return LoraAdapter.from_pretrained(obj)
+    if hasattr(obj, "peft_config"):
+        return LoraAdapter.from_peft_model(obj)
+    raise TypeError(f"cannot read a LoRA adapter from {type(obj).__name__}")
+
+
+class LoraRunner:
+    """Component runner for base + LoRA experts: one forward of a ``(k+1)·B`` batch per step."""
+
+    def __init__(
+        self,
+        base_model: nn.Module,
+        adapters: Sequence[LoraAdapter],
+        names: Sequence[str],
+        vocab_size: int,
+    ):
+        if not adapters:
+            raise ValueError("the LoRA fast path needs at least one adapter")
+        self.names = ("base", *names)
+        self.models = {"base": base_model}
+        self.adapters = dict(zip(names, adapters))
+        self.call = ModelCall(base_model, "base", vocab_size)
+        self.k = len(adapters)
+        self.forward_passes = 0
+        self._targets = self._stack(base_model, list(adapters))
+        self._cache: Any = None
+        self._ids: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    def _stack(self, base_model: nn.Module, adapters: list[LoraAdapter]) -> list[tuple]:
+        """Per adapted module: ``A [k, in, r_max]`` and ``s·B`` as ``[k, r_max, out]``.
+
+        Ranks are padded with zeros to the largest, and an adapter that skips a module gets
+        zeros there, which leaves the sum exact.
+        """
+        modules = dict(base_model.named_modules())
+        targets = sorted({m for a in adapters for m in a.modules})
+        out = []
+        for module_name in targets:
+            module = modules.get(module_name)
+            if module is None:
+                raise ValueError(f"adapter module {module_name!r} not found in the base model")
+            if hasattr(module, "lora_A") or hasattr(module, "base_layer"):
+                raise ValueError(
+                    f"{module_name} is already a PEFT layer: pass the plain base model "
+                    "(e.g. peft_model.unload() or a fresh copy)"
+                )
+            weight = getattr(module, "weight", None)
+            if weight is None or weight.dim() != 2:
+                raise ValueError(f"{module_name} ({type(module).__name__}) is not a linear layer")
+            shapes = [a.modules[module_name] for a in adapters if module_name in a.modules]
+            in_features, out_features = shapes[0][0].shape[1], shapes[0][1].shape[0]
+            r_max = max(s[0].shape[0] for s in shapes)
+            a_stack = weight.new_zeros((self.k, in_features, r_max))
+            b_stack = weight.new_zeros((self.k, r_max, out_features))
+            for i, adapter in enumerate(adapters):
+                if module_name not in adapter.modules:
+                    continue
+                a, b, scaling = adapter.modules[module_name]
+                if a.shape[1] != in_features or b.shape[0] != out_features:
+                    raise ValueError(f"{adapter.name}: {module_name} LoRA shapes {a.shape}, {b.shape}")
+                r = a.shape[0]
+                a_stack[i, :, :r] = a.t().to(weight)
+                b_stack[i, :r, :] = (b.t() * scaling).to(weight)
+            out.append((module, a_stack, b_stack))
+        return out
+
+    def describe_models(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"base": model_identity(self.models["base"])}
+        for n, a in self.adapters.items():
+            d[n] = {"lora_adapter": a.name, "n_modules": len(a.modules), "checksum": a.checksum()}
+        return d
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        handles = [module.register_forward_hook(_lora_hook(self.k, a, b)) for module, a, b in self._targets]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self._cache, self._ids, self._positions = None, None, None
+
+    def _repeat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(self.k + 1, *([1] * (t.dim() - 1)))
+
+    def _split(self, lp: torch.Tensor) -> list[torch.Tensor]:
+        return list(lp.chunk(self.k + 1, dim=0))
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        self._ids, self._positions = self._repeat(input_ids), self._repeat(position_ids)
+        cache = new_cache(self.call.model) if self.call.may_cache else None
+        logits, self._cache = self.call(
+            self._ids, self._repeat(attention_mask), self._positions, cache, last_only=True
+        )
+        self.forward_passes += 1
+        return self._split(log_softmax_last(logits))
+
+    @torch.no_grad()
+    def step(
+        self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        next_ids, position_ids = self._repeat(next_ids), self._repeat(position_ids)
+        mask = self._repeat(attention_mask)
+        if self._cache is not None:
+            logits, self._cache = self.call(next_ids, mask, position_ids, self._cache, last_only=True)
+        else:  # a model without a cache: recompute the prefix
+            self._ids = torch.cat([self._ids, next_ids], dim=1)
+            self._positions = torch.cat([self._positions, position_ids], dim=1)
+            logits, _ = self.call(self._ids, mask, self._positions, None, last_only=True)
+        self.forward_passes += 1
+        return self._split(log_softmax_last(logits))
+
+    @torch.no_grad()
+    def teacher_forced(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        logits, _ = self.call(
+            self._repeat(input_ids),
+            self._repeat(attention_mask),
+            self._repeat(position_ids),
+            None,
+            last_only=False,
+        )
+        self.forward_passes += 1
+        return self._split(torch.log_softmax(logits, dim=-1))
+
+
+def _lora_hook(k: int, a_stack: torch.Tensor, b_stack: torch.Tensor):
+    """Forward hook adding ``s_i·B_i A_i x`` to row block i + 1 of the layer's output."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        group = x.shape[0] // (k + 1)
+        expert_rows = x[group:].reshape(k, -1, x.shape[-1])  # [k, group·T, in]
+        delta = torch.bmm(torch.bmm(expert_rows, a_stack), b_stack)  # [k, group·T, out]
+        target = output[group:]
+        target.add_(delta.view(target.shape))
+        return output
+
+    return hook

@@ -1,0 +1,191 @@
+"""Component runners: produce each component model's next-token log-probs, step by step.
+
+A runner owns the models of a candidate and their KV caches. The decoding loop
+(:mod:`mergelab.compose.decoding`) asks it for
+
+* ``prefill(input_ids, attention_mask, position_ids)`` → one ``[B, V]`` log-prob tensor per
+  component, for the token after the (left-padded) prompt;
+* ``step(next_ids, attention_mask, position_ids)`` → the same after appending ``next_ids [B, 1]``;
+* ``teacher_forced(input_ids, attention_mask, position_ids)`` → ``[B, T, V]`` per component.
+
+All log-probs are float32, over the tokenizer's ``V`` ids (logits truncated, see
+:mod:`mergelab.compose.vocab`). :class:`ModelRunner` runs each model separately with its own
+transformers ``Cache`` object; the LoRA fast path (:mod:`mergelab.compose.lora`) runs base and
+adapters in one batched forward with one cache. Models that return no cache (any module returning
+logits) are run on the whole prefix at every step instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .vocab import check_model_vocab, model_identity, truncate_logits
+
+
+def new_cache(model: nn.Module) -> Any:
+    """An empty ``DynamicCache`` for ``model`` (the transformers cache class, no hand-made one)."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    try:
+        return DynamicCache(config=config) if config is not None else DynamicCache()
+    except TypeError:  # older transformers without the config argument
+        return DynamicCache()
+
+
+class ModelCall:
+    """Calls one causal LM with whatever of (mask, positions, cache) its ``forward`` accepts.
+
+    transformers 5.x names the cache argument ``cache`` (4.x: ``past_key_values``); plain modules
+    may accept neither, and then get only ``input_ids``.
+    """
+
+    def __init__(self, model: nn.Module, name: str = "model", vocab_size: int | None = None):
+        self.model = model
+        self.name = name
+        self.vocab_size = vocab_size
+        forward = model.forward if hasattr(model, "forward") else model
+        params = inspect.signature(forward).parameters
+        self.accepts_mask = "attention_mask" in params
+        self.accepts_positions = "position_ids" in params
+        self.cache_argument = next((a for a in ("cache", "past_key_values") if a in params), None)
+        self.accepts_use_cache = "use_cache" in params
+        self.accepts_logits_to_keep = "logits_to_keep" in params
+        if vocab_size is not None:
+            check_model_vocab(model, vocab_size, name)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any = None,
+        *,
+        last_only: bool,
+    ) -> tuple[torch.Tensor, Any]:
+        """Returns (float logits ``[B, T or 1, V]`` truncated to the tokenizer, returned cache)."""
+        kwargs: dict[str, Any] = {}
+        if self.accepts_mask:
+            kwargs["attention_mask"] = attention_mask
+        if self.accepts_positions:
+            kwargs["position_ids"] = position_ids
+        if self.cache_argument is not None and cache is not None:
+            kwargs[self.cache_argument] = cache
+        if self.accepts_use_cache:
+            kwargs["use_cache"] = cache is not None
+        if last_only and self.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = 1  # do not project every prompt position onto the vocab
+        out = self.model(input_ids, **kwargs)
+        if isinstance(out, torch.Tensor):
+            logits, returned = out, None
+        elif isinstance(out, tuple):
+            logits, returned = out[0], None
+        else:
+            logits = out.logits
+            returned = getattr(out, "cache", None)
+            if returned is None:
+                returned = getattr(out, "past_key_values", None)
+        if last_only:
+            logits = logits[:, -1:]
+        if self.vocab_size is not None:
+            logits = truncate_logits(logits, self.vocab_size, self.name)
+        return logits.float(), returned
+
+    @property
+    def may_cache(self) -> bool:
+        return self.cache_argument is not None
+
+
+def log_softmax_last(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, V]`` logits → ``[B, V]`` float32 log-probs."""
+    return torch.log_softmax(logits[:, -1].float(), dim=-1)
+
+
+class ModelRunner:
+    """Runs ``k`` separate models over the same batch; each keeps its own KV cache.
+
+    ``use_cache=False`` recomputes the whole prefix at every step (the naive reference loop).
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        names: Sequence[str],
+        vocab_size: int,
+        *,
+        use_cache: bool = True,
+    ):
+        if len(models) != len(names):
+            raise ValueError(f"{len(models)} models for {len(names)} names")
+        self.names = tuple(names)
+        self.models = dict(zip(self.names, models))
+        self.vocab_size = vocab_size
+        self.use_cache = use_cache
+        self.calls = [ModelCall(m, n, vocab_size) for m, n in zip(models, names)]
+        self.forward_passes = 0
+        self._caches: list[Any] = []
+        self._ids: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    def describe_models(self) -> dict[str, Any]:
+        return {n: model_identity(m) for n, m in self.models.items()}
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._caches, self._ids, self._mask, self._positions = [], None, None, None
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        self._ids, self._mask, self._positions = input_ids, attention_mask, position_ids
+        self._caches = []
+        out = []
+        for call in self.calls:
+            cache = new_cache(call.model) if (self.use_cache and call.may_cache) else None
+            logits, returned = call(input_ids, attention_mask, position_ids, cache, last_only=True)
+            self.forward_passes += 1
+            self._caches.append(returned if self.use_cache else None)
+            out.append(log_softmax_last(logits))
+        return out
+
+    @torch.no_grad()
+    def step(
+        self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        assert self._ids is not None, "prefill first"
+        self._ids = torch.cat([self._ids, next_ids], dim=1)
+        self._positions = torch.cat([self._positions, position_ids], dim=1)
+        self._mask = attention_mask
+        out = []
+        for j, call in enumerate(self.calls):
+            cache = self._caches[j]
+            if cache is not None:
+                logits, cache = call(next_ids, attention_mask, position_ids, cache, last_only=True)
+            else:  # no cache: run the whole prefix again
+                logits, _ = call(self._ids, attention_mask, self._positions, None, last_only=True)
+            self._caches[j] = cache
+            self.forward_passes += 1
+            out.append(log_softmax_last(logits))
+        return out
+
+    @torch.no_grad()
+    def teacher_forced(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        out = []
+        for call in self.calls:
+            logits, _ = call(input_ids, attention_mask, position_ids, None, last_only=False)
+            self.forward_passes += 1
+            out.append(torch.log_softmax(logits, dim=-1))
+        return out

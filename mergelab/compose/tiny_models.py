@@ -1,0 +1,83 @@
+"""Tiny, offline stand-ins for tests, benchmarks and toy studies: a character-level tokenizer and
+randomly initialised GPT-2 / Llama causal LMs built from a config (nothing from a model hub)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;=+-*/()?!\n"
+
+
+def char_tokenizer(alphabet: str | Sequence[str] = DEFAULT_ALPHABET):
+    """A ``PreTrainedTokenizerFast`` with one token per character and ``<pad> <bos> <eos>``.
+
+    Ids: 0 = ``<pad>``, 1 = ``<bos>``, 2 = ``<eos>``, then the alphabet in order. No BOS is
+    added when encoding (like GPT-2's tokenizer).
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    # BPE with no merges = one token per character; Fuse joins them back without spaces.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+def tiny_causal_lm(
+    vocab_size: int,
+    *,
+    architecture: str = "gpt2",
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    max_positions: int = 256,
+    seed: int = 0,
+    eos_token_id: int = 2,
+    initializer_range: float = 0.02,
+):
+    """A randomly initialised causal LM in eval mode (``architecture``: "gpt2" or "llama").
+
+    A larger ``initializer_range`` (e.g. 0.3) gives peaked next-token distributions, which makes
+    greedy decoding less tie-prone in tests.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if architecture == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            bos_token_id=1,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+            initializer_range=initializer_range,
+        )
+        model = GPT2LMHeadModel(config)
+    elif architecture == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=max_positions,
+            bos_token_id=1,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+            initializer_range=initializer_range,
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown architecture {architecture!r}; use 'gpt2' or 'llama'")
+    return model.eval()

@@ -1,0 +1,120 @@
+"""Vocabulary rules for composing models: one tokenizer, log-probs over exactly its tokens.
+
+Composition multiplies distributions token by token, so every component must mean the same thing
+by token id ``j``. We therefore require identical tokenizers (same vocabulary, same special
+tokens). Output layers may still differ in size: checkpoints often pad the embedding matrix to a
+multiple of 64 or 128. That is allowed only because the tokenizers are identical, and it is
+resolved by truncating every model's logits to the tokenizer's ``len(tokenizer)`` entries before
+the log-softmax (ids the tokenizer can never produce get no probability). A model with *fewer*
+logits than the tokenizer has tokens is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """Number of token ids the tokenizer can produce (added tokens included)."""
+    return len(tokenizer)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """A JSON-able identity of a tokenizer: size, specials and a hash of the vocabulary."""
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha1(
+        json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    ).hexdigest()
+    return {
+        "name_or_path": getattr(tokenizer, "name_or_path", ""),
+        "vocab_size": len(tokenizer),
+        "vocab_sha1": digest,
+        "special_tokens": {a: getattr(tokenizer, a, None) for a in SPECIAL_ATTRIBUTES},
+    }
+
+
+def check_same_tokenizer(tokenizers: Sequence[Any], names: Sequence[str] | None = None) -> None:
+    """Raise ``ValueError`` naming the first difference between ``tokenizers[0]`` and the rest."""
+    names = list(names) if names is not None else [f"model {i}" for i in range(len(tokenizers))]
+    ref = tokenizers[0]
+    ref_vocab = ref.get_vocab()
+    for name, tok in zip(names[1:], tokenizers[1:]):
+        if tok is ref:
+            continue
+        if len(tok) != len(ref):
+            raise ValueError(
+                f"tokenizer of {name} has {len(tok)} tokens, {names[0]}'s has {len(ref)}: "
+                "composition needs one shared tokenizer"
+            )
+        vocab = tok.get_vocab()
+        if vocab != ref_vocab:
+            diff = sorted(set(vocab.items()) ^ set(ref_vocab.items()))[:5]
+            raise ValueError(
+                f"tokenizer of {name} maps tokens differently from {names[0]}'s "
+                f"(e.g. {diff}): composition needs one shared tokenizer"
+            )
+        for attr in SPECIAL_ATTRIBUTES:
+            a, b = getattr(ref, attr, None), getattr(tok, attr, None)
+            if a != b:
+                raise ValueError(
+                    f"{attr} differs: {names[0]} has {a!r}, {name} has {b!r}; "
+                    "composition needs one shared tokenizer"
+                )
+
+
+def model_output_size(model: nn.Module) -> int | None:
+    """Number of logits the model emits per position, if it can be read without running it."""
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        head = get()
+        if head is not None and getattr(head, "weight", None) is not None:
+            return int(head.weight.shape[0])
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def check_model_vocab(model: nn.Module, vocab_size: int, name: str = "model") -> None:
+    size = model_output_size(model)
+    if size is not None and size < vocab_size:
+        raise ValueError(
+            f"{name} emits {size} logits but the tokenizer has {vocab_size} tokens; "
+            "the model and tokenizer do not belong together"
+        )
+
+
+def truncate_logits(logits: torch.Tensor, vocab_size: int, name: str = "model") -> torch.Tensor:
+    """``logits[..., :vocab_size]``; see the module docstring for why truncation is allowed."""
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(
+            f"{name} emitted {logits.shape[-1]} logits but the tokenizer has {vocab_size} tokens"
+        )
+    return logits[..., :vocab_size]
+
+
+def model_identity(model: nn.Module) -> dict[str, Any]:
+    """JSON-able identity of a model: class, config name and a checksum of its parameters."""
+    config = getattr(model, "config", None)
+    digest = hashlib.sha1()
+    n_params = 0
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            n_params += p.numel()
+            flat = p.detach().reshape(-1).double()
+            # sum, and a position-weighted sum so that permutations change the checksum.
+            weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+            digest.update(f"{pname}:{flat.sum().item():.10e}:{(flat * weights).sum().item():.10e}".encode())
+    return {
+        "class": type(model).__name__,
+        "name_or_path": getattr(config, "_name_or_path", "") if config is not None else "",
+        "n_parameters": n_params,
+        "parameter_checksum": digest.hexdigest()[:16],
+    }

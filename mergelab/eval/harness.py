@@ -1,0 +1,368 @@
+"""One entry point: :func:`evaluate` any candidate on any benchmark, the same way.
+
+    from mergelab.eval import EvalSettings, evaluate, load_humaneval
+    result = evaluate(candidate, load_humaneval(), EvalSettings(), cache_dir="results/eval_cache")
+    result.summary["metrics"]["pass@1_base"]   # {"mean": ..., "low": ..., "high": ..., "n": ...}
+
+Generations are cached on disk under ``cache_dir/<benchmark>-<key>/generations.jsonl``, where
+the key hashes ``candidate.describe()``, the benchmark's content and every setting that changes
+what is generated (prompt, decoding, number of samples). Each batch is appended and fsynced as
+soon as it is generated, so a crash or Ctrl-C loses at most one batch and a rerun generates only
+what is missing. Scoring (extraction, sandboxed execution) is redone from the cached text on
+every call; results are written as ``items.jsonl`` + ``summary.json``, each atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mergelab.candidate import Candidate, Generation, GenerationSettings
+from mergelab.eval.benchmarks import Benchmark
+from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
+from mergelab.eval.sandbox import Sandbox, SandboxLimits
+from mergelab.eval.scoring_code import build_test_programs, pass_at_k, solution_code
+from mergelab.eval.scoring_math import gsm8k_correct, math_correct
+from mergelab.eval.stats import bootstrap_ci
+from mergelab.outputs import atomic_output_dir, atomic_output_file
+
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything that decides how a candidate is evaluated.
+
+    ``generation``: decoding (greedy, 512 new tokens by default, as in the paper); the
+    benchmark's stop strings are added to ``generation.stop_strings``. ``n_samples``
+    completions per item (sample ``j`` decodes with seed ``generation.seed + j``); ``pass_k``:
+    the k of pass@k for code (each ≤ n_samples). ``gsm8k_extraction``: "flexible" or
+    "strict". ``sandbox``: limits per test program; ``workers``: parallel programs.
+    ``bootstrap_samples``/``confidence``/``seed``: the CIs.
+    """
+
+    generation: GenerationSettings = GenerationSettings(max_new_tokens=512)
+    prompt: PromptConfig = PromptConfig()
+    n_samples: int = 1
+    pass_k: tuple[int, ...] = (1,)
+    gsm8k_extraction: str = "flexible"
+    sandbox: SandboxLimits = SandboxLimits()
+    workers: int | None = None
+    bootstrap_samples: int = 10_000
+    confidence: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples]
+        if bad:
+            raise ValueError(f"pass_k {bad} need 1 <= k <= n_samples ({self.n_samples})")
+        if self.gsm8k_extraction not in ("flexible", "strict"):
+            raise ValueError("gsm8k_extraction must be 'flexible' or 'strict'")
+        if self.n_samples > 1 and not self.generation.do_sample:
+            raise ValueError("n_samples > 1 with greedy decoding gives identical samples; "
+                             "set generation.do_sample=True")  # fmt: skip
+
+    def generation_key(self) -> dict[str, Any]:
+        """The settings that change what is generated (and so key the generation cache)."""
+        return {
+            "generation": self.generation.to_dict(),
+            "prompt": self.prompt.to_dict(),
+            "n_samples": self.n_samples,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.generation_key(),
+            "pass_k": list(self.pass_k),
+            "gsm8k_extraction": self.gsm8k_extraction,
+            "sandbox": self.sandbox.to_job(),
+            "workers": self.workers,
+            "bootstrap_samples": self.bootstrap_samples,
+            "confidence": self.confidence,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class EvalResult:
+    """``summary``: metrics with CIs plus the full config; ``items``: one dict per item with
+    ``item_id``, ``scores`` (per-item value of each metric), ``samples`` (text, extracted answer
+    or test statuses). ``run_dir``: the cache folder; ``output_dir``: where files were written."""
+
+    summary: dict[str, Any]
+    items: list[dict[str, Any]]
+    run_dir: Path
+    output_dir: Path
+    primary_metric: str = field(default="accuracy")
+
+    def score(self, metric: str | None = None) -> float:
+        return self.summary["metrics"][metric or self.primary_metric]["mean"]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text)[:60] or "benchmark"
+
+
+def cache_key(candidate: Candidate, benchmark: Benchmark, settings: EvalSettings) -> str:
+    """sha256 over the candidate's description, the benchmark's content and the settings."""
+    payload = {
+        "format": CACHE_FORMAT,
+        "candidate": candidate.describe(),
+        "benchmark": {"name": benchmark.name, "fingerprint": benchmark.fingerprint()},
+        "settings": settings.generation_key(),
+    }
+    blob = json.dumps(payload, sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _read_cache(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write: that batch is regenerated
+            done[(rec["item_id"], rec["sample"])] = rec
+    return done
+
+
+def _generate_missing(
+    candidate: Candidate,
+    jobs: list[tuple[str, int, str]],
+    settings: EvalSettings,
+    gen_settings: GenerationSettings,
+    cache_file: Path,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache."""
+    batch = max(1, gen_settings.batch_size)
+    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
+    with open(cache_file, "a", encoding="utf-8") as f:
+        for start in range(0, len(jobs), batch):
+            chunk = jobs[start : start + batch]
+            by_sample: dict[int, list[tuple[str, int, str]]] = {}
+            for job in chunk:
+                by_sample.setdefault(job[1], []).append(job)
+            lines = []
+            for sample, group in sorted(by_sample.items()):
+                seed = None if gen_settings.seed is None else gen_settings.seed + sample
+                if gen_settings.do_sample and seed is None:
+                    seed = settings.seed + sample
+                gens = candidate.generate([p for _, _, p in group], replace(gen_settings, seed=seed))
+                if len(gens) != len(group):
+                    raise RuntimeError(
+                        f"candidate {candidate.name!r} returned {len(gens)} generations "
+                        f"for {len(group)} prompts"
+                    )
+                for (item_id, s, prompt), gen in zip(group, gens):
+                    lines.append(_cache_record(item_id, s, prompt, gen))
+            f.write("".join(json.dumps(rec) + "\n" for rec in lines))
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(chunk))
+    bar.close()
+
+
+def _cache_record(item_id: str, sample: int, prompt: str, gen: Generation) -> dict[str, Any]:
+    return {
+        "item_id": item_id,
+        "sample": sample,
+        "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+        "text": gen.text,
+        "finish_reason": gen.finish_reason,
+        "n_tokens": len(gen.token_ids),
+        "seconds": gen.seconds,
+        "forward_passes": gen.forward_passes,
+    }
+
+
+def evaluate(
+    candidate: Candidate,
+    benchmark: Benchmark,
+    settings: EvalSettings | None = None,
+    cache_dir: str | os.PathLike = "results/eval_cache",
+    limit: int | None = None,
+    output_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    progress: bool = True,
+    sandbox: Sandbox | None = None,
+) -> EvalResult:
+    """Evaluate ``candidate`` on (the first ``limit`` items of) ``benchmark``.
+
+    Resumes from ``cache_dir``: items already generated with the same candidate, benchmark and
+    settings are not regenerated. Results go to ``output_dir`` (refused if it exists unless
+    ``force``) or, by default, to ``<run dir>/results`` (replaced on every call). Pass a
+    ``sandbox`` to reuse worker processes across calls.
+    """
+    settings = settings or EvalSettings()
+    key = cache_key(candidate, benchmark, settings)
+    bench = benchmark.head(limit)
+    run_dir = Path(cache_dir) / f"{_slug(benchmark.name)}-{key[:16]}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "candidate": candidate.describe(),
+        "benchmark": benchmark.describe(),
+        "settings": settings.to_dict(),
+        "cache_key": key,
+    }
+    config_file = run_dir / "config.json"
+    if not config_file.exists():
+        with atomic_output_file(config_file) as tmp:
+            tmp.write_text(json.dumps(config, indent=1, sort_keys=True, default=repr))
+
+    tokenizer = getattr(candidate, "tokenizer", None)
+    stops = tuple(settings.generation.stop_strings) + tuple(
+        s for s in stop_strings(bench, settings.prompt, tokenizer)
+        if s not in settings.generation.stop_strings
+    )  # fmt: skip
+    gen_settings = replace(settings.generation, stop_strings=stops)
+    prompts = {it.item_id: build_prompt(it, bench, settings.prompt, tokenizer) for it in bench.items}
+
+    cache_file = run_dir / "generations.jsonl"
+    done = _read_cache(cache_file)
+    jobs = [
+        (it.item_id, s, prompts[it.item_id])
+        for s in range(settings.n_samples)
+        for it in bench.items
+        if (it.item_id, s) not in done
+    ]
+    t0 = time.time()
+    if jobs:
+        desc = f"{candidate.name} · {bench.name}"
+        _generate_missing(candidate, jobs, settings, gen_settings, cache_file, progress, desc)
+        done = _read_cache(cache_file)
+    generation_seconds = time.time() - t0
+
+    samples = {
+        it.item_id: [done[(it.item_id, s)] for s in range(settings.n_samples)] for it in bench.items
+    }
+    if bench.task == "code":
+        items, metrics, primary = _score_code(bench, samples, settings, sandbox, progress)
+    else:
+        items, metrics, primary = _score_math(bench, samples, settings)
+    for it in items:
+        it["prompt"] = prompts[it["item_id"]]
+
+    summary = {
+        **config,
+        "n_items": len(items),
+        "limit": limit,
+        "primary_metric": primary,
+        "metrics": {
+            name: bootstrap_ci(
+                values,
+                n_boot=settings.bootstrap_samples,
+                confidence=settings.confidence,
+                seed=settings.seed,
+            )
+            for name, values in metrics.items()
+        },
+        "generation_seconds_this_call": generation_seconds,
+        "generated_this_call": len(jobs),
+    }
+    out = _write_results(run_dir, output_dir, force, summary, items)
+    return EvalResult(summary, items, run_dir, out, primary)
+
+
+def _score_math(bench: Benchmark, samples, settings: EvalSettings):
+    items, per_item = [], []
+    for it in bench.items:
+        recs = []
+        for rec in samples[it.item_id]:
+            if bench.task == "gsm8k":
+                ok, pred = gsm8k_correct(rec["text"], it.answer, settings.gsm8k_extraction)
+            else:
+                ok, pred = math_correct(rec["text"], it.answer)
+            recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
+                         "extracted": pred, "correct": ok})  # fmt: skip
+        acc = float(np.mean([r["correct"] for r in recs]))
+        per_item.append(acc)
+        items.append({"item_id": it.item_id, "reference": it.answer,
+                      "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
+    return items, {"accuracy": per_item}, "accuracy"
+
+
+def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, progress: bool):
+    programs, index = [], []
+    for it in bench.items:
+        for s, rec in enumerate(samples[it.item_id]):
+            for kind, prog in build_test_programs(it.prompt, rec["text"], it.tests).items():
+                programs.append(prog)
+                index.append((it.item_id, s, kind))
+    own = sandbox is None
+    sandbox = sandbox or Sandbox(workers=settings.workers, limits=settings.sandbox)
+    try:
+        results = sandbox.run_many(programs, limits=settings.sandbox, progress=progress,
+                                   desc=f"testing {bench.name}")  # fmt: skip
+    finally:
+        if own:
+            sandbox.close()
+    outcome = {key: res for key, res in zip(index, results)}
+    has_plus = any(it.tests.has_plus for it in bench.items)
+    items: list[dict[str, Any]] = []
+    metrics: dict[str, list[float]] = {}
+    for it in bench.items:
+        recs = []
+        for s, rec in enumerate(samples[it.item_id]):
+            base = outcome[(it.item_id, s, "base")]
+            entry = {
+                "text": rec["text"],
+                "finish_reason": rec["finish_reason"],
+                "program": solution_code(it.prompt, rec["text"], it.tests),
+                "base": {"status": base.status, "error": base.error[-1000:]},
+                "base_passed": base.passed,
+            }
+            if it.tests.has_plus:
+                plus = outcome[(it.item_id, s, "plus")]
+                entry["plus"] = {"status": plus.status, "error": plus.error[-1000:]}
+                entry["plus_passed"] = base.passed and plus.passed  # EvalPlus: both must pass
+            recs.append(entry)
+        n = len(recs)
+        scores = {}
+        for k in settings.pass_k:
+            scores[f"pass@{k}_base"] = pass_at_k(n, sum(r["base_passed"] for r in recs), k)
+            if has_plus:
+                c_plus = sum(r.get("plus_passed", False) for r in recs)
+                scores[f"pass@{k}_plus"] = pass_at_k(n, c_plus, k)
+        for name, v in scores.items():
+            metrics.setdefault(name, []).append(v)
+        items.append({"item_id": it.item_id, "scores": scores, "samples": recs,
+                      "isolation": results[0].isolation if results else []})  # fmt: skip
+    primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
+        f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
+    )  # fmt: skip
+    return items, metrics, primary
+
+
+def _write_results(run_dir, output_dir, force, summary, items) -> Path:
+    def write(folder: Path) -> None:
+        with atomic_output_file(folder / "items.jsonl") as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for it in items:
+                    f.write(json.dumps(it, default=repr) + "\n")
+        with atomic_output_file(folder / "summary.json") as tmp:
+            tmp.write_text(json.dumps(summary, indent=1, default=repr))
+
+    if output_dir is None:
+        out = run_dir / "results"
+        out.mkdir(exist_ok=True)
+        write(out)
+        return out
+    with atomic_output_dir(output_dir, force=force) as tmp:
+        write(tmp)
+    return Path(output_dir)

@@ -1,0 +1,141 @@
+"""Prompts per benchmark, following the paper's protocols (PAPER.md §1):
+
+* GSM8K: 8-shot chain of thought with the standard exemplars of Wei et al. (2022)
+  (``data/gsm8k_cot_8shot.json``): ``Q: ...\\nA: ... The answer is N.``; stop at the next ``Q:``.
+* MATH: few-shot (2 by default, as in the paper) with Minerva's exemplars
+  (``data/math_4shot.json``), answers in ``\\boxed{}``; stop at the next ``Problem:``.
+* Code: completion of the benchmark's prompt (HumanEval: the function stub; MBPP(+): the task
+  text with its tests), cut at the usual stop sequences (a new top-level ``def``/``class``/
+  ``if``/``print``, a comment line, a closing code fence).
+
+With ``chat_template="auto"`` a tokenizer that has a chat template gets the prompt as one user
+message (plus an optional system message) and the assistant turn opened; code prompts then ask
+for a fenced code block and no code stop sequences apply (the fence is extracted instead).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from mergelab.eval.benchmarks import Benchmark, Item
+
+HUMANEVAL_STOPS = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\n```")
+MBPP_STOPS = ("\nclass ", "\nif __name__", "\nprint(", "\nassert ", '\n"""', "\n```")
+GSM8K_STOPS = ("Q:", "</s>", "<|im_end|>", "\n\n\n")
+MATH_STOPS = ("Problem:", "</s>", "<|im_end|>", "\n\n\n")
+DEFAULT_SHOTS = {"gsm8k": 8, "math": 2, "code": 0}
+CODE_CHAT_INSTRUCTION = (
+    "Complete the following Python code. Reply with the complete function in one "
+    "```python code block.\n\n```python\n{prompt}```"
+)
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How prompts are built. ``n_shots=None`` means the protocol's default (GSM8K 8, MATH 2,
+    code 0). ``exemplars`` replaces the standard few-shot examples (dicts with ``question`` and
+    ``answer`` for GSM8K-style tasks, ``problem`` and ``solution`` for MATH-style ones).
+    ``chat_template``: ``"never"`` (plain text, the paper's protocol for base models),
+    ``"auto"`` (use the tokenizer's template when it has one) or ``"always"`` (error without
+    one). ``stop_strings=None`` means the defaults for the benchmark and style."""
+
+    n_shots: int | None = None
+    chat_template: str = "never"
+    system_prompt: str | None = None
+    exemplars: tuple[dict[str, str], ...] | None = None
+    stop_strings: tuple[str, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.chat_template not in ("never", "auto", "always"):
+            raise ValueError(
+                f"chat_template must be 'never', 'auto' or 'always', got {self.chat_template!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_shots": self.n_shots,
+            "chat_template": self.chat_template,
+            "system_prompt": self.system_prompt,
+            "exemplars": [dict(e) for e in self.exemplars] if self.exemplars else None,
+            "stop_strings": list(self.stop_strings) if self.stop_strings is not None else None,
+            "extra": self.extra,
+        }
+
+
+@lru_cache(maxsize=None)
+def load_exemplars(name: str) -> tuple[dict[str, str], ...]:
+    """Exemplars shipped in ``mergelab/eval/data``: ``"gsm8k_cot_8shot"`` or ``"math_4shot"``."""
+    text = resources.files("mergelab.eval").joinpath("data", f"{name}.json").read_text("utf-8")
+    return tuple(json.loads(text)["exemplars"])
+
+
+def _shots(task: str, config: PromptConfig) -> list[dict[str, str]]:
+    n = DEFAULT_SHOTS[task] if config.n_shots is None else config.n_shots
+    pool = config.exemplars
+    if pool is None:
+        pool = load_exemplars("gsm8k_cot_8shot" if task == "gsm8k" else "math_4shot")
+    if n > len(pool):
+        raise ValueError(f"{n}-shot prompt requested but only {len(pool)} exemplars available")
+    return list(pool[:n])
+
+
+def gsm8k_prompt(question: str, config: PromptConfig = PromptConfig()) -> str:
+    shots = "".join(f"Q: {e['question']}\nA: {e['answer']}\n\n" for e in _shots("gsm8k", config))
+    return f"{shots}Q: {question}\nA:"
+
+
+def math_prompt(problem: str, config: PromptConfig = PromptConfig()) -> str:
+    shots = "".join(
+        f"Problem:\n{e['problem']}\n\nSolution:\n{e['solution']}\n\n"
+        for e in _shots("math", config)
+    )
+    return f"{shots}Problem:\n{problem}\n\nSolution:\n"
+
+
+def uses_chat_template(config: PromptConfig, tokenizer: Any) -> bool:
+    has = getattr(tokenizer, "chat_template", None) is not None
+    if config.chat_template == "always" and not has:
+        raise ValueError("chat_template='always' but the tokenizer has no chat template")
+    return config.chat_template != "never" and has
+
+
+def build_prompt(
+    item: Item, benchmark: Benchmark, config: PromptConfig = PromptConfig(), tokenizer: Any = None
+) -> str:
+    """The text given to the candidate for ``item``."""
+    chat = uses_chat_template(config, tokenizer)
+    if benchmark.task == "gsm8k":
+        text = gsm8k_prompt(item.prompt, config)
+    elif benchmark.task == "math":
+        text = math_prompt(item.prompt, config)
+    else:
+        text = CODE_CHAT_INSTRUCTION.format(prompt=item.prompt) if chat else item.prompt
+    if not chat:
+        return text
+    messages = []
+    if config.system_prompt:
+        messages.append({"role": "system", "content": config.system_prompt})
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def stop_strings(
+    benchmark: Benchmark, config: PromptConfig = PromptConfig(), tokenizer: Any = None
+) -> tuple[str, ...]:
+    """Stop sequences for ``benchmark`` under ``config``."""
+    if config.stop_strings is not None:
+        return tuple(config.stop_strings)
+    chat = uses_chat_template(config, tokenizer)
+    if benchmark.task == "gsm8k":
+        return GSM8K_STOPS
+    if benchmark.task == "math":
+        return MATH_STOPS
+    if chat:
+        return ()
+    prompt_is_code = all(it.tests.prompt_is_code for it in benchmark.items if it.tests)
+    return HUMANEVAL_STOPS if prompt_is_code else MBPP_STOPS

@@ -1,0 +1,730 @@
+"""Merging Hugging Face checkpoint folders, streamed tensor by tensor.
+
+    merge_checkpoints("ties", "base/", ["math/", "code/"], output="merged/",
+                      params={"density": 0.2, "lambda": 1.0})
+
+Inputs are model folders as ``save_pretrained`` writes them: ``config.json`` plus
+``model.safetensors`` or sharded ``model-0000k-of-0000n.safetensors`` with
+``model.safetensors.index.json``. The output is such a folder too (always sharded, with an index),
+with ``config.json``, ``generation_config.json`` and the tokenizer files copied from the base, so
+``AutoModelForCausalLM.from_pretrained(output)`` loads it.
+
+How memory stays bounded by a few tensors, not by the model:
+
+* every input tensor is read on its own, with a positioned read of exactly its bytes (the offsets
+  come from the shard's safetensors header), so no shard is ever loaded or memory-mapped whole;
+  mapped pages would count toward the process's resident memory until the file is closed;
+* each output shard's header is known before any tensor is merged (names, shapes and dtypes are
+  fixed by the inputs), so shards are written front to back, one merged tensor at a time;
+* methods with a whole-model first pass (e.g. TIES with one global top-k threshold) get a
+  ``make_iter()`` that streams the inputs again, as often as they need.
+
+Everything is validated before anything is written: the same architecture, tensor names, shapes
+and dtypes in every model, every shard present and readable (a truncated shard is named). NaN/Inf
+are checked per tensor while streaming; the merge writes into a temporary folder that is moved
+into place only when complete, so an error or an interrupt leaves no folder that looks finished.
+
+Embedding rows that differ only by vocabulary padding (``vocab_padding``):
+
+* ``"error"`` (default) — refuse, naming the tensor and the row counts;
+* ``"truncate"`` — merge the rows all models share (the first ``min(rows)``); rows beyond that are
+  taken from the base unchanged (an expert's extra rows are dropped), so the output keeps the
+  base's shape and vocabulary size. A tensor qualifies only if its shapes differ in dimension 0
+  alone and that dimension equals each model's ``config.vocab_size``.
+
+Tied embeddings: a model with ``tie_word_embeddings`` that stores no ``lm_head.weight`` is read as
+if its ``lm_head.weight`` were its input embedding; the output stores what the base stores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from mergelab.outputs import atomic_output_dir, check_output_path
+
+from .registry import MergeMethod, TensorContext, get_merge_method
+from .validation import MergeInputError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MERGE_RECORD_NAME = "mergelab_merge.json"
+DEFAULT_SHARD_SIZE = 5 * 2**30  # bytes; transformers' default max_shard_size is "5GB" too
+
+# Files copied from the base folder into the output (besides the weights we write ourselves).
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+# (output head, input embedding) pairs that tie_word_embeddings makes one tensor.
+TIED_PAIRS = (
+    ("lm_head.weight", "model.embed_tokens.weight"),
+    ("lm_head.weight", "transformer.wte.weight"),
+)
+
+VOCAB_PADDING_RULES = ("error", "truncate")
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000`` (bytes) -> bytes. Decimal units as transformers."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    if text.endswith("B"):
+        text = text[:-1]
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(
+            f"cannot read size {size!r}; use e.g. 5GB, 500MB or a byte count"
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading: one tensor at a time.
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: ``file`` bytes ``[offset, offset + nbytes)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: Path
+    offset: int
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the byte offset where its data starts."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise MergeInputError(f"{path}: not a safetensors file (shorter than its header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise MergeInputError(f"{path}: not a safetensors file (header size {n} bytes)")
+        header = f.read(n)
+    try:
+        return json.loads(header), 8 + n
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MergeInputError(f"{path}: not a safetensors file (unreadable header)") from None
+
+
+class CheckpointFolder:
+    """A Hugging Face model folder, read lazily: ``config``, ``tensors`` (name -> TensorInfo)."""
+
+    def __init__(self, path: str | os.PathLike, label: str = "model"):
+        self.path = Path(path)
+        self.label = label
+        if not self.path.is_dir():
+            raise MergeInputError(f"{label} {self.path} is not a folder")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise MergeInputError(f"{label} {self.path} has no config.json")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise MergeInputError(f"{config_path}: not valid JSON ({exc})") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        self._files: dict[Path, Any] = {}
+        for shard, names in self._shards().items():
+            self._read_shard_header(shard, names)
+
+    # The weight files and, for an index, which names each must hold.
+    def _shards(self) -> dict[Path, list[str] | None]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise MergeInputError(f"{index}: unreadable index ({exc})") from None
+            shards: dict[Path, list[str]] = {}
+            for name, file in weight_map.items():
+                shards.setdefault(self.path / file, []).append(name)
+            for shard in shards:
+                if not shard.is_file():
+                    raise MergeInputError(
+                        f"{self.label} {self.path}: shard {shard.name} listed in {INDEX_NAME} "
+                        "is missing"
+                    )
+            return dict(shards)
+        single = self.path / SINGLE_NAME
+        if single.is_file():
+            return {single: None}
+        if any(self.path.glob("*.bin")) or any(self.path.glob("*.pt")):
+            raise MergeInputError(
+                f"{self.label} {self.path} holds PyTorch pickles, not safetensors; "
+                "re-save it with save_pretrained(..., safe_serialization=True)"
+            )
+        raise MergeInputError(f"{self.label} {self.path} has no {SINGLE_NAME} or {INDEX_NAME}")
+
+    def _read_shard_header(self, shard: Path, expected: list[str] | None) -> None:
+        header, data_start = read_safetensors_header(shard)
+        # The library's own check too: it refuses a file its header does not fully describe.
+        try:
+            with safe_open(shard, framework="pt"):
+                pass
+        except Exception as exc:  # SafetensorError is not importable under a stable name
+            raise MergeInputError(
+                f"{self.label} {self.path}: shard {shard.name} is unreadable or truncated ({exc})"
+            ) from None
+        header.pop("__metadata__", None)
+        size = shard.stat().st_size
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            if data_start + end > size:
+                raise MergeInputError(f"{self.label}: shard {shard.name} is truncated at {name!r}")
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise MergeInputError(
+                    f"{shard}: tensor {name!r} has unsupported dtype {entry['dtype']}"
+                )
+            self.tensors[name] = TensorInfo(
+                name, tuple(entry["shape"]), dtype, shard, data_start + begin, end - begin
+            )
+        missing = sorted(set(expected or ()) - set(header))
+        if missing:
+            raise MergeInputError(
+                f"{self.label} {self.path}: {INDEX_NAME} puts {missing[:3]} in {shard.name}, "
+                "which does not hold them"
+            )
+
+    @property
+    def ties_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def resolve_name(self, name: str) -> str:
+        """The stored tensor that plays ``name``: itself, or the embedding for a tied head."""
+        if name in self.tensors:
+            return name
+        if self.ties_embeddings:
+            for head, embedding in TIED_PAIRS:
+                if name == head and embedding in self.tensors:
+                    return embedding
+        raise KeyError(name)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[self.resolve_name(name)]
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard with a positioned read of exactly its bytes."""
+        info = self.info(name)
+        f = self._files.get(info.file)
+        if f is None:
+            f = self._files[info.file] = open(info.file, "rb", buffering=0)
+        buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+        f.seek(info.offset)
+        got = f.readinto(buffer.numpy()) if info.nbytes else 0
+        if got != info.nbytes:
+            raise MergeInputError(
+                f"{self.label}: shard {info.file.name} ended inside tensor {info.name!r}"
+            )
+        return buffer.view(info.dtype).reshape(info.shape)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> CheckpointFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing: shards whose headers are fixed before the first tensor is merged.
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(tensors: Sequence[OutputTensor], shard_size: int) -> list[list[OutputTensor]]:
+    """Greedy split, in order, into shards of at most ``shard_size`` bytes (a bigger tensor gets
+    a shard of its own), as transformers' ``max_shard_size`` does."""
+    shards: list[list[OutputTensor]] = [[]]
+    used = 0
+    for t in tensors:
+        if shards[-1] and used + t.nbytes > shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += t.nbytes
+    return shards if shards[0] else []
+
+
+def shard_file_names(n: int) -> list[str]:
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+class ShardWriter:
+    """Writes one safetensors file front to back: header first, then each tensor as produced."""
+
+    def __init__(self, path: Path, tensors: Sequence[OutputTensor], metadata: dict[str, str]):
+        self.path = path
+        self.expected = list(tensors)
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for t in self.expected:
+            header[t.name] = {
+                "dtype": DTYPE_CODES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.expected[self._next]
+        if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise RuntimeError(
+                f"shard writer expected {spec.name} {spec.shape} {spec.dtype}, got "
+                f"{name} {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(data.numpy().data)
+        self._next += 1
+
+    def abort(self) -> None:
+        self._file.close()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._next != len(self.expected):
+            raise RuntimeError(
+                f"{self.path.name}: {len(self.expected) - self._next} tensors unwritten"
+            )
+
+
+def write_sharded(
+    folder: Path,
+    tensors: Sequence[OutputTensor],
+    produce: Callable[[OutputTensor], torch.Tensor],
+    *,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    progress: bool = True,
+    description: str = "merging",
+) -> dict[str, Any]:
+    """Write ``produce(t)`` for every ``t`` in order into shards plus ``model.safetensors.index.json``.
+
+    Only one produced tensor is held at a time. Returns the index dict.
+    """
+    shards = plan_shards(tensors, shard_size)
+    names = shard_file_names(len(shards))
+    weight_map: dict[str, str] = {}
+    total = sum(t.nbytes for t in tensors)
+    bar = tqdm(total=len(tensors), desc=description, unit="tensor", disable=not progress)
+    try:
+        for shard, file_name in zip(shards, names):
+            writer = ShardWriter(folder / file_name, shard, {"format": "pt"})
+            try:
+                for t in shard:
+                    writer.write(t.name, produce(t))
+                    weight_map[t.name] = file_name
+                    bar.update(1)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    finally:
+        bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def copy_model_files(source: Path, destination: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (those that exist)."""
+    copied = []
+    for name in COPIED_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)
+            copied.append(name)
+    return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# The merge plan: everything validated, nothing written.
+
+
+@dataclass
+class CheckpointMergePlan:
+    """What a merge will do; built by :func:`plan_checkpoint_merge` (which validates the inputs)."""
+
+    method: MergeMethod
+    params: dict[str, Any]
+    per_model: dict[str, list[float]]
+    template: CheckpointFolder  # the base, or the first model when no base is given
+    base: CheckpointFolder | None
+    experts: list[CheckpointFolder]
+    tensors: list[OutputTensor]
+    compute_dtype: torch.dtype
+    seed: int
+    vocab_padding: str
+    # name -> number of rows merged, for embedding-like tensors truncated to the common vocabulary
+    truncated_rows: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able record of the merge (written into the output as ``mergelab_merge.json``)."""
+        return {
+            "method": self.method.name,
+            "params": self.params,
+            "per_model_params": self.per_model,
+            "base": str(self.base.path) if self.base is not None else None,
+            "models": [str(e.path) for e in self.experts],
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "seed": self.seed,
+            "vocab_padding": self.vocab_padding,
+            "truncated_rows": self.truncated_rows,
+            "n_tensors": len(self.tensors),
+            "output_bytes": self.output_bytes,
+        }
+
+    def close(self) -> None:
+        for folder in {id(f): f for f in [self.template, *self.experts]}.values():
+            folder.close()
+
+    # -- reading inputs for one output tensor --------------------------------------------------
+
+    def inputs(
+        self, name: str, check_finite: bool = True
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """(base tensor, expert tensors) for ``name`` as stored (checkpoint dtype), rows cut to
+        the common vocabulary where the vocab-padding rule applies."""
+        rows = self.truncated_rows.get(name)
+        base = self.base.read(name) if self.base is not None else None
+        experts = [e.read(name) for e in self.experts]
+        if rows is not None:
+            base = base[:rows] if base is not None else None
+            experts = [e[:rows] for e in experts]
+        if check_finite:
+            labelled = [(self.base, base)] if base is not None else []
+            for folder, t in [*labelled, *zip(self.experts, experts)]:
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise MergeInputError(
+                        f"tensor {name!r} in {folder.label} ({folder.path}) contains NaN or Inf"
+                    )
+        return base, experts
+
+    def iter_inputs(self) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
+        """Every floating tensor as (name, base, experts) in the compute dtype — one pass."""
+        for t in self.tensors:
+            if not t.dtype.is_floating_point:
+                continue
+            base, experts = self.inputs(t.name, check_finite=False)
+            cast = self.compute_dtype
+            yield (
+                t.name,
+                (base.to(cast) if base is not None else None),
+                [e.to(cast) for e in experts],
+            )
+
+    def merge_tensor(self, t: OutputTensor) -> torch.Tensor:
+        """The merged tensor ``t``, in its output dtype."""
+        base, experts = self.inputs(t.name)
+        reference = base if base is not None else experts[0]
+        if not reference.is_floating_point():  # integer buffers: the base's, unchanged
+            return self.template.read(t.name).to(t.dtype)
+        cast = self.compute_dtype
+        ctx = TensorContext(name=t.name, seed=self.seed, stats=self.stats)
+        merged = self.method.fn(
+            base.to(cast) if base is not None else None,
+            [e.to(cast) for e in experts],
+            ctx=ctx,
+            **self.params,
+            **self.per_model,
+        )
+        if not torch.isfinite(merged).all():
+            raise MergeInputError(
+                f"merge method {self.method.name!r} produced NaN or Inf in tensor {t.name!r}"
+            )
+        merged = merged.to(t.dtype)
+        rows = self.truncated_rows.get(t.name)
+        if rows is not None and t.shape[0] > rows:  # the template's extra vocabulary rows
+            merged = torch.cat([merged, self.template.read(t.name)[rows:].to(t.dtype)])
+        return merged
+
+
+def _check_architectures(template: CheckpointFolder, others: list[CheckpointFolder]) -> None:
+    keys = ("architectures", "model_type", "tie_word_embeddings")
+    for other in others:
+        for key in keys:
+            a, b = template.config.get(key), other.config.get(key)
+            if a != b:
+                raise MergeInputError(
+                    f"{other.label} {other.path} has {key}={b!r} but {template.label} "
+                    f"{template.path} has {key}={a!r}; they cannot be merged"
+                )
+
+
+def _vocab_rows(folder: CheckpointFolder) -> int | None:
+    vocab = folder.config.get("vocab_size")
+    if vocab is None and isinstance(folder.config.get("text_config"), dict):
+        vocab = folder.config["text_config"].get("vocab_size")
+    return vocab
+
+
+def plan_checkpoint_merge(
+    method: str | MergeMethod,
+    base: str | os.PathLike | None,
+    models: Sequence[str | os.PathLike],
+    *,
+    params: dict[str, Any] | None = None,
+    per_model_params: dict[str, Any] | None = None,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    vocab_padding: str = "error",
+) -> CheckpointMergePlan:
+    """Open and validate every input; return the plan. Reads headers only, writes nothing.
+
+    Raises :class:`MergeInputError` naming the model, file or tensor at the first problem.
+    """
+    m = get_merge_method(method) if isinstance(method, str) else method
+    if not models:
+        raise MergeInputError("merge needs at least one model besides the base")
+    if m.needs_base and base is None:
+        raise MergeInputError(f"merge method {m.name!r} needs a base model (--base)")
+    if vocab_padding not in VOCAB_PADDING_RULES:
+        raise ValueError(
+            f"vocab_padding must be one of {VOCAB_PADDING_RULES}, not {vocab_padding!r}"
+        )
+    per_model_params = dict(per_model_params or {})
+    if weights is not None:
+        per_model_params["weight"] = list(weights)
+    resolved, lists = m.resolve(len(models), params, per_model_params)
+
+    base_folder = CheckpointFolder(base, "base") if base is not None else None
+    experts = [CheckpointFolder(p, f"model {i}") for i, p in enumerate(models)]
+    template = base_folder if base_folder is not None else experts[0]
+    others = [f for f in [base_folder, *experts] if f is not None and f is not template]
+    _check_architectures(template, others)
+
+    # Tensor names: what the template stores (a tied head it omits is omitted in the output).
+    names = list(template.tensors)
+    for other in others:
+        stored = set(other.tensors)
+        if other.ties_embeddings:  # a tied head stored anyway is the embedding again
+            stored -= {head for head, _ in TIED_PAIRS if head not in template.tensors}
+        missing = [n for n in names if n not in other.tensors and _resolves(other, n) is None]
+        extra = sorted(stored - set(names))
+        if missing or extra:
+            raise MergeInputError(
+                f"{other.label} {other.path} does not match {template.label} {template.path}: "
+                f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"extra tensors {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+
+    truncated: dict[str, int] = {}
+    for name in names:
+        ref = template.tensors[name]
+        for other in others:
+            info = other.info(name)
+            if info.dtype != ref.dtype:
+                raise MergeInputError(
+                    f"tensor {name!r} is {info.dtype} in {other.label} ({other.path}) but "
+                    f"{ref.dtype} in {template.label}; convert the models to one dtype first"
+                )
+            if info.shape == ref.shape:
+                continue
+            padded = (
+                len(info.shape) == len(ref.shape)
+                and info.shape[1:] == ref.shape[1:]
+                and info.shape[0] == _vocab_rows(other)
+                and ref.shape[0] == _vocab_rows(template)
+            )
+            if not padded:
+                raise MergeInputError(
+                    f"tensor {name!r}: shape {info.shape} in {other.label} ({other.path}) but "
+                    f"{ref.shape} in {template.label} ({template.path})"
+                )
+            if vocab_padding == "error":
+                raise MergeInputError(
+                    f"tensor {name!r} has {info.shape[0]} vocabulary rows in {other.label} but "
+                    f"{ref.shape[0]} in {template.label} (vocabulary padding); pass "
+                    "vocab_padding='truncate' (--vocab-padding truncate) to merge the common rows "
+                    f"and keep the {template.label}'s extra rows"
+                )
+            truncated[name] = min(truncated.get(name, ref.shape[0]), info.shape[0])
+
+    # Output in the template's storage order: sequential reads of each input shard.
+    order = sorted(names, key=lambda n: (str(template.tensors[n].file), template.tensors[n].offset))
+    tensors = []
+    for name in order:
+        ref = template.tensors[name]
+        keep = out_dtype if (out_dtype is not None and ref.dtype.is_floating_point) else ref.dtype
+        tensors.append(OutputTensor(name, ref.shape, keep))
+    return CheckpointMergePlan(
+        method=m,
+        params=resolved,
+        per_model=lists,
+        template=template,
+        base=base_folder,
+        experts=experts,
+        tensors=tensors,
+        compute_dtype=dtype,
+        seed=seed,
+        vocab_padding=vocab_padding,
+        truncated_rows=truncated,
+    )
+
+
+def _resolves(folder: CheckpointFolder, name: str) -> str | None:
+    try:
+        return folder.resolve_name(name)
+    except KeyError:
+        return None
+
+
+def run_checkpoint_merge(
+    plan: CheckpointMergePlan,
+    output: str | os.PathLike,
+    *,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Execute a plan: stream, merge and write into ``output`` (atomically)."""
+    inputs = [plan.template.path, *(e.path for e in plan.experts)]
+    if plan.base is not None:
+        inputs.append(plan.base.path)
+    shard_bytes = parse_size(shard_size)
+    m = plan.method
+    with atomic_output_dir(output, force=force, inputs=inputs) as tmp:
+        # Whole-model statistics first (e.g. a global top-k threshold); may stream many passes.
+        plan.stats = m.compute_stats({**plan.params, **plan.per_model}, plan.iter_inputs)
+        write_sharded(
+            tmp,
+            plan.tensors,
+            plan.merge_tensor,
+            shard_size=shard_bytes,
+            progress=progress,
+            description=f"merging ({m.name})",
+        )
+        copy_model_files(plan.template.path, tmp)
+        _set_config_dtype(tmp, plan.tensors)
+        (tmp / MERGE_RECORD_NAME).write_text(json.dumps(plan.describe(), indent=2) + "\n")
+    return Path(output)
+
+
+def _set_config_dtype(folder: Path, tensors: Sequence[OutputTensor]) -> None:
+    """Record the stored floating dtype in config.json (transformers reads ``dtype``)."""
+    config_path = folder / "config.json"
+    floating = {t.dtype for t in tensors if t.dtype.is_floating_point}
+    if not config_path.is_file() or len(floating) != 1:
+        return
+    config = json.loads(config_path.read_text())
+    name = str(floating.pop()).removeprefix("torch.")
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+    if config.get(key) != name:
+        config[key] = name
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def merge_checkpoints(
+    method: str | MergeMethod,
+    base: str | os.PathLike | None,
+    models: Sequence[str | os.PathLike],
+    *,
+    output: str | os.PathLike,
+    params: dict[str, Any] | None = None,
+    per_model_params: dict[str, Any] | None = None,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    vocab_padding: str = "error",
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Merge checkpoint folders with a registered method, streamed; returns the output folder.
+
+    ``dtype`` is the compute dtype (float32 default); each tensor is stored in its checkpoint
+    dtype unless ``out_dtype`` is given. ``shard_size`` bounds each output shard (bytes or
+    "2GB"). ``base`` may be ``None`` for methods that do not need one (``linear``); the first
+    model's folder then provides config and tokenizer. See the module docstring for
+    ``vocab_padding`` and tied embeddings.
+    """
+    check_output_path(output, force=force, inputs=[p for p in [base, *models] if p is not None])
+    plan = plan_checkpoint_merge(
+        method,
+        base,
+        models,
+        params=params,
+        per_model_params=per_model_params,
+        weights=weights,
+        dtype=dtype,
+        out_dtype=out_dtype,
+        seed=seed,
+        vocab_padding=vocab_padding,
+    )
+    try:
+        return run_checkpoint_merge(
+            plan, output, shard_size=shard_size, force=force, progress=progress
+        )
+    finally:
+        plan.close()

@@ -1,0 +1,7 @@
+"""Synthetic tasks, a pretraining corpus and a char-level tokenizer for the mini-scale LLM study."""
+
+from .corpus import pretraining_corpus
+from .tasks import GENERATORS, make_splits
+from .tokenizer import char_tokenizer
+
+__all__ = ["GENERATORS", "char_tokenizer", "make_splits", "pretraining_corpus"]

@@ -1,0 +1,164 @@
+"""Synthetic tasks that mirror the paper's LLM benchmarks at a size a CPU can train on.
+
+Four skills, each an item generator with a checkable answer:
+
+* ``math``  — arithmetic word problems with a worked solution ending in ``#### n`` (GSM8K style).
+* ``code``  — write a Python function body from its docstring; checked by executing tests
+  (HumanEval style).
+* ``mixed`` — a function whose docstring *is* a word problem: the body must turn the story into
+  arithmetic (the math skill) written as Python (the code skill). Neither expert is trained on it.
+* ``reverse`` — spell a word backwards; the third, unrelated skill for the 3-expert experiment.
+
+Every item is a plain dict (JSON-able): ``id``, ``task``, ``prompt``, ``target`` (the reference
+completion, what fine-tuning learns), and the scoring fields ``answer`` (math, reverse) or
+``tests`` + ``entry_point`` (code, mixed). Generation is seeded and splits never share a prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+NAMES = ["Ann", "Ben", "Cat", "Dan", "Eve", "Fay", "Gus", "Hal", "Ivy", "Joe", "Kim", "Lea"]
+OBJECTS = ["apples", "pens", "cards", "books", "coins", "eggs", "hats", "cups", "toys", "nuts"]
+WORDS = [
+    "apple", "river", "stone", "cloud", "green", "table", "light", "bread", "plant", "music",
+    "house", "water", "sugar", "chair", "paper", "clock", "horse", "smile", "night", "glass",
+    "train", "beach", "candy", "dream", "earth", "field", "grape", "heart", "lemon", "mouse",
+    "ocean", "piano", "queen", "robot", "snake", "tiger", "uncle", "voice", "whale", "zebra",
+]  # fmt: skip
+
+# One step of a story: (sentence template, python operator). The math skill is reading the verb.
+STEPS = [
+    ("buys {k} more", "+"),
+    ("finds {k} more", "+"),
+    ("gets {k} more", "+"),
+    ("gives away {k}", "-"),
+    ("loses {k}", "-"),
+    ("sells {k}", "-"),
+]
+
+
+def _story(rng: random.Random, n_steps: int) -> tuple[str, str, list[tuple[str, int]], int]:
+    """A word problem: (name, object, [(op, k), ...], start). Totals stay in 0..99."""
+    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    start = rng.randint(2, 20)
+    total, ops = start, []
+    for _ in range(n_steps):
+        sentence, op = rng.choice(STEPS)
+        k = rng.randint(1, 9)
+        if op == "-" and k > total:
+            op, sentence = "+", "buys {k} more"
+        total = total + k if op == "+" else total - k
+        ops.append((sentence.format(k=k), op, k))
+    return name, obj, ops, start
+
+
+def _story_text(name: str, obj: str, ops, start: int) -> str:
+    parts = [f"{name} has {start} {obj}."] + [f"Then {name} {s}." for s, _, _ in ops]
+    return " ".join(parts) + f" How many {obj} now?"
+
+
+def math_item(rng: random.Random) -> dict:
+    name, obj, ops, start = _story(rng, rng.choice([1, 2]))
+    lines, total = [], start
+    for _, op, k in ops:
+        new = total + k if op == "+" else total - k
+        lines.append(f"{total} {op} {k} = {new}")
+        total = new
+    prompt = f"Question: {_story_text(name, obj, ops, start)}\nAnswer:"
+    target = " " + "\n".join(lines) + f"\n#### {total}"
+    return {"task": "math", "prompt": prompt, "target": target, "answer": str(total)}
+
+
+# Docstring → body templates: (docstring, expression in x, python function computing it).
+CODE_TEMPLATES: list[tuple[str, str, Callable[[int, int], object]]] = [
+    ("Return x plus {k}.", "x + {k}", lambda x, k: x + k),
+    ("Return x minus {k}.", "x - {k}", lambda x, k: x - k),
+    ("Return x times {k}.", "x * {k}", lambda x, k: x * k),
+    ("Return the larger of x and {k}.", "max(x, {k})", lambda x, k: max(x, k)),
+    ("Return the smaller of x and {k}.", "min(x, {k})", lambda x, k: min(x, k)),
+    ("Return True if x is greater than {k}.", "x > {k}", lambda x, k: x > k),
+    ("Return x squared plus {k}.", "x * x + {k}", lambda x, k: x * x + k),
+    ("Return the remainder of x divided by {k}.", "x % {k}", lambda x, k: x % k),
+]
+FUNCTION_NAMES = ["f", "g", "h", "calc", "value", "step", "apply", "rule", "compute", "func"]
+
+
+def code_item(rng: random.Random) -> dict:
+    doc, expr, fn = rng.choice(CODE_TEMPLATES)
+    k = rng.randint(1, 9)
+    name = rng.choice(FUNCTION_NAMES)
+    prompt = f'def {name}(x):\n    """{doc.format(k=k)}"""\n'
+    target = f"    return {expr.format(k=k)}\n"
+    xs = rng.sample(range(-5, 20), 3)
+    tests = [f"assert {name}({x}) == {fn(x, k)!r}" for x in xs]
+    return {"task": "code", "prompt": prompt, "target": target, "tests": tests, "entry_point": name}
+
+
+def mixed_item(rng: random.Random) -> dict:
+    """A word problem as a docstring; the body is the story's arithmetic as one expression."""
+    name, obj, ops, start = _story(rng, rng.choice([1, 2]))
+    expr, total = str(start), start
+    for _, op, k in ops:
+        expr += f" {op} {k}"
+        total = total + k if op == "+" else total - k
+    fn_name = rng.choice(FUNCTION_NAMES)
+    prompt = f'def {fn_name}():\n    """{_story_text(name, obj, ops, start)}"""\n'
+    target = f"    return {expr}\n"
+    return {
+        "task": "mixed",
+        "prompt": prompt,
+        "target": target,
+        "tests": [f"assert {fn_name}() == {total}"],
+        "entry_point": fn_name,
+        "answer": str(total),
+    }
+
+
+def reverse_item(rng: random.Random) -> dict:
+    word = rng.choice(WORDS)
+    if rng.random() < 0.5:  # two words make the space of prompts large enough for held-out splits
+        word = word + " " + rng.choice(WORDS)
+    prompt = f"Reverse: {word}\nOutput:"
+    return {"task": "reverse", "prompt": prompt, "target": " " + word[::-1], "answer": word[::-1]}
+
+
+GENERATORS: dict[str, Callable[[random.Random], dict]] = {
+    "math": math_item,
+    "code": code_item,
+    "mixed": mixed_item,
+    "reverse": reverse_item,
+}
+
+
+def make_splits(
+    task: str, sizes: dict[str, int], *, seed: int = 0, exclude: set[str] | None = None
+) -> dict[str, list[dict]]:
+    """Disjoint splits of one task, e.g. ``{"train": 2000, "validation": 50, "test": 100}``.
+
+    Held-out splits (every split but "train") are drawn first, then train avoids their prompts,
+    so a test prompt never appears in training. ``exclude`` adds prompts no split may contain.
+    """
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {sorted(GENERATORS)}")
+    rng = random.Random(f"{task}-{seed}")
+    held_out: set[str] = set(exclude or ())
+    order = sorted(sizes, key=lambda s: s == "train")  # held-out splits first
+    out: dict[str, list[dict]] = {}
+    for split in order:
+        items: list[dict] = []
+        for _ in range(50 * sizes[split] + 1000):
+            if len(items) == sizes[split]:
+                break
+            item = GENERATORS[task](rng)
+            if item["prompt"] in held_out:
+                continue
+            if split != "train":  # train may repeat its own prompts, never a held-out one
+                held_out.add(item["prompt"])
+            item["id"] = f"{task}/{split}/{len(items)}"
+            items.append(item)
+        if len(items) < sizes[split]:
+            raise ValueError(f"could only draw {len(items)} distinct {task!r} prompts for {split!r}")
+        out[split] = items
+    return out

@@ -1,0 +1,139 @@
+"""Training loops for the mini-scale study, nanoGPT-sized: pretrain a small LM, fine-tune experts.
+
+* :func:`mini_llama_config` — a ~1M-parameter ``LlamaForCausalLM`` config for a given tokenizer.
+* :func:`pretrain` — next-token loss on a packed stream of documents separated by EOS.
+* :func:`finetune` — supervised fine-tuning on (prompt, target) items, loss on the target and the
+  final EOS only; full fine-tuning, or LoRA when ``lora`` is given (returns a PEFT model).
+
+All loops are seeded, CPU-friendly (AdamW, linear warmup then cosine decay) and show progress.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def mini_llama_config(tokenizer: Any, *, hidden_size: int = 128, num_layers: int = 4,
+                      num_heads: int = 4, intermediate_size: int = 384,
+                      max_positions: int = 256) -> LlamaConfig:  # fmt: skip
+    """A small Llama config sized for CPU training; vocabulary and special ids from ``tokenizer``."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _train_loop(model, batches, *, steps: int, lr: float, desc: str, params=None) -> list[float]:
+    params = [p for p in (params or model.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc=desc, leave=False, mininterval=2.0)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps, lr, warmup=max(1, steps // 20))
+        input_ids, attention_mask, labels = next(batches)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(loss))
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+def pretrain(model, tokenizer, documents: Sequence[str], *, steps: int, batch_size: int = 32,
+             seq_len: int = 128, lr: float = 3e-3, seed: int = 0) -> list[float]:  # fmt: skip
+    """Train ``model`` in place on random windows of the EOS-separated documents; returns losses."""
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    stream = torch.tensor(ids, dtype=torch.long)
+    if len(stream) <= seq_len + 1:
+        raise ValueError(f"corpus of {len(stream)} tokens is shorter than one window ({seq_len})")
+    gen = torch.Generator().manual_seed(seed)
+
+    def batches():
+        while True:
+            starts = torch.randint(0, len(stream) - seq_len, (batch_size,), generator=gen)
+            x = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+            yield x, torch.ones_like(x), x
+
+    torch.manual_seed(seed)
+    return _train_loop(model, batches(), steps=steps, lr=lr, desc="pretrain")
+
+
+def sft_batch(tokenizer, items: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels) ``[batch, seq]``; labels are −100 on the
+    prompt and padding so that only ``target`` + EOS is learned."""
+    rows = []
+    for it in items:
+        p = tokenizer(it["prompt"], add_special_tokens=False)["input_ids"]
+        t = tokenizer(it["target"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        rows.append((p + t, [-100] * len(p) + t))
+    width = max(len(r[0]) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        input_ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return input_ids, mask, labels
+
+
+def finetune(model, tokenizer, items: Sequence[dict], *, steps: int, batch_size: int = 32,
+             lr: float = 1e-3, seed: int = 0, lora: dict | None = None, desc: str = "finetune"):  # fmt: skip
+    """Fine-tune on (prompt, target) items. Full fine-tuning trains ``model`` in place and returns
+    it; with ``lora`` (kwargs for ``peft.LoraConfig``) a PEFT model wrapping ``model`` is trained
+    and returned (``model``'s own weights are left unchanged). Returns ``(model, losses)``."""
+    if not items:
+        raise ValueError("finetune needs at least one item")
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    rng = random.Random(seed)
+
+    def batches():
+        while True:
+            yield sft_batch(tokenizer, [rng.choice(items) for _ in range(batch_size)])
+
+    torch.manual_seed(seed)
+    losses = _train_loop(model, batches(), steps=steps, lr=lr, desc=desc)
+    return model, losses
+
+
+def new_mini_model(tokenizer, *, seed: int = 0, **config_kwargs) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(mini_llama_config(tokenizer, **config_kwargs))

@@ -1,0 +1,52 @@
+"""A character tokenizer built offline with the ``tokenizers`` library (no hub access).
+
+Every character is one token. Ids: ``[PAD]=0, [EOS]=1, [SEP]=2``, then space, then ``A``–``Z``
+(the authors' 27-symbol alphabet), then any ``extra_chars`` (span markers for the sequential-skill
+task). Decoding is exact: ``decode(encode(s)) == s`` for any string over the alphabet.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+LETTERS = string.ascii_uppercase
+ALPHABET = " " + LETTERS  # the authors' 27 symbols
+SPECIALS = ("[PAD]", "[EOS]", "[SEP]")
+
+
+def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+    """Return a ``PreTrainedTokenizerFast`` over space + A–Z + ``extra_chars`` (one token each).
+
+    Vocab size is ``3 + 27 + len(extra_chars)``. ``add_special_tokens`` adds nothing (no BOS/EOS
+    is inserted implicitly); the tasks place SEP and EOS themselves.
+    """
+    chars = ALPHABET + extra_chars
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"extra_chars {extra_chars!r} repeat a character of the alphabet")
+    if any(len(c.encode()) != 1 or c in "[]" for c in extra_chars):
+        # "[" would let a string like "[SEP]" read as the special token.
+        raise ValueError(f"extra_chars must be single ASCII characters other than [ ], got {extra_chars!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    # One token per character; Fuse joins them back without inserting spaces.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", eos_token="[EOS]", sep_token="[SEP]"
+    )
+    tok.padding_side = "right"
+    return tok
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Ids of ``text``, one per character; raises on a character outside the alphabet."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != len(text):
+        bad = sorted(set(text) - set(tokenizer.get_vocab()))
+        raise ValueError(f"characters {bad} are not in the toy alphabet")
+    return ids

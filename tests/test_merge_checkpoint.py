@@ -1,0 +1,385 @@
+"""Streamed checkpoint merging: equal to the in-memory merge, loadable, and safe on bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from mergelab.merge import (
+    MergeInputError,
+    list_merge_methods,
+    merge_method,
+    merge_state_dicts,
+    unregister_merge_method,
+)
+from mergelab.merge.checkpoint import (
+    INDEX_NAME,
+    CheckpointFolder,
+    merge_checkpoints,
+    plan_checkpoint_merge,
+)
+from mergelab.outputs import OutputExistsError
+
+torch.set_num_threads(1)
+
+
+def tiny_config(vocab: int = 64, tie: bool = False) -> LlamaConfig:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def build_set(root: Path, *, dtype=torch.bfloat16, tie=False, shard="16KB", seed=0):
+    """base + two experts (base + different noise), saved sharded; returns paths and state dicts."""
+    torch.manual_seed(seed)
+    config = tiny_config(tie=tie)
+    base = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    paths, sds = [], []
+    for i, name in enumerate(["base", "expert_0", "expert_1"]):
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        g = torch.Generator().manual_seed(100 + i)
+        sd = {
+            k: (v.float() + (0.02 * torch.randn(v.shape, generator=g) if i else 0)).to(dtype)
+            for k, v in base.state_dict().items()
+        }
+        model.load_state_dict(sd)
+        model.save_pretrained(root / name, max_shard_size=shard)
+        paths.append(root / name)
+        sds.append({k: v.clone() for k, v in model.state_dict().items()})
+    return paths, sds
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return build_set(tmp_path_factory.mktemp("ckpt"))
+
+
+def stored_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    with CheckpointFolder(folder) as f:
+        return {n: f.read(n).clone() for n in f.tensors}
+
+
+# Parameters that make each registered method run on 2 experts; methods added later run with
+# their defaults.
+METHOD_PARAMS = {
+    "linear": {"weights": [0.3, 0.7]},
+    "task_arithmetic": {"weights": [0.5, 1.0], "params": {"lambda": 0.8}},
+    "ties": {"params": {"density": 0.3}},
+    "dare_ties": {"params": {"density": 0.5}, "seed": 3},
+    "dare_linear": {"params": {"density": 0.5}, "seed": 3},
+    "breadcrumbs": {},
+    "slerp": {"params": {"t": 0.3}},
+}
+
+
+@pytest.mark.parametrize("method", list_merge_methods())
+def test_streamed_merge_equals_in_memory_merge(ckpts, tmp_path, method):
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    kwargs = dict(METHOD_PARAMS.get(method, {}))
+    try:
+        expected = merge_state_dicts(method, base_sd, [sd0, sd1], **kwargs)
+    except ValueError as exc:  # a method that cannot take this input in memory either
+        pytest.skip(f"{method} rejects this input: {exc}")
+    out = merge_checkpoints(
+        method, base, [e0, e1], output=tmp_path / "out", progress=False, **kwargs
+    )
+    got = stored_state_dict(out)
+    assert set(got) == set(expected)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype
+        assert torch.equal(got[name], expected[name]), f"{method}: {name} differs"
+
+
+def test_methods_without_base_stream_too(ckpts, tmp_path):
+    """slerp of two experts and linear without a base: the first model gives config/tokenizer."""
+    (_, e0, e1), (_, sd0, sd1) = ckpts
+    for method, params in [("slerp", {"t": 0.3}), ("linear", {})]:
+        expected = merge_state_dicts(method, None, [sd0, sd1], params=params)
+        out = merge_checkpoints(
+            method, None, [e0, e1], output=tmp_path / method, params=params, progress=False
+        )
+        got = stored_state_dict(out)
+        assert all(torch.equal(got[n], expected[n]) for n in expected), method
+
+
+@pytest.mark.parametrize("trim_scope", ["model", "tensor"])
+def test_ties_whole_model_and_per_tensor_trim_equal_in_memory(ckpts, tmp_path, trim_scope):
+    """TIES with one whole-model threshold (two streamed passes) or per-tensor thresholds."""
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    params = {"density": [0.2, 0.4], "trim_scope": trim_scope}
+    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
+    out = tmp_path / "o"
+    merge_checkpoints("ties", base, [e0, e1], output=out, params=params, progress=False)
+    got = stored_state_dict(out)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_two_pass_prepare_streams_inputs_again(ckpts, tmp_path):
+    """A method with a whole-model first pass gets make_iter(); it may stream the inputs twice."""
+    passes = []
+
+    def prepare(params, make_iter):
+        # pass 1: largest |task vector| entry over the model; pass 2: count entries above half it
+        top = max(float((torch.stack(es) - b).abs().max()) for _, b, es in make_iter())
+        passes.append(1)
+        above = sum(int(((torch.stack(es) - b).abs() > top / 2).sum()) for _, b, es in make_iter())
+        passes.append(2)
+        return {"clip": top / 2, "count": above}
+
+    @merge_method("test_global_clip", prepare=prepare, replace=True)
+    def global_clip(base, experts, *, weight, ctx):
+        tv = torch.stack(experts) - base
+        return base + tv.clamp(-ctx.stats["clip"], ctx.stats["clip"]).mean(0)
+
+    try:
+        (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+        out = merge_checkpoints(
+            "test_global_clip", base, [e0, e1], output=tmp_path / "o", progress=False
+        )
+        assert passes == [1, 2]
+        floats = [n for n, v in base_sd.items() if v.is_floating_point()]
+        clip = (
+            max(
+                float((torch.stack([sd0[n], sd1[n]]).float() - base_sd[n].float()).abs().max())
+                for n in floats
+            )
+            / 2
+        )
+        got = stored_state_dict(out)
+        for n in floats:
+            b = base_sd[n].float()
+            tv = torch.stack([sd0[n].float(), sd1[n].float()]) - b
+            expected = (b + tv.clamp(-clip, clip).mean(0)).to(base_sd[n].dtype)
+            assert torch.equal(got[n], expected), n
+    finally:
+        unregister_merge_method("test_global_clip")
+
+
+def test_output_loads_with_automodel_and_matches(ckpts, tmp_path):
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    out = merge_checkpoints(
+        "task_arithmetic",
+        base,
+        [e0, e1],
+        output=tmp_path / "merged",
+        weights=[1.0, 0.5],
+        shard_size=10_000,  # tiny shards: many files
+        progress=False,
+    )
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 3
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    for s in shards:  # each shard respects the size bound unless one tensor alone exceeds it
+        tensors = load_file(s)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 10_000 or len(tensors) == 1
+    for name in ("config.json", "generation_config.json"):
+        assert (out / name).is_file()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    expected = merge_state_dicts("task_arithmetic", base_sd, [sd0, sd1], weights=[1.0, 0.5])
+    assert model.dtype == torch.bfloat16
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, expected[name]), name
+
+
+def test_tied_embeddings(tmp_path):
+    (base, e0, e1), (base_sd, sd0, sd1) = build_set(tmp_path / "in", tie=True, dtype=torch.float32)
+    with CheckpointFolder(base) as f:
+        assert "lm_head.weight" not in f.tensors  # transformers stores a tied head once
+    out = merge_checkpoints("linear", base, [e0, e1], output=tmp_path / "o", progress=False)
+    with CheckpointFolder(out) as f:
+        assert "lm_head.weight" not in f.tensors
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    expected = merge_state_dicts("linear", base_sd, [sd0, sd1])
+    assert torch.equal(model.lm_head.weight, expected["model.embed_tokens.weight"])
+
+
+def test_tied_versus_untied_is_refused(tmp_path):
+    (base, e0, _), _ = build_set(tmp_path / "a", tie=True, dtype=torch.float32)
+    (_, u0, _), _ = build_set(tmp_path / "b", tie=False, dtype=torch.float32)
+    with pytest.raises(MergeInputError, match="tie_word_embeddings"):
+        plan_checkpoint_merge("linear", base, [e0, u0])
+
+
+def rewrite_tensor(folder: Path, name: str, fn) -> None:
+    """Replace (or with fn returning None, drop) one stored tensor, keeping the index right."""
+    index_path = folder / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    file = folder / index["weight_map"][name]
+    tensors = load_file(file)
+    new = fn(tensors[name])
+    if new is None:
+        del tensors[name]
+        del index["weight_map"][name]
+        index_path.write_text(json.dumps(index))
+    else:
+        tensors[name] = new
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def copy_set(ckpts, tmp_path) -> list[Path]:
+    paths = []
+    for p in ckpts[0]:
+        shutil.copytree(p, tmp_path / p.name)
+        paths.append(tmp_path / p.name)
+    return paths
+
+
+def assert_nothing_left(parent: Path, output_name: str) -> None:
+    leftovers = [p.name for p in parent.iterdir() if output_name in p.name]
+    assert leftovers == [], leftovers
+
+
+def test_shape_mismatch_names_tensor_and_model(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    rewrite_tensor(e1, "model.layers.1.mlp.up_proj.weight", lambda t: t[:-1].clone())
+    with pytest.raises(MergeInputError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model 1"):
+        merge_checkpoints("linear", base, [e0, e1], output=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_tensor_is_refused(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    rewrite_tensor(e0, "model.norm.weight", lambda t: None)
+    with pytest.raises(
+        MergeInputError, match=r"model 0.*missing tensors \['model\.norm\.weight'\]"
+    ):
+        merge_checkpoints("task_arithmetic", base, [e0, e1], output=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_dtype_mismatch_is_refused(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    rewrite_tensor(e0, "model.norm.weight", lambda t: t.float())
+    with pytest.raises(MergeInputError, match=r"model\.norm\.weight.*float32"):
+        plan_checkpoint_merge("task_arithmetic", base, [e0, e1])
+
+
+def test_nan_is_found_while_streaming_and_nothing_is_left(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t[3, 4] = float("nan")
+        return t
+
+    rewrite_tensor(e1, name, poison)
+    with pytest.raises(MergeInputError, match=rf"{name}.*model 1.*NaN"):
+        merge_checkpoints(
+            "task_arithmetic", base, [e0, e1], output=tmp_path / "out", progress=False
+        )
+    assert_nothing_left(tmp_path, "out")
+
+
+def test_truncated_and_missing_shards_name_the_file(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    shard = sorted(e0.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(MergeInputError, match=rf"{shard.name}.*(truncated|unreadable)"):
+        merge_checkpoints("linear", base, [e0, e1], output=tmp_path / "o")
+    other = sorted(e1.glob("model-*.safetensors"))[0]
+    other.unlink()
+    with pytest.raises(MergeInputError, match=rf"{other.name}.*missing"):
+        plan_checkpoint_merge("linear", base, [e1])
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_needs_force_and_output_inside_input_is_refused(ckpts, tmp_path):
+    (base, e0, e1), _ = ckpts
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(OutputExistsError):
+        merge_checkpoints("linear", base, [e0, e1], output=out, progress=False)
+    assert (out / "keep.txt").read_text() == "user data"
+    merge_checkpoints("linear", base, [e0, e1], output=out, force=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / INDEX_NAME).is_file()
+    with pytest.raises(ValueError, match="overlaps input"):
+        merge_checkpoints("linear", base, [e0, e1], output=e0 / "sub", progress=False)
+
+
+def test_interrupted_merge_leaves_no_finished_looking_folder(ckpts, tmp_path, monkeypatch):
+    (base, e0, e1), _ = ckpts
+    from mergelab.merge import checkpoint
+
+    calls = []
+    original = checkpoint.CheckpointMergePlan.merge_tensor
+
+    def interrupt(self, t):
+        calls.append(t.name)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return original(self, t)
+
+    monkeypatch.setattr(checkpoint.CheckpointMergePlan, "merge_tensor", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        merge_checkpoints("linear", base, [e0, e1], output=tmp_path / "out", progress=False)
+    assert_nothing_left(tmp_path, "out")
+
+
+def test_vocab_padding_rule(tmp_path):
+    """Base with 8 padded vocabulary rows, experts without: error by default; 'truncate' merges
+    the 64 common rows and keeps the base's extra rows."""
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(tiny_config(vocab=64)).eval()
+    big = AutoModelForCausalLM.from_config(tiny_config(vocab=72)).eval()
+    sd_big = big.state_dict()
+    sds = []
+    for i, name in enumerate(["e0", "e1"]):
+        sd = {k: v + 0.01 * (i + 1) for k, v in small.state_dict().items()}
+        small.load_state_dict(sd)
+        small.save_pretrained(tmp_path / name)
+        sds.append(sd)
+    big.save_pretrained(tmp_path / "base")
+    paths = [tmp_path / "e0", tmp_path / "e1"]
+    with pytest.raises(MergeInputError, match=r"vocabulary rows.*--vocab-padding truncate"):
+        merge_checkpoints("task_arithmetic", tmp_path / "base", paths, output=tmp_path / "o")
+    out = merge_checkpoints(
+        "task_arithmetic",
+        tmp_path / "base",
+        paths,
+        output=tmp_path / "o",
+        vocab_padding="truncate",
+        progress=False,
+    )
+    got = stored_state_dict(out)
+    cut = {k: (v[:64] if v.shape[0] == 72 else v) for k, v in sd_big.items()}
+    expected = merge_state_dicts("task_arithmetic", cut, sds)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert got[name].shape == (72, 32)
+        assert torch.equal(got[name][:64], expected[name])
+        assert torch.equal(got[name][64:], sd_big[name][64:])
+    assert torch.equal(got["model.norm.weight"], expected["model.norm.weight"])
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 72
+
+
+def test_out_dtype_is_stored_and_recorded(ckpts, tmp_path):
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    out = merge_checkpoints(
+        "linear", base, [e0, e1], output=tmp_path / "o", out_dtype=torch.float32, progress=False
+    )
+    got = stored_state_dict(out)
+    assert all(t.dtype == torch.float32 for t in got.values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    stacked = torch.stack([sd0["model.norm.weight"].float(), sd1["model.norm.weight"].float()])
+    torch.testing.assert_close(got["model.norm.weight"], stacked.mean(0), rtol=1e-6, atol=1e-7)
+    record = json.loads((out / "mergelab_merge.json").read_text())
+    assert record["method"] == "linear" and record["seed"] == 0
