@@ -311,6 +311,12 @@ MERGE_CURVES = [
 ROUNDOFF_FLOOR = 1e-18  # KLs at or below this are float64 round-off; drawn at the floor
 
 
+def _loglinear_roundoff(rows) -> float:
+    """Largest |KL| between task arithmetic λ=1 and composition over the log-linear runs."""
+    sel = [r for r in rows if r["model"] == "loglinear" and _is("task_arithmetic", 1.0)(r)]
+    return max((abs(r["kl_to_composition"]) for r in sel), default=math.nan)
+
+
 def _select(rows, **where):
     return [r for r in rows if all(r[k] == v for k, v in where.items())]
 
@@ -353,9 +359,11 @@ def plot_nonlinearity(rows, meta, path: Path):
     cfg = meta["config"]
     n_seeds = len(meta["seeds"])
     std = _select(rows, model="mlp", finetune="standard", overlap=0.0)
-    fig, axes = plt.subplots(2, len(cfg["depths"]), figsize=(4.6 * len(cfg["depths"]), 8.2))
+    fig, axes = plt.subplots(
+        3, len(cfg["depths"]), figsize=(4.6 * len(cfg["depths"]), 11.5), squeeze=False
+    )
     for col, depth in enumerate(cfg["depths"]):
-        ax_gap, ax_acc = axes[0, col], axes[1, col]
+        ax_gap, ax_acc, ax_bg = axes[0, col], axes[1, col], axes[2, col]
         rows_d = _select(std, depth=depth)
         for label, pick, color, style in MERGE_CURVES:
             chosen = [r for r in rows_d if pick(r)]
@@ -375,39 +383,63 @@ def plot_nonlinearity(rows, meta, path: Path):
                 color,
                 style,
             )
+            _band(
+                ax_bg,
+                _by_seed(chosen, lambda r: r["alpha"], lambda r: 100 * r["acc_background"]),
+                label,
+                color,
+                style,
+            )
         best = _best_lambda_kl(rows_d, ("alpha",))
+        chosen_lambdas = ", ".join(f"{v:g}" for v in sorted({r["lambda"] for r in best}))
         _band(
             ax_gap,
             _by_seed(best, lambda r: r["alpha"], lambda r: r["kl_to_composition"]),
-            "task arithmetic, best λ in grid",
+            f"task arithmetic, λ in grid closest to composition (chosen: {chosen_lambdas})"
+            if col == 0
+            else None,
             "tab:purple",
             "d-.",
         )
         comp = [r for r in rows_d if r["method"] == "composition"]
+        base = [r for r in rows_d if r["method"] == "base"]
+        for ax, key in ((ax_acc, "acc_experts_mean"), (ax_bg, "acc_background")):
+            _band(
+                ax,
+                _by_seed(comp, lambda r, key=key: r["alpha"], lambda r, key=key: 100 * r[key]),
+                "logit composition",
+                "black",
+                "*-",
+            )
         _band(
-            ax_acc,
-            _by_seed(comp, lambda r: r["alpha"], lambda r: 100 * r["acc_experts_mean"]),
-            "logit composition",
-            "black",
-            "*-",
+            ax_bg,
+            _by_seed(base, lambda r: r["alpha"], lambda r: 100 * r["acc_background"]),
+            "base model",
+            "gray",
+            ".:",
         )
         ax_gap.set_yscale("log")
         ax_gap.set_title(f"MLP, depth {depth}")
-        ax_gap.set_xlabel("non-linearity α  (activation = (1−α)·identity + α·GELU)")
-        ax_acc.set_xlabel("non-linearity α  (activation = (1−α)·identity + α·GELU)")
+        for ax in (ax_gap, ax_acc, ax_bg):
+            ax.set_xlabel("non-linearity α  (activation = (1−α)·identity + α·GELU)")
+            ax.grid(alpha=0.3, which="both")
         ax_acc.set_ylim(0, 100)
-        ax_gap.grid(alpha=0.3, which="both")
-        ax_acc.grid(alpha=0.3)
+        ax_bg.set_ylim(0, 100)
     axes[0, 0].set_ylabel("gap to composition:\nmean KL(p_merge ‖ p_composition)  [nats]")
     axes[1, 0].set_ylabel("accuracy on the experts' tasks  [%]\n(top-1, mean of the experts)")
-    axes[0, -1].legend(fontsize=8, loc="lower right")
-    axes[1, -1].legend(fontsize=8, loc="lower left")
+    axes[2, 0].set_ylabel("accuracy on the background task  [%]\n(top-1, contexts no expert owns)")
+    handles = {}
+    for ax in (axes[0, 0], axes[1, 0], axes[2, 0]):
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=9)
     fig.suptitle(
-        "Weight merges vs logit composition as the network gets less linear\n"
-        f"(log-linear model: gap ≤ 1e-16 nats, i.e. round-off; line = mean, band = min–max over {n_seeds} seeds)",
+        "Weight merges vs logit composition as the MLP gets less linear (2 experts, disjoint supports)\n"
+        f"log-linear model for reference: task arithmetic λ=1 gap ≤ {_loglinear_roundoff(rows):.0e} nats "
+        f"(round-off); line = mean, band = min–max over {n_seeds} seeds",
         fontsize=11,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.055, 1, 1))
     _save(fig, path)
 
 
@@ -419,7 +451,7 @@ def plot_overlap(rows, meta, path: Path):
     n_seeds = len(meta["seeds"])
     mlp = _select(rows, model="mlp", finetune="standard", depth=om["depth"], alpha=om["alpha"])
     loglin = _select(rows, model="loglinear", finetune="standard")
-    fig, (ax_gap, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_gap, ax_acc, ax_bg) = plt.subplots(1, 3, figsize=(18, 5.2))
     for label, pick, color, style in MERGE_CURVES:
         chosen = [r for r in mlp if pick(r)]
         if chosen:
@@ -430,24 +462,16 @@ def plot_overlap(rows, meta, path: Path):
                 color,
                 style,
             )
-    ta_lin = [r for r in loglin if _is("task_arithmetic", 1.0)(r)]
-    if ta_lin:
-        worst = max(abs(r["kl_to_composition"]) for r in ta_lin)
-        ax_gap.text(
-            0.02,
-            0.97,
-            f"log-linear model, task arithmetic λ=1: gap ≤ {worst:.0e} nats at every ρ (round-off)",
-            transform=ax_gap.transAxes,
-            va="top",
-            fontsize=8,
-            color="dimgray",
-        )
     ax_gap.set_ylim(bottom=0)
     ax_gap.set_xlabel("support overlap ρ  (fraction of trigger tokens the experts share)")
     ax_gap.set_ylabel("gap to composition: mean KL(p_merge ‖ p_composition)  [nats]")
-    ax_gap.set_title(f"Gap vs overlap (MLP depth {om['depth']}, α={om['alpha']:g})")
+    ax_gap.set_title(
+        f"Gap vs overlap (MLP depth {om['depth']}, α={om['alpha']:g})\n"
+        f"log-linear model: task arithmetic λ=1 gap ≤ {_loglinear_roundoff(loglin):.0e} nats at every ρ",
+        fontsize=10,
+    )
     ax_gap.grid(alpha=0.3, which="both")
-    ax_gap.legend(fontsize=8)
+    ax_gap.legend(fontsize=8, loc="center right")
 
     curves = [
         ("MLP: logit composition", [r for r in mlp if r["method"] == "composition"], "black", "*-"),
@@ -480,12 +504,26 @@ def plot_overlap(rows, meta, path: Path):
             else (lambda r: 100 * r["acc_experts_mean"])
         )
         _band(ax_acc, _by_seed(chosen, lambda r: r["overlap"], value), label, color, style)
+        if "single expert" not in label:
+            _band(
+                ax_bg,
+                _by_seed(chosen, lambda r: r["overlap"], lambda r: 100 * r["acc_background"]),
+                label,
+                color,
+                style,
+            )
+    ax_bg.set_ylim(0, 100)
+    ax_bg.set_xlabel("support overlap ρ  (fraction of trigger tokens the experts share)")
+    ax_bg.set_ylabel("accuracy on the background task  [%]  (top-1)")
+    ax_bg.set_title("Background behaviour kept")
+    ax_bg.grid(alpha=0.3)
+    ax_bg.legend(fontsize=8, loc="lower left")
     ax_acc.set_ylim(0, 100)
     ax_acc.set_xlabel("support overlap ρ  (fraction of trigger tokens the experts share)")
     ax_acc.set_ylabel("accuracy on the experts' tasks  [%]  (top-1)")
     ax_acc.set_title("Skills kept as the experts' supports overlap")
     ax_acc.grid(alpha=0.3)
-    ax_acc.legend(fontsize=8, loc="lower left")
+    ax_acc.legend(fontsize=8, loc="center left")
     fig.suptitle(
         f"Support overlap between experts (line = mean, band = min–max over {n_seeds} seeds)",
         fontsize=11,
@@ -520,9 +558,13 @@ def plot_tangent(rows, meta, path: Path):
         ("standard fine-tuning", "standard", "tab:red", -0.12),
         ("tangent-space fine-tuning", "tangent", "tab:blue", 0.12),
     ]
-    fig, (ax_gap, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_gap, ax_acc, ax_bg) = plt.subplots(1, 3, figsize=(18, 5.2))
     for name, ft, color, dx in series:
-        for panel, value in ((ax_gap, "kl"), (ax_acc, "acc")):
+        for panel, value in (
+            (ax_gap, "kl"),
+            (ax_acc, "acc_experts_mean"),
+            (ax_bg, "acc_background"),
+        ):
             xs, mean, lo, hi = [], [], [], []
             for x in range(len(labels)):
                 model, depth = ("loglinear", 0) if x == 0 else ("mlp", cfg["depths"][x - 1])
@@ -534,8 +576,8 @@ def plot_tangent(rows, meta, path: Path):
                 if value == "kl":
                     vals = [max(r["kl_to_composition"], ROUNDOFF_FLOOR) for r in sel_ta]
                 else:  # accuracy lost by merging instead of composing, paired by seed
-                    c = {r["seed"]: r["acc_experts_mean"] for r in sel_comp}
-                    vals = [100 * (c[r["seed"]] - r["acc_experts_mean"]) for r in sel_ta]
+                    c = {r["seed"]: r[value] for r in sel_comp}
+                    vals = [100 * (c[r["seed"]] - r[value]) for r in sel_ta]
                 m = sum(vals) / len(vals)
                 xs.append(x + dx)
                 mean.append(m)
@@ -555,7 +597,12 @@ def plot_tangent(rows, meta, path: Path):
         "expert-task accuracy lost by merging\n(composition − task arithmetic λ=1)  [% points]"
     )
     ax_acc.set_title("What the gap costs on the experts' tasks")
-    for ax in (ax_gap, ax_acc):
+    ax_bg.axhline(0, color="gray", lw=1)
+    ax_bg.set_ylabel(
+        "background-task accuracy lost by merging\n(composition − task arithmetic λ=1)  [% points]"
+    )
+    ax_bg.set_title("What the gap costs on the background task")
+    for ax in (ax_gap, ax_acc, ax_bg):
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlabel(f"model (MLPs at α={alpha:g}: GELU)")
         ax.grid(alpha=0.3, which="both")

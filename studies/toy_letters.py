@@ -56,12 +56,12 @@ from mergelab.toy import (  # noqa: E402
     GenerativeTask,
     LetterMap,
     TrainConfig,
-    bootstrap_ci,
     build_char_tokenizer,
     exact_match,
     finetune_lora,
     parallel_target,
     random_strings,
+    seed_bootstrap_ci,
     skill_success,
     tiny_gpt2,
     train_model,
@@ -93,10 +93,11 @@ class Settings:
     generative: TrainConfig = field(
         default_factory=lambda: TrainConfig(epochs=5, batch_size=16, lr=1e-3)
     )
-    finetune: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2, batch_size=16))
-    lora: TrainConfig = field(
-        default_factory=lambda: TrainConfig(epochs=3, batch_size=16, lr=3e-3)
+    generative_finetune: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=2, batch_size=16, lr=1e-3)
     )
+    finetune: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2, batch_size=16))
+    lora: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=3, batch_size=16, lr=3e-3))
     lora_rank: int = 4
     spans_base: TrainConfig = field(
         default_factory=lambda: TrainConfig(epochs=6, batch_size=16, lr=1e-3)
@@ -123,6 +124,7 @@ def full_settings() -> Settings:
         lengths=list(range(1, 65)),
         scratch=authors,
         generative=TrainConfig(epochs=5, batch_size=4, lr=1e-3),
+        generative_finetune=TrainConfig(epochs=2, batch_size=4, lr=1e-3),
         finetune=TrainConfig(epochs=2, batch_size=1, lr=3e-4),
         lora=TrainConfig(epochs=3, batch_size=4, lr=3e-3),
         n_span_test=500,
@@ -229,19 +231,35 @@ class Study:
             else:
                 preds = aligned_predictions(cand, self.aligned, inputs)
             self.record(part, pair, cand.name, kind, "joint", exact_match(preds, parallel), x)
-            if parallel != chained:
+            if parallel != chained and None not in parallel:  # a true chain (A->B, B->C)
                 self.record(part, pair, cand.name, kind, "chain", exact_match(preds, chained), x)
             if x is not None:
                 continue
             safe = [p if p is not None else "" for p in preds]
             for m in maps:
-                self.record(part, pair, cand.name, kind, f"skill {m.name}", skill_success(inputs, safe, m))
+                self.record(
+                    part, pair, cand.name, kind, f"skill {m.name}", skill_success(inputs, safe, m)
+                )
             # What happens on letters two experts both rewrite (conflict case only).
             for letter in {a for a, _ in maps[0].pairs} & {a for m in maps[1:] for a, _ in m.pairs}:
-                outs = [p[i] for s, p in zip(inputs, safe) for i, c in enumerate(s) if c == letter and len(p) == len(s)]
+                outs = [
+                    p[i]
+                    for s, p in zip(inputs, safe)
+                    for i, c in enumerate(s)
+                    if c == letter and len(p) == len(s)
+                ]
                 for m in maps:
-                    self.record(part, pair, cand.name, kind, f"{letter} written as {m(letter)}", [o == m(letter) for o in outs])
-                self.record(part, pair, cand.name, kind, f"{letter} kept", [o == letter for o in outs])
+                    self.record(
+                        part,
+                        pair,
+                        cand.name,
+                        kind,
+                        f"{letter} written as {m(letter)}",
+                        [o == m(letter) for o in outs],
+                    )
+                self.record(
+                    part, pair, cand.name, kind, f"{letter} kept", [o == letter for o in outs]
+                )
 
     def tick(self, label, t0):
         self.timings[label] = round(time.perf_counter() - t0, 2)
@@ -256,10 +274,15 @@ def part_authors_and_failures(st: Study, test: list[str]) -> dict:
     t0 = time.perf_counter()
     maps = {k: LetterMap.parse(k) for k in ["A->B", "C->D", "A->K", "M->B", "A->C", "B->C"]}
     base = st.scratch(LetterMap())
-    experts = {k: st.scratch(m) for k, m in tqdm(maps.items(), desc="  scratch experts", leave=False)}
+    experts = {
+        k: st.scratch(m) for k, m in tqdm(maps.items(), desc="  scratch experts", leave=False)
+    }
     st.tick("train scratch (base + 6 experts)", t0)
     t0 = time.perf_counter()
-    pairs = {"authors": [("A->B", "C->D"), ("A->K", "M->B")], "failure": [("A->B", "A->C"), ("A->B", "B->C")]}
+    pairs = {
+        "authors": [("A->B", "C->D"), ("A->K", "M->B")],
+        "failure": [("A->B", "A->C"), ("A->B", "B->C")],
+    }
     for part, plist in pairs.items():
         for a, b in plist:
             rows = [("base", st.single(base, "base"))]
@@ -272,7 +295,9 @@ def part_authors_and_failures(st: Study, test: list[str]) -> dict:
         "shuffled-alphabet base": st.scratch(LetterMap.permutation(st.seed)),
     }
     for label, wb in wrong.items():
-        cand = st.composed(wb, [experts["A->B"], experts["C->D"]], ["A->B", "C->D"], name=f"composition ({label})")
+        cand = st.composed(
+            wb, [experts["A->B"], experts["C->D"]], ["A->B", "C->D"], name=f"composition ({label})"
+        )
         st.eval_letters("failure", [maps["A->B"], maps["C->D"]], [("composition", cand)], test)
     st.tick("eval scratch", t0)
     return {"base": base, "experts": experts, "wrong": wrong, "maps": maps}
@@ -288,9 +313,13 @@ def part_shared(st: Study, base, test: list[str]) -> dict:
         experts = {k: st.finetuned(base, maps[k], lora=variant == "lora") for k in keys}
         st.tick(f"finetune {variant}", t0)
         t0 = time.perf_counter()
-        plist = [("A->B", "C->D")] + ([("A->B", "A->C"), ("A->B", "B->C")] if variant == "full" else [])
+        plist = [("A->B", "C->D")] + (
+            [("A->B", "A->C"), ("A->B", "B->C")] if variant == "full" else []
+        )
         for a, b in plist:
-            part = f"shared-{variant}" if (a, b) == ("A->B", "C->D") else f"failure-shared-{variant}"
+            part = (
+                f"shared-{variant}" if (a, b) == ("A->B", "C->D") else f"failure-shared-{variant}"
+            )
             pair_models = [experts[a], experts[b]]
             merged = st.merges(base, pair_models)
             rows = [("base", st.single(base, "base"))]
@@ -305,19 +334,43 @@ def part_shared(st: Study, base, test: list[str]) -> dict:
 
 
 def part_generative(st: Study, test: list[str]) -> dict:
-    """Part 2: generative protocol, base and experts from scratch, greedy decoding until EOS."""
+    """Part 2: generative protocol, greedy decoding until EOS.
+
+    Experts from scratch (as in the authors' protocol) and experts fine-tuned from the
+    generative base (shared initialisation, so the weight merges are rows too).
+    """
     t0 = time.perf_counter()
     maps = [LetterMap.parse("A->B"), LetterMap.parse("C->D")]
+    names = [m.name for m in maps]
     base = st.scratch(LetterMap(), generative=True)
-    experts = [st.scratch(m, generative=True) for m in maps]
+    scratch = [st.scratch(m, generative=True) for m in maps]
+    tuned = [
+        finetune_full(
+            base,
+            *st.train_data(st.generative, m, st.s.train_length),
+            replace(st.s.generative_finetune, seed=st.next_seed()),
+        )[0]
+        for m in maps
+    ]
     st.tick("train generative", t0)
     t0 = time.perf_counter()
     rows = [("base", st.single(base, "base"))]
-    rows += [("expert", st.single(e, f"expert {m.name}")) for e, m in zip(experts, maps)]
-    rows += [("composition", st.composed(base, experts, [m.name for m in maps]))]
+    rows += [("expert", st.single(e, f"expert {n}")) for e, n in zip(scratch, names)]
+    rows += [("composition", st.composed(base, scratch, names))]
     st.eval_letters("generative", maps, rows, test, generative=True)
+    merged = st.merges(base, tuned)
+    shared_rows = [("base", st.single(base, "base"))]
+    shared_rows += [("expert", st.single(e, f"expert {n}")) for e, n in zip(tuned, names)]
+    shared_rows += [("composition", st.composed(base, tuned, names))]
+    shared_rows += [("merge", st.single(m, label)) for label, m in merged.items()]
+    st.eval_letters("generative-shared", maps, shared_rows, test, generative=True)
     st.tick("eval generative", t0)
-    return {"rows": rows, "maps": maps}
+    length_rows = [
+        ("base", rows[0][1]),
+        ("composition", st.composed(base, scratch, names, name="composition (scratch experts)")),
+        ("composition", st.composed(base, tuned, names, name="composition (fine-tuned experts)")),
+    ] + [("merge", st.single(merged[k], f"{k} (fine-tuned)")) for k in ("TA λ=1",) if k in merged]
+    return {"rows": length_rows, "maps": maps, "base": base, "scratch": scratch, "tuned": tuned}
 
 
 def part_length(st: Study, scratch: dict, shared: dict, generative: dict) -> None:
@@ -335,14 +388,25 @@ def part_length(st: Study, scratch: dict, shared: dict, generative: dict) -> Non
         "length-shared-full": [
             ("composition", st.composed(base, shared["full"]["experts"], ["A->B", "C->D"])),
         ]
-        + [("merge", st.single(shared["full"]["merges"][k], k)) for k in ("TA λ=1", "TIES d=0.2", "linear avg") if k in shared["full"]["merges"]],
+        + [
+            ("merge", st.single(shared["full"]["merges"][k], k))
+            for k in ("TA λ=1", "TIES d=0.2", "linear avg")
+            if k in shared["full"]["merges"]
+        ],
     }
     rng = random.Random(st.seed + 777)
     for length in tqdm(st.s.lengths, desc="  lengths", leave=False):
         inputs = random_strings(st.s.n_test_per_length, length, rng)
         for part, rows in plans.items():
             st.eval_letters(part, ab_cd, rows, inputs, x=length)
-        st.eval_letters("length-generative", generative["maps"], generative["rows"], inputs, generative=True, x=length)
+        st.eval_letters(
+            "length-generative",
+            generative["maps"],
+            generative["rows"],
+            inputs,
+            generative=True,
+            x=length,
+        )
     st.tick("length sweep", t0)
 
 
@@ -355,7 +419,9 @@ def part_spans(st: Study) -> dict:
 
     def data(active):
         ex = task.sample_random(st.s.n_train, st.rng)
-        return enc.encode([e.render(skills, []) for e in ex], [e.render(skills, active) for e in ex])
+        return enc.encode(
+            [e.render(skills, []) for e in ex], [e.render(skills, active) for e in ex]
+        )
 
     cfg = replace(st.s.spans_base, seed=st.next_seed())
     base = tiny_gpt2(len(st.span_tok), seed=cfg.seed)
@@ -371,7 +437,11 @@ def part_spans(st: Study) -> dict:
     rows = [("base", st.single(base, "base", st.span_tok))]
     rows += [("expert", st.single(m, f"expert {n}", st.span_tok)) for m, n in zip(experts, names)]
     rows += [("composition", st.composed(base, experts, names, st.span_tok))]
-    rows += [("merge", st.single(merged[k], k, st.span_tok)) for k in ("TA λ=1", "TIES d=0.2", "linear avg") if k in merged]
+    rows += [
+        ("merge", st.single(merged[k], k, st.span_tok))
+        for k in ("TA λ=1", "TIES d=0.2", "linear avg")
+        if k in merged
+    ]
     rng = random.Random(st.seed + 555)
     pair = " + ".join(names)
     for k in range(st.s.span_width + 1):
@@ -406,16 +476,20 @@ def _overlap_mask(example, skills) -> list[bool]:
     return mask
 
 
-def part_diagnostics(st: Study, scratch: dict, shared: dict, spans: dict, test: list[str]) -> None:
-    """Part 7: per-token expert activity (KL to base) and co-activity for every pair."""
-    try:
-        from mergelab.compose import diagnostics
-    except ImportError:
-        st.timings["diagnostics"] = "skipped: mergelab.compose.diagnostics not available"
-        return
+def part_diagnostics(
+    st: Study, scratch: dict, shared: dict, generative: dict, spans: dict, test: list[str]
+) -> None:
+    """Part 7: per-token expert activity KL(p_i‖p_b) and co-activity for every composed pair.
+
+    ``mergelab.compose.diagnostics`` scores the positions that predict a *following* token (the
+    LM convention). In the aligned protocol position t predicts y[t], so one filler character is
+    appended to each input: causal attention keeps it from changing any earlier position, and
+    every real position gets scored.
+    """
+    from mergelab.compose.diagnostics import composition_diagnostics
+
     t0 = time.perf_counter()
-    e, maps = scratch["experts"], scratch["maps"]
-    ids, mask = st.aligned.prompts(test)
+    e = scratch["experts"]
     cases = [
         ("authors", "A->B + C->D", scratch["base"], [e["A->B"], e["C->D"]]),
         ("authors", "A->K + M->B", scratch["base"], [e["A->K"], e["M->B"]]),
@@ -426,27 +500,66 @@ def part_diagnostics(st: Study, scratch: dict, shared: dict, spans: dict, test: 
     ]
     for label, wb in scratch["wrong"].items():
         cases.append(("failure", f"A->B + C->D ({label})", wb, [e["A->B"], e["C->D"]]))
-    for part, pair, base, experts in cases:
-        report = diagnostics.activity_report(
-            [ModelCandidate(m, st.tok, name=n) for m, n in zip([base, *experts], ["base", "e1", "e2"])],
-            ids,
-            mask,
+    texts = [x + " " for x in test]
+
+    def record(part, pair, decoder, texts, continuations=None, x=None):
+        rep = composition_diagnostics(decoder, texts, continuations, batch_size=64)
+        pair_key = "e1&e2"
+        for t in rep.thresholds:
+            k = f"{t:g}"
+            st.record(
+                part,
+                pair,
+                "diagnostics",
+                "diagnostic",
+                f"co-active@{k}",
+                [rep.coactive_fraction[pair_key][k]],
+                x,
+            )
+            for name in rep.experts:
+                st.record(
+                    part,
+                    pair,
+                    "diagnostics",
+                    "diagnostic",
+                    f"{name} active@{k}",
+                    [rep.active_fraction[name][k]],
+                    x,
+                )
+        st.record(
+            part,
+            pair,
+            "diagnostics",
+            "diagnostic",
+            "composed top-1 differs",
+            [rep.composed_top1_differs_fraction],
+            x,
         )
-        for metric, value in report.items():
-            st.record(part, pair, "diagnostics", "diagnostic", metric, [value])
+
+    for part, pair, base, experts in cases:
+        record(part, pair, st.composed(base, experts, ["e1", "e2"]), texts)
+    # Generative: teacher forced on the joint answer after "x [SEP]".
+    maps = generative["maps"]
+    prompts = [st.generative.prompt(x) for x in test]
+    answers = [parallel_target(maps, x) + st.tok.eos_token for x in test]
+    for part, experts in (
+        ("generative", generative["scratch"]),
+        ("generative-shared", generative["tuned"]),
+    ):
+        record(
+            part,
+            "A->B + C->D",
+            st.composed(generative["base"], experts, ["e1", "e2"]),
+            prompts,
+            answers,
+        )
     # Span pairs at each overlap.
-    task, enc = spans["task"], AlignedTask(st.span_tok)
+    task, skills = spans["task"], spans["task"].skills
     rng = random.Random(st.seed + 555)
     for k in range(st.s.span_width + 1):
         ex = task.sample_with_overlap(st.s.n_span_test, k, st.s.span_width, rng)
-        sids, smask = enc.prompts([x.render(task.skills, []) for x in ex])
-        report = diagnostics.activity_report(
-            [ModelCandidate(m, st.span_tok, name=n) for m, n in zip([spans["base"], *spans["experts"]], ["base", "e1", "e2"])],
-            sids,
-            smask,
-        )
-        for metric, value in report.items():
-            st.record("spans", f"overlap {k}", "diagnostics", "diagnostic", metric, [value], k)
+        decoder = st.composed(spans["base"], spans["experts"], ["e1", "e2"], st.span_tok)
+        record("spans", f"overlap {k}", decoder, [x.render(skills, []) + " " for x in ex], x=k)
     st.tick("diagnostics", t0)
 
 
@@ -459,7 +572,7 @@ def run_seed(settings: Settings, seed: int) -> dict:
     generative = part_generative(st, test)
     part_length(st, scratch, shared, generative)
     spans = part_spans(st)
-    part_diagnostics(st, scratch, shared, spans, test)
+    part_diagnostics(st, scratch, shared, generative, spans, test)
     return {"seed": seed, "timings": st.timings, "records": st.records}
 
 
@@ -479,8 +592,12 @@ def summarise(runs: list[dict]) -> list[dict]:
     rows = []
     for (part, pair, method, metric, x), g in groups.items():
         seeds = sorted(set(g["groups"]))
-        mean, lo, hi = bootstrap_ci(g["values"], groups=g["groups"] if len(seeds) > 1 else None)
-        per_seed = [float(np.mean([v for v, s in zip(g["values"], g["groups"]) if s == k])) for k in seeds]
+        mean, lo, hi = seed_bootstrap_ci(
+            g["values"], groups=g["groups"] if len(seeds) > 1 else None
+        )
+        per_seed = [
+            float(np.mean([v for v, s in zip(g["values"], g["groups"]) if s == k])) for k in seeds
+        ]
         rows.append(
             {
                 "part": part, "pair": pair, "method": method, "kind": g["kind"], "metric": metric,
@@ -499,7 +616,13 @@ def write_summary(out_dir: Path, rows: list[dict]) -> None:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             for r in rows:
-                w.writerow({**r, "seeds": " ".join(map(str, r["seeds"])), "per_seed": " ".join(f"{v:.4f}" for v in r["per_seed"])})
+                w.writerow(
+                    {
+                        **r,
+                        "seeds": " ".join(map(str, r["seeds"])),
+                        "per_seed": " ".join(f"{v:.4f}" for v in r["per_seed"]),
+                    }
+                )
 
 
 def print_main_table(rows: list[dict]) -> None:
@@ -507,15 +630,27 @@ def print_main_table(rows: list[dict]) -> None:
         return [r for r in rows if r["part"] == part and r["metric"] == metric and r["x"] is None]
 
     print("\nJoint exact match at the trained length (mean [95% CI] over seeds × test strings)")
-    for part in ("authors", "generative", "shared-full", "shared-lora", "failure", "failure-shared-full"):
+    for part in (
+        "authors",
+        "generative",
+        "generative-shared",
+        "shared-full",
+        "shared-lora",
+        "failure",
+        "failure-shared-full",
+    ):
         sel = pick(part)
         if not sel:
             continue
         print(f"\n== {part}")
         for r in sel:
-            print(f"  {r['pair']:<14} {r['method']:<40} {100 * r['mean']:6.1f}  [{100 * r['ci_low']:5.1f}, {100 * r['ci_high']:5.1f}]")
+            print(
+                f"  {r['pair']:<14} {r['method']:<40} {100 * r['mean']:6.1f}  [{100 * r['ci_low']:5.1f}, {100 * r['ci_high']:5.1f}]"
+            )
         for r in pick(part, "chain"):
-            print(f"  {r['pair']:<14} {r['method']:<40} {100 * r['mean']:6.1f}  (chain target A->C)")
+            print(
+                f"  {r['pair']:<14} {r['method']:<40} {100 * r['mean']:6.1f}  (chain target A->C)"
+            )
 
 
 def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
@@ -536,17 +671,25 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
 
     def err(sel):
         m = np.array([100 * r["mean"] for r in sel])
-        return m, np.vstack([m - [100 * r["ci_low"] for r in sel], [100 * r["ci_high"] for r in sel] - m])
+        return m, np.vstack(
+            [m - [100 * r["ci_low"] for r in sel], [100 * r["ci_high"] for r in sel] - m]
+        )
 
     colors = {"base": "0.6", "expert": "tab:blue", "composition": "tab:red", "merge": "tab:green"}
     n_seeds = max((len(r["seeds"]) for r in rows), default=0)
 
     # 1. Main bars: joint exact match for every row, one panel per protocol.
-    panels = [p for p in ("authors", "generative", "shared-full", "shared-lora") if any(r["part"] == p for r in rows)]
+    panels = [
+        p
+        for p in ("authors", "generative", "shared-full", "shared-lora", "generative-shared")
+        if any(r["part"] == p for r in rows)
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 5.2), squeeze=False)
     for ax, part in zip(axes[0], panels):
         sel = [r for r in rows if r["part"] == part and r["metric"] == "joint" and r["x"] is None]
-        sel.sort(key=lambda r: (r["pair"], ["base", "expert", "composition", "merge"].index(r["kind"])))
+        sel.sort(
+            key=lambda r: (r["pair"], ["base", "expert", "composition", "merge"].index(r["kind"]))
+        )
         labels = [f"{r['method']}" + (f"\n[{r['pair']}]" if part == "authors" else "") for r in sel]
         m, e = err(sel)
         ax.barh(range(len(sel)), m, xerr=e, color=[colors[r["kind"]] for r in sel], capsize=2)
@@ -556,23 +699,46 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
         ax.set_xlabel("joint exact match (%)")
         ax.set_title(part, fontsize=10)
         ax.axvline(100, color="k", lw=0.5, ls=":")
-    fig.suptitle(f"Letter replacement A→B + C→D at length 16 ({setting}, {n_seeds} seeds, 95% bootstrap CI)")
+    fig.suptitle(
+        f"Letter replacement A→B + C→D at length 16 ({setting}, {n_seeds} seeds, 95% bootstrap CI)"
+    )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     save(fig, "letters")
 
     # 2. Length generalisation curves.
-    parts = [p for p in ("length-authors", "length-shared-full", "length-generative") if any(r["part"] == p for r in rows)]
+    parts = [
+        p
+        for p in ("length-authors", "length-shared-full", "length-generative")
+        if any(r["part"] == p for r in rows)
+    ]
     if parts:
-        fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 4), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(
+            1, len(parts), figsize=(5 * len(parts), 4), squeeze=False, sharey=True
+        )
         for ax, part in zip(axes[0], parts):
             methods = sorted({r["method"] for r in rows if r["part"] == part})
-            for method in methods:
-                sel = sorted((r for r in rows if r["part"] == part and r["method"] == method and r["metric"] == "joint"), key=lambda r: r["x"])
+            for i, method in enumerate(methods):
+                sel = sorted(
+                    (
+                        r
+                        for r in rows
+                        if r["part"] == part and r["method"] == method and r["metric"] == "joint"
+                    ),
+                    key=lambda r: r["x"],
+                )
                 xs = [r["x"] for r in sel]
-                line = ax.plot(xs, [100 * r["mean"] for r in sel], marker="o", ms=3, label=method)[0]
-                ax.fill_between(xs, [100 * r["ci_low"] for r in sel], [100 * r["ci_high"] for r in sel], color=line.get_color(), alpha=0.15)
+                # Distinct line styles keep coinciding curves (often all at 100%) visible.
+                style = {"ls": ["-", "--", ":", "-."][i % 4], "marker": "osD^v"[i % 5], "ms": 3}
+                line = ax.plot(xs, [100 * r["mean"] for r in sel], label=method, **style)[0]
+                ax.fill_between(
+                    xs,
+                    [100 * r["ci_low"] for r in sel],
+                    [100 * r["ci_high"] for r in sel],
+                    color=line.get_color(),
+                    alpha=0.15,
+                )
             ax.axvline(16, color="k", ls=":", lw=0.8)
             ax.text(16.5, 3, "trained length", fontsize=7)
             ax.set_xlabel("input length (characters)")
@@ -589,63 +755,202 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
         for ax, metric in zip(axes, ("joint", "outside overlap")):
             for method in sorted({r["method"] for r in sp}):
-                sel = sorted((r for r in sp if r["method"] == method and r["metric"] == metric), key=lambda r: r["x"])
+                sel = sorted(
+                    (r for r in sp if r["method"] == method and r["metric"] == metric),
+                    key=lambda r: r["x"],
+                )
                 xs = [r["x"] for r in sel]
                 m, e = err(sel)
                 ax.errorbar(xs, m, yerr=e, marker="o", ms=4, capsize=3, label=method)
             ax.set_xlabel("letters inside both spans (overlap)")
-            ax.set_title({"joint": "joint exact match (both skills, incl. overlap)", "outside overlap": "correct outside the overlap"}[metric], fontsize=10)
+            ax.set_title(
+                {
+                    "joint": "joint exact match (both skills, incl. overlap)",
+                    "outside overlap": "correct outside the overlap",
+                }[metric],
+                fontsize=10,
+            )
         axes[0].set_ylabel("success (%)")
         axes[1].legend(fontsize=7)
         fig.suptitle(f"Span skills: shift inside <…>, mirror inside (…) ({setting}, 95% CI)")
         fig.tight_layout()
         save(fig, "spans")
 
-    # 4. Failure cases.
-    fl = [r for r in rows if r["part"] in ("failure", "failure-shared-full") and r["x"] is None and r["metric"] in ("joint", "chain", "A written as B", "A written as C", "A kept")]
-    if fl:
-        cases = sorted({(r["part"], r["pair"]) for r in fl})
-        fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 5), squeeze=False)
-        for ax, (part, pair) in zip(axes[0], cases):
-            sel = [r for r in fl if r["part"] == part and r["pair"] == pair and (r["kind"] in ("composition", "merge") or r["method"] == "base")]
-            labels = [f"{r['method']} · {r['metric']}" for r in sel]
-            m, e = err(sel)
-            ax.barh(range(len(sel)), m, xerr=e, color=[colors[r["kind"]] for r in sel], capsize=2)
-            ax.set_yticks(range(len(sel)), labels, fontsize=6)
-            ax.invert_yaxis()
-            ax.set_xlim(0, 105)
-            ax.set_xlabel("% of strings (joint/chain) or of the letter's positions")
-            ax.set_title(f"{pair}\n({part})", fontsize=9)
-        fig.suptitle(f"Failure cases the theory predicts ({setting}, 95% CI)")
-        fig.tight_layout()
-        save(fig, "failures")
+    # 4. Failure cases: what each method writes on a doubly-claimed letter; chain vs parallel.
+    def pick(part, pair, metric, method):
+        sel = [
+            r
+            for r in rows
+            if r["part"] == part
+            and r["pair"] == pair
+            and r["metric"] == metric
+            and r["method"] == method
+            and r["x"] is None
+        ]
+        return sel[0] if sel else None
 
-    # 5. Diagnostics vs success.
-    diag = [r for r in rows if r["method"] == "diagnostics"]
-    if diag:
-        metric = "co_active_frac@0.1"
-        pts = []
-        for r in diag:
-            if r["metric"] != metric:
-                continue
-            if r["part"] == "spans":
-                succ = [s for s in rows if s["part"] == "spans" and s["method"] == "composition" and s["metric"] == "joint" and s["x"] == r["x"]]
-            else:
-                pair, _, wb = r["pair"].partition(" (")
-                name = f"composition ({wb[:-1]})" if wb else "composition"
-                succ = [s for s in rows if s["part"] == r["part"] and s["pair"] == pair and s["method"] == name and s["metric"] == "joint" and s["x"] is None]
-            if succ:
-                pts.append((r, succ[0]))
-        if pts:
-            fig, ax = plt.subplots(figsize=(6.5, 4.5))
-            for r, s in pts:
-                ax.errorbar(100 * r["mean"], 100 * s["mean"], yerr=[[100 * (s["mean"] - s["ci_low"])], [100 * (s["ci_high"] - s["mean"])]], marker="o", capsize=2)
-                ax.annotate(f"{r['part']}: {r['pair']}", (100 * r["mean"], 100 * s["mean"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-            ax.set_xlabel("co-active tokens: both experts' KL(p_i‖p_b) > 0.1 (%)")
-            ax.set_ylabel("composition joint exact match (%)")
-            ax.set_title(f"Does measured expert overlap predict composition success? ({setting})", fontsize=10)
-            fig.tight_layout()
-            save(fig, "diagnostics")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6))
+    # (a) conflict A->B with A->C: stacked fractions of the A positions.
+    ax = axes[0]
+    bars = []
+    for part in ("failure", "failure-shared-full"):
+        methods = [
+            r["method"]
+            for r in rows
+            if r["part"] == part and r["pair"] == "A->B + A->C" and r["metric"] == "A kept"
+        ]
+        bars += [
+            (part, m)
+            for m in methods
+            if m in ("base", "composition") or part == "failure-shared-full"
+        ]
+    outcome_colors = {"A written as B": "tab:blue", "A written as C": "tab:orange", "A kept": "0.6"}
+    for i, (part, method) in enumerate(bars):
+        left = 0.0
+        for metric, color in outcome_colors.items():
+            r = pick(part, "A->B + A->C", metric, method)
+            v = 100 * r["mean"] if r else 0.0
+            ax.barh(i, v, left=left, color=color, label=metric if i == 0 else None)
+            left += v
+        ax.barh(
+            i,
+            100 - left,
+            left=left,
+            color="tab:red",
+            alpha=0.5,
+            label="other letter" if i == 0 else None,
+        )
+    ax.set_yticks(
+        range(len(bars)),
+        [f"{m} ({'scratch' if p == 'failure' else 'fine-tuned'})" for p, m in bars],
+        fontsize=7,
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("% of input A positions")
+    ax.set_title("(a) conflict: A→B with A→C — what is written for A", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    # (b) chain A->B with B->C: parallel target (each letter once) vs chain target (A→C).
+    ax = axes[1]
+    bars = []
+    for part in ("failure", "failure-shared-full"):
+        methods = [
+            r["method"]
+            for r in rows
+            if r["part"] == part and r["pair"] == "A->B + B->C" and r["metric"] == "chain"
+        ]
+        bars += [(part, m) for m in methods if m != "base"]
+    for j, (metric, color, label) in enumerate(
+        (
+            ("joint", "tab:purple", "parallel target (A→B, B→C)"),
+            ("chain", "tab:olive", "chain target (A→C, B→C)"),
+        )
+    ):
+        sel = [pick(p, "A->B + B->C", metric, m) for p, m in bars]
+        m, e = err(sel)
+        ax.barh(
+            np.arange(len(sel)) + 0.4 * j - 0.2,
+            m,
+            height=0.4,
+            xerr=e,
+            color=color,
+            capsize=2,
+            label=label,
+        )
+    ax.set_yticks(
+        range(len(bars)),
+        [f"{m} ({'scratch' if p == 'failure' else 'fine-tuned'})" for p, m in bars],
+        fontsize=7,
+    )
+    ax.invert_yaxis()
+    ax.set_xlim(0, 105)
+    ax.set_xlabel("joint exact match (%)")
+    ax.set_title("(b) chain: A→B with B→C", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    # (c) wrong base under the A->B, C->D experts (from scratch).
+    ax = axes[2]
+    sel = [
+        r
+        for r in rows
+        if r["part"] in ("authors", "failure")
+        and r["pair"] == "A->B + C->D"
+        and r["metric"] in ("joint", "skill A->B", "skill C->D")
+        and r["method"].startswith("composition")
+    ]
+    sel.sort(key=lambda r: (r["method"], r["metric"]))
+    m, e = err(sel)
+    ax.barh(
+        range(len(sel)),
+        m,
+        xerr=e,
+        color=["tab:red" if r["metric"] == "joint" else "tab:pink" for r in sel],
+        capsize=2,
+    )
+    ax.set_yticks(range(len(sel)), [f"{r['method']} · {r['metric']}" for r in sel], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 105)
+    ax.set_xlabel("success (%)")
+    ax.set_title("(c) wrong base: A→B + C→D experts over another base", fontsize=9)
+    fig.suptitle(f"Failure cases the theory predicts ({setting}, {n_seeds} seeds, 95% CI)")
+    fig.tight_layout()
+    save(fig, "failures")
+
+    # 5. Diagnostics vs success: co-activity of the two experts vs composition joint success.
+    diag = [r for r in rows if r["method"] == "diagnostics" and r["metric"] == "co-active@0.1"]
+    pts = []
+    for r in diag:
+        if r["part"] == "spans":
+            succ = [
+                s
+                for s in rows
+                if s["part"] == "spans"
+                and s["method"] == "composition"
+                and s["metric"] == "joint"
+                and s["x"] == r["x"]
+            ]
+        else:
+            pair, _, wb = r["pair"].partition(" (")
+            name = f"composition ({wb[:-1]})" if wb else "composition"
+            succ = [
+                s
+                for s in rows
+                if s["part"] == r["part"]
+                and s["pair"] == pair
+                and s["method"] == name
+                and s["metric"] == "joint"
+                and s["x"] is None
+            ]
+        if succ:
+            pts.append((r, succ[0]))
+    if pts:
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for i, (r, s) in enumerate(pts, 1):
+            xerr = [[100 * (r["mean"] - r["ci_low"])], [100 * (r["ci_high"] - r["mean"])]]
+            yerr = [[100 * (s["mean"] - s["ci_low"])], [100 * (s["ci_high"] - s["mean"])]]
+            ax.errorbar(
+                100 * r["mean"],
+                100 * s["mean"],
+                xerr=xerr,
+                yerr=yerr,
+                marker="o",
+                capsize=2,
+                label=f"{i}: {r['part']} · {r['pair']}",
+            )
+            ax.annotate(
+                str(i),
+                (100 * r["mean"], 100 * s["mean"]),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set_xlabel("co-active positions: both experts have KL(p_i‖p_b) > 0.1 nats (%)")
+        ax.set_ylabel("composition joint exact match (%)")
+        ax.set_title(
+            f"Does measured expert overlap predict composition success? ({setting}, 95% CI)",
+            fontsize=10,
+        )
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        save(fig, "diagnostics")
     return written
 
 
@@ -653,8 +958,12 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true", help="authors' settings (batch 1), 5 seeds, lengths 1..64")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--full", action="store_true", help="authors' settings (batch 1), 5 seeds, lengths 1..64"
+    )
     p.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     p.add_argument("--plot-only", action="store_true", help="redraw figures from the summary file")
     p.add_argument("--force", action="store_true", help="recompute seeds that already have results")

@@ -58,7 +58,11 @@ def test_humaneval_canonical_solutions_pass_164_of_164(sandbox):
     t0 = time.monotonic()
     results = sandbox.run_many(programs)
     elapsed = time.monotonic() - t0
-    failures = [(it.item_id, r.status, r.error[-200:]) for it, r in zip(bench.items, results) if not r.passed]
+    failures = [
+        (it.item_id, r.status, r.error[-200:])
+        for it, r in zip(bench.items, results)
+        if not r.passed
+    ]
     assert failures == []
     assert elapsed < 40, f"164 programs took {elapsed:.1f} s"
 
@@ -67,11 +71,11 @@ def test_wrong_solutions_fail(sandbox):
     bench = load_humaneval(limit=12)
     wrong = "    return None\n"
     programs = [build_test_programs(it.prompt, wrong, it.tests)["base"] for it in bench.items]
-    # An off-by-one version of a correct solution (HumanEval/0 with <= instead of <).
+    # A subtly wrong version of a correct solution (HumanEval/0 never reports a close pair).
     it0 = bench.items[0]
-    programs.append(
-        build_test_programs(it0.prompt, it0.solution.replace("<", "<="), it0.tests)["base"]
-    )
+    subtly_wrong = it0.solution.replace("return True", "return False")
+    assert subtly_wrong != it0.solution
+    programs.append(build_test_programs(it0.prompt, subtly_wrong, it0.tests)["base"])
     results = sandbox.run_many(programs)
     # A wrong answer fails an assert ("failed"), or breaks the test code ("crashed", e.g. a
     # TypeError on None): never "passed".
@@ -100,12 +104,17 @@ def test_statuses_and_error_text(sandbox):
 
 def test_infinite_loop_times_out(sandbox):
     t0 = time.monotonic()
-    wall = sandbox.run("while True:\n    pass", SandboxLimits(timeout_s=1.0))
-    cpu = sandbox.run("while True:\n    pass", SandboxLimits(timeout_s=10.0, cpu_s=1.0))
-    sleeper = sandbox.run("import time\ntime.sleep(60)", SandboxLimits(timeout_s=1.0))
+    wall, cpu, sleeper = sandbox.run_many(
+        ["while True:\n    pass", "while True:\n    pass", "import time\ntime.sleep(60)"],
+        limits=[
+            SandboxLimits(timeout_s=1.0),
+            SandboxLimits(timeout_s=30.0, cpu_s=1.0),
+            SandboxLimits(timeout_s=1.0),
+        ],
+    )
     assert (wall.status, cpu.status, sleeper.status) == ("timed_out",) * 3
-    assert "CPU" in cpu.error and "wall" in wall.error
-    assert time.monotonic() - t0 < 8
+    assert "CPU" in cpu.error and "wall" in wall.error and "wall" in sleeper.error
+    assert time.monotonic() - t0 < 20  # CPU seconds take longer on a busy machine
 
 
 def test_memory_bomb_is_stopped(sandbox):

@@ -67,8 +67,8 @@ def test_one_expert_ties_at_density_one_is_task_arithmetic(trim_scope, divide_by
     params = {"density": 1.0, "lambda": 0.7, "trim_scope": trim_scope, "divide_by": divide_by}
     ties = merge_state_dicts("ties", base, experts, weights=[0.6], params=params)
     ta = merge_state_dicts("task_arithmetic", base, experts, weights=[0.6], params={"lambda": 0.7})
-    for name in base:
-        torch.testing.assert_close(ties[name], ta[name], rtol=0, atol=0)
+    for name in base:  # equal up to float32 rounding (fused multiply-adds in a different order)
+        torch.testing.assert_close(ties[name], ta[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t", [0.0, 1.0])
@@ -170,7 +170,10 @@ def test_inputs_are_not_modified():
 
 def test_output_dtype_follows_the_checkpoint_and_buffers_are_copied():
     base, experts = state_dicts(2)
-    half = lambda sd: {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}  # noqa: E731
+
+    def half(sd):
+        return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+
     merged = merge_state_dicts("ties", half(base), [half(e) for e in experts])
     assert merged["layer.weight"].dtype == torch.bfloat16
     assert torch.equal(merged["step"], base["step"])

@@ -51,9 +51,7 @@ def mergekit(method, base, experts, name="w", **parameters):
     if isinstance(method, str):
         method = mk_registry.get(method)
     tensors = ([base] if base is not None else []) + list(experts)
-    group = TensorGroup.from_tensors(
-        tensors, base_index=0 if base is not None else None, name=name
-    )
+    group = TensorGroup.from_tensors(tensors, base_index=0 if base is not None else None, name=name)
     (out,) = method([group], parameters=parameters, dtype=torch.float32)
     return out
 
@@ -93,11 +91,12 @@ class InjectedBernoulli:
         return mask.to(probabilities.dtype)
 
 
-def with_masks(monkeypatch, masks, densities, fn):
+def with_masks(monkeypatch, masks, densities, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its ``torch.bernoulli`` draws replaced by ``masks``."""
     stand_in = InjectedBernoulli(masks, densities)
     with monkeypatch.context() as patch:
         patch.setattr(torch, "bernoulli", stand_in)
-        out = fn()
+        out = fn(*args, **kwargs)
     assert stand_in.calls == len(stand_in.masks), "reference did not draw one mask per expert"
     return out
 
@@ -138,9 +137,7 @@ class TestAgainstPeft:
         ours = run("task_arithmetic", base, experts, weight=WEIGHTS, lambda_=0.7)
         torch.testing.assert_close(ours, ref, **TOL)
 
-    @pytest.mark.parametrize(
-        ("peft_method", "ours"), [("total", "sum"), ("frequency", "count")]
-    )
+    @pytest.mark.parametrize(("peft_method", "ours"), [("total", "sum"), ("frequency", "count")])
     def test_ties_per_tensor(self, tensors, peft_method, ours):
         base, experts = tensors
         taus = [e - base for e in experts]
@@ -167,11 +164,11 @@ class TestAgainstPeft:
         taus = [e - base for e in experts]
         for tau in taus:
             ref = peft_merge.prune(tau, 0.25, "magnitude")
-            ours = ops.magnitude_trim_(tau.clone(), ops.magnitude_threshold(tau, 0.25))
+            ours = ops.magnitude_trim_(tau.clone(), 0.25)
             assert torch.equal(ours != 0, ref != 0)  # the same entries survive
             torch.testing.assert_close(ours, ref, rtol=0, atol=0)
         ref = peft_merge.magnitude_prune(taus, torch.tensor(WEIGHTS), 0.25)
-        kept = [ops.magnitude_trim_(t.clone(), ops.magnitude_threshold(t, 0.25)) for t in taus]
+        kept = [ops.magnitude_trim_(t.clone(), 0.25) for t in taus]
         torch.testing.assert_close(sum(w * t for w, t in zip(WEIGHTS, kept)), ref, **TOL)
 
     def test_dare_linear(self, tensors, monkeypatch):
@@ -187,9 +184,7 @@ class TestAgainstPeft:
         ours = run("dare_linear", base, experts, seed=7, weight=WEIGHTS, density=0.3)
         torch.testing.assert_close(ours, ref, **TOL)
 
-    @pytest.mark.parametrize(
-        ("peft_method", "ours"), [("total", "sum"), ("frequency", "count")]
-    )
+    @pytest.mark.parametrize(("peft_method", "ours"), [("total", "sum"), ("frequency", "count")])
     def test_dare_ties(self, tensors, monkeypatch, peft_method, ours):
         base, experts = tensors
         taus = [e - base for e in experts]
@@ -400,7 +395,9 @@ TINY_CASES = {
     ),
     "task_arithmetic": (
         {"lambda": 0.8},
-        lambda n, b, es: mergekit("task_arithmetic", b, es, name=n, weight=WEIGHTS, **{"lambda": 0.8}),
+        lambda n, b, es: mergekit(
+            "task_arithmetic", b, es, name=n, weight=WEIGHTS, **{"lambda": 0.8}
+        ),
     ),
     "ties": (
         {"density": 0.3, "trim_scope": "tensor", "weighted_sign": True, "divide_by": "weight_sum"},
@@ -408,7 +405,9 @@ TINY_CASES = {
     ),
     "breadcrumbs": (
         {"density": 0.8, "gamma": 0.05},
-        lambda n, b, es: mergekit("breadcrumbs", b, es, name=n, weight=WEIGHTS, density=0.8, gamma=0.05),
+        lambda n, b, es: mergekit(
+            "breadcrumbs", b, es, name=n, weight=WEIGHTS, density=0.8, gamma=0.05
+        ),
     ),
     "model_stock": (
         {},
@@ -439,15 +438,20 @@ def test_tiny_llama_dare_against_mergekit_and_peft(llamas, monkeypatch, method):
         out = {}
         for name, b in base_sd.items():
             es = [sd[name] for sd in expert_sds]
-            masks = our_dare_masks(name, seed, b.shape, density if kind == "mergekit" else [0.5] * 3)
+            masks = our_dare_masks(
+                name, seed, b.shape, density if kind == "mergekit" else [0.5] * 3
+            )
             if kind == "mergekit":
-                call = lambda: mergekit(method, b, es, name=name, weight=WEIGHTS, density=density)  # noqa: E731
-                out[name] = with_masks(monkeypatch, masks, density, call)
+                out[name] = with_masks(
+                    monkeypatch, masks, density, mergekit, method, b, es, name=name,
+                    weight=WEIGHTS, density=density,
+                )  # fmt: skip
             else:
-                peft_fn = getattr(peft_merge, method)
                 taus = [e - b for e in es]
-                call = lambda: peft_fn(taus, torch.tensor(WEIGHTS), 0.5)  # noqa: E731
-                out[name] = b + with_masks(monkeypatch, masks, [0.5] * 3, call)
+                peft_fn = getattr(peft_merge, method)
+                out[name] = b + with_masks(
+                    monkeypatch, masks, [0.5] * 3, peft_fn, taus, torch.tensor(WEIGHTS), 0.5
+                )
         return out
 
     mergekit_style = {"rescale": "l1"}
@@ -471,8 +475,9 @@ def test_tiny_llama_ties_per_tensor_against_peft(llamas, majority):
     ref = per_tensor_reference(
         base_sd,
         expert_sds,
-        lambda n, b, es: b
-        + peft_merge.ties([e - b for e in es], torch.tensor(WEIGHTS), 0.3, majority[0]),
+        lambda n, b, es: (
+            b + peft_merge.ties([e - b for e in es], torch.tensor(WEIGHTS), 0.3, majority[0])
+        ),
     )
     params = {"density": 0.3, "trim_scope": "tensor", "majority_sign": majority[1]}
     ours = merge_state_dicts("ties", base_sd, expert_sds, weights=WEIGHTS, params=params)

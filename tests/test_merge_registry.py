@@ -62,7 +62,11 @@ def test_unknown_method_names_the_registered_ones():
 @pytest.mark.parametrize(
     ("method", "params", "message"),
     [
-        ("ties", {"densty": 0.2}, r"no parameter\(s\) \['densty'\].*per-model: \['weight', 'density'\]"),
+        (
+            "ties",
+            {"densty": 0.2},
+            r"no parameter\(s\) \['densty'\].*per-model: \['weight', 'density'\]",
+        ),
         ("ties", {"trim_scope": "layer"}, "trim_scope='layer' is not one of 'model', 'tensor'"),
         ("ties", {"density": 1.5}, r"'density' must lie in \[0.0, 1.0\]"),
         ("ties", {"weighted_sign": "yes"}, "weighted_sign='yes' should be a bool"),
@@ -123,7 +127,9 @@ def test_a_method_returning_the_wrong_shape_is_caught():
         return base.reshape(-1)[:1]
 
     try:
-        with pytest.raises(TypeError, match="returned \\(1,\\) for tensor 'w', expected shape \\(2, 2\\)"):
+        with pytest.raises(
+            TypeError, match="returned \\(1,\\) for tensor 'w', expected shape \\(2, 2\\)"
+        ):
             merge_state_dicts("broken_shape", {"w": torch.zeros(2, 2)}, [{"w": torch.ones(2, 2)}])
     finally:
         unregister_merge_method("broken_shape")

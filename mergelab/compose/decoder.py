@@ -151,6 +151,8 @@ class ComposedDecoder(RunnerCandidate):
 
         loaded = [as_lora_adapter(a) for a in adapters]
         names = kwargs.pop("expert_names", None) or [a.name for a in loaded]
+        if kwargs.get("composition") is None and (len(set(names)) != len(names) or "base" in names):
+            names = [f"expert{i + 1}" for i in range(len(loaded))]  # e.g. PEFT's "default" twice
         if len(set(names)) != len(names) or "base" in names:
             raise ValueError(f"adapter names must be distinct and not 'base': {names}")
         composition = kwargs.pop("composition", None)

@@ -94,7 +94,8 @@ def sample_tokens(
 class RunnerCandidate:
     """A :class:`~mergelab.candidate.Candidate` from a runner and a composition formula.
 
-    ``runner.names`` must list the composition's components (in the same order).
+    ``runner.names`` must list the composition's components (in the same order); the runner
+    yields per-component logits, which :meth:`compose` turns into the candidate's log-probs.
     ``token_masks`` (optional, name → bool ``[V]``) projects that expert onto its mask before
     composing (see :func:`mergelab.compose.projective.project_onto_mask`).
     """
@@ -138,16 +139,31 @@ class RunnerCandidate:
         self._identity_cache: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- the distribution
-    def compose(self, component_logprobs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Candidate log-probs ``[..., V]`` from component log-probs (runner order)."""
-        comps = list(component_logprobs)
+    @property
+    def _needs_component_logprobs(self) -> bool:
+        return bool(self.token_masks) or self.eos_policy != "plain"
+
+    def compose(
+        self, component_scores: Sequence[torch.Tensor], *, normalised: bool = False
+    ) -> torch.Tensor:
+        """Candidate log-probs ``[..., V]`` from component logits or log-probs (runner order).
+
+        Logits suffice for the plain formula (the final log-softmax removes each model's
+        normaliser); EOS policies and token masks need the components' log-probs, computed
+        here unless ``normalised`` says they already are.
+        """
+        comps = list(component_scores)
+        if self._identity:
+            return comps[0] if normalised else torch.log_softmax(comps[0], dim=-1)
+        if self._needs_component_logprobs and not normalised:
+            comps = [torch.log_softmax(c, dim=-1) for c in comps]
         if self.token_masks:
             anchor = comps[0]
             comps = [
                 project_onto_mask(anchor, lp, self.token_masks[n]) if n in self.token_masks else lp
                 for n, lp in zip(self.runner.names, comps)
             ]
-        composed = comps[0] if self._identity else self.composition.log_probs(comps)
+        composed = self.composition.log_probs(comps)
         return apply_eos_policy(
             composed,
             comps,
@@ -165,16 +181,25 @@ class RunnerCandidate:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(self.device)
         with self.runner.session():
-            comps = self.runner.teacher_forced(
+            logits = self.runner.teacher_forced(
                 input_ids, attention_mask, positions_from_mask(attention_mask)
             )
-        return comps, self.compose(comps)
+        comps = [torch.log_softmax(z, dim=-1) for z in logits]
+        return comps, self.compose(comps, normalised=True)
 
     def token_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Teacher-forced log-probs ``[B, T, V]`` float32; position t predicts token t + 1."""
-        return self.component_and_candidate_logprobs(input_ids, attention_mask)[1]
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device)
+        with self.runner.session():
+            logits = self.runner.teacher_forced(
+                input_ids, attention_mask, positions_from_mask(attention_mask)
+            )
+        return self.compose(logits)
 
     # ---------------------------------------------------------------- tokenisation
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -275,7 +300,10 @@ class RunnerCandidate:
                 step_logprobs.append(lp.gather(-1, chosen).squeeze(-1))
                 if settings.return_component_logprobs:
                     step_component_logprobs.append(
-                        torch.cat([c.gather(-1, chosen) for c in comps], dim=-1)
+                        torch.cat(
+                            [c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True) for c in comps],
+                            dim=-1,
+                        )
                     )
                 for row, token in enumerate(next_ids.tolist()):  # the one sync per step
                     if done[row]:

@@ -28,6 +28,7 @@ so one expert with weight 1 reproduces that expert exactly, −inf entries inclu
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,31 +215,53 @@ class Composition:
                 )
             dtype = torch.promote_types(dtype, lp.dtype)
 
-        # −inf → 0 inside the arithmetic (so −inf − −inf never happens), then rule those tokens
-        # out again wherever the component's net coefficient is non-zero.
+        coefficients = self.coefficients()
+        scores = self._combine(component_logprobs, coefficients, dtype)
+        # One reduction instead of an elementwise test: ±inf and NaN propagate into the sum.
+        if not math.isfinite(float(scores.sum())):
+            # Some component rules tokens out (−inf): redo the sum with the conventions of the
+            # module docstring, so that −inf − −inf never turns into NaN.
+            scores = self._combine_with_neg_inf(component_logprobs, coefficients, dtype)
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        return torch.log_softmax(scores, dim=-1)
+
+    def _combine(
+        self, xs: Mapping[str, torch.Tensor], coefficients: dict[str, float], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Σ_j c_j x_j, one fused pass per component; components with c_j = 0 are skipped."""
+        scores: torch.Tensor | None = None
+        for n, c in coefficients.items():
+            if c == 0.0:
+                continue
+            x = xs[n].to(dtype)
+            if scores is None:
+                scores = x * c if c != 1.0 else x.clone()
+            else:
+                scores.add_(x, alpha=c)
+        if scores is None:  # every coefficient cancelled: the uniform distribution
+            scores = torch.zeros_like(xs[self.components[0]], dtype=dtype)
+        return scores
+
+    def _combine_with_neg_inf(
+        self, xs: Mapping[str, torch.Tensor], coefficients: dict[str, float], dtype: torch.dtype
+    ) -> torch.Tensor:
         finite: dict[str, torch.Tensor] = {}
         ruled_out: torch.Tensor | None = None
-        coefficients = self.coefficients()
-        for n in self.components:
-            x = component_logprobs[n].to(dtype)
+        for n, c in coefficients.items():
+            x = xs[n].to(dtype)
+            if torch.isnan(x).any():
+                raise ValueError(f"log-probs of {n!r} contain NaN")
             neg_inf = torch.isneginf(x)
             finite[n] = x.masked_fill(neg_inf, 0.0)
-            if coefficients[n] != 0.0:
+            if c != 0.0:
                 ruled_out = neg_inf if ruled_out is None else ruled_out | neg_inf
-
-        scores = finite[self.anchor].clone() if self.anchor is not None else None
-        for t in self.terms:
-            delta = finite[t.model] if t.minus is None else finite[t.model] - finite[t.minus]
-            delta = t.weight * delta
-            scores = delta if scores is None else scores + delta
-        assert scores is not None
+        scores = self._combine(finite, coefficients, dtype)
         if ruled_out is not None:
             if bool(ruled_out.all(dim=-1).any()):
                 raise ValueError(f"composition {self} rules out every token at some position")
             scores = scores.masked_fill(ruled_out, float("-inf"))
-        if self.temperature != 1.0:
-            scores = scores / self.temperature
-        return torch.log_softmax(scores, dim=-1)
+        return scores
 
 
 def compose_logprobs(

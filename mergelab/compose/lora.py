@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runners import ModelCall, log_softmax_last, new_cache
+from .runners import ModelCall, last_logits, new_cache
 from .vocab import model_identity
 
 _PEFT_PREFIX = "base_model.model."
@@ -243,7 +243,7 @@ class LoraRunner:
             self._ids, self._repeat(attention_mask), self._positions, cache, last_only=True
         )
         self.forward_passes += 1
-        return self._split(log_softmax_last(logits))
+        return self._split(last_logits(logits))
 
     @torch.no_grad()
     def step(
@@ -258,7 +258,7 @@ class LoraRunner:
             self._positions = torch.cat([self._positions, position_ids], dim=1)
             logits, _ = self.call(self._ids, mask, self._positions, None, last_only=True)
         self.forward_passes += 1
-        return self._split(log_softmax_last(logits))
+        return self._split(last_logits(logits))
 
     @torch.no_grad()
     def teacher_forced(
@@ -272,7 +272,7 @@ class LoraRunner:
             last_only=False,
         )
         self.forward_passes += 1
-        return self._split(torch.log_softmax(logits, dim=-1))
+        return self._split(logits)
 
 
 def _lora_hook(k: int, a_stack: torch.Tensor, b_stack: torch.Tensor):

@@ -23,6 +23,11 @@ import torch
 NEG_INF = float("-inf")
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float32 at least; float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def project_onto_mask(
     base: torch.Tensor, expert: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
@@ -32,7 +37,7 @@ def project_onto_mask(
     mask stays the expert's and the result sums to 1.
     """
     mask = mask.to(device=expert.device, dtype=torch.bool)
-    base, expert = base.float(), expert.float()
+    base, expert = _wide(base), _wide(expert)
     off_expert = torch.logsumexp(expert.masked_fill(mask, NEG_INF), dim=-1, keepdim=True)
     off_base = torch.logsumexp(base.masked_fill(mask, NEG_INF), dim=-1, keepdim=True)
     outside = base + (off_expert - off_base)
@@ -52,7 +57,8 @@ def check_disjoint(masks: Sequence[torch.Tensor]) -> None:
 
 def _restricted(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Log-probs renormalised over ``mask`` (−inf elsewhere)."""
-    return torch.log_softmax(lp.float().masked_fill(~mask, NEG_INF), dim=-1)
+    out = torch.log_softmax(_wide(lp).masked_fill(~mask, NEG_INF), dim=-1)
+    return out.masked_fill(torch.isnan(out), NEG_INF)  # an empty mask has no distribution
 
 
 def _max_abs_on(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -102,7 +108,7 @@ def check_projectivity(
     check_disjoint(masks)
     violation, error, tv = [], [], []
     for lp, m in zip(experts, masks):
-        ratio = (lp.float() - base.float()).masked_fill(m, NEG_INF)
+        ratio = (_wide(lp) - _wide(base)).masked_fill(m, NEG_INF)
         finite = torch.isfinite(ratio)
         hi = ratio.masked_fill(~finite, NEG_INF).max(dim=-1).values
         lo = ratio.masked_fill(~finite, float("inf")).min(dim=-1).values
@@ -111,7 +117,7 @@ def check_projectivity(
         violation.append(float(spread.max()) if spread.numel() else 0.0)
         a, b = _restricted(composed, m), _restricted(lp, m)
         error.append(_max_abs_on(a, b, m.expand_as(a)))
-        tv.append(float(0.5 * (a.exp() - b.exp()).abs().sum(-1).max()))
+        tv.append(float(0.5 * (a.exp() - b.exp()).abs().sum(-1).max()) if bool(m.any()) else 0.0)
     background = ~torch.stack(masks).any(0) if masks else torch.ones_like(composed[..., 0], dtype=torch.bool)
     a, b = _restricted(composed, background), _restricted(base, background)
     if bool(background.any()):

@@ -3,13 +3,14 @@
 A runner owns the models of a candidate and their KV caches. The decoding loop
 (:mod:`mergelab.compose.decoding`) asks it for
 
-* ``prefill(input_ids, attention_mask, position_ids)`` → one ``[B, V]`` log-prob tensor per
+* ``prefill(input_ids, attention_mask, position_ids)`` → one ``[B, V]`` logit tensor per
   component, for the token after the (left-padded) prompt;
 * ``step(next_ids, attention_mask, position_ids)`` → the same after appending ``next_ids [B, 1]``;
 * ``teacher_forced(input_ids, attention_mask, position_ids)`` → ``[B, T, V]`` per component.
 
-All log-probs are float32, over the tokenizer's ``V`` ids (logits truncated, see
-:mod:`mergelab.compose.vocab`). :class:`ModelRunner` runs each model separately with its own
+All are float32 *logits* over the tokenizer's ``V`` ids (truncated, see
+:mod:`mergelab.compose.vocab`); the candidate normalises them only where it needs log-probs
+(the composition's own log-softmax removes each model's normaliser anyway). :class:`ModelRunner` runs each model separately with its own
 transformers ``Cache`` object; the LoRA fast path (:mod:`mergelab.compose.lora`) runs base and
 adapters in one batched forward with one cache. Models that return no cache (any module returning
 logits) are run on the whole prefix at every step instead.
@@ -102,9 +103,9 @@ class ModelCall:
         return self.cache_argument is not None
 
 
-def log_softmax_last(logits: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, V]`` logits → ``[B, V]`` float32 log-probs."""
-    return torch.log_softmax(logits[:, -1].float(), dim=-1)
+def last_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, T, V]`` logits → the last position's ``[B, V]``, float32."""
+    return logits[:, -1].float()
 
 
 class ModelRunner:
@@ -156,7 +157,7 @@ class ModelRunner:
             logits, returned = call(input_ids, attention_mask, position_ids, cache, last_only=True)
             self.forward_passes += 1
             self._caches.append(returned if self.use_cache else None)
-            out.append(log_softmax_last(logits))
+            out.append(last_logits(logits))
         return out
 
     @torch.no_grad()
@@ -176,7 +177,7 @@ class ModelRunner:
                 logits, _ = call(self._ids, attention_mask, self._positions, None, last_only=True)
             self._caches[j] = cache
             self.forward_passes += 1
-            out.append(log_softmax_last(logits))
+            out.append(last_logits(logits))
         return out
 
     @torch.no_grad()
@@ -187,5 +188,5 @@ class ModelRunner:
         for call in self.calls:
             logits, _ = call(input_ids, attention_mask, position_ids, None, last_only=False)
             self.forward_passes += 1
-            out.append(torch.log_softmax(logits, dim=-1))
+            out.append(logits)
         return out

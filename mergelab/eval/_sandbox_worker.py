@@ -16,31 +16,31 @@ Protocol on stdin/stdout: 4-byte big-endian length + UTF-8 JSON, one request the
 Stdlib only: this file runs as a script and must not import mergelab.
 """
 
-import ctypes
-import json
-import os
-import resource
-import selectors
-import signal
-import struct
-import sys
-import time
-import traceback
-
 # Modules that test programs commonly import, loaded once here so each forked program gets them
 # for free.
 import bisect  # noqa: F401
 import collections  # noqa: F401
 import copy  # noqa: F401
+import ctypes
 import fractions  # noqa: F401
 import functools  # noqa: F401
 import hashlib  # noqa: F401
 import heapq  # noqa: F401
 import itertools  # noqa: F401
+import json
 import math  # noqa: F401
+import os
 import random  # noqa: F401
 import re  # noqa: F401
+import resource
+import selectors
+import signal
+import socket  # noqa: F401 - also needed by the socket guard of the fallback mode
 import string  # noqa: F401
+import struct
+import sys
+import time
+import traceback
 import typing  # noqa: F401
 
 CLONE_NEWNS = 0x00020000
@@ -49,7 +49,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
-MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 8, 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # Directories any user may write to on a normal Linux system: each gets a private, size-limited
 # tmpfs inside the sandbox, so a write there never reaches the real one.
@@ -82,10 +82,8 @@ def _write_all(fd, data):
         view = view[os.write(fd, view) :]
 
 
-def _enter_namespaces(job):
-    """Launcher side: new namespaces and private tmpfs over the world-writable dirs."""
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    _check(_libc.unshare(flags), "unshare")
+def _private_mounts(job):
+    """Launcher side, after unshare: private tmpfs over the world-writable dirs."""
     # Make every mount private so our tmpfs mounts never propagate to the host.
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
     opts = f"size={int(job['tmpfs_bytes'])},mode=1777".encode()
@@ -124,7 +122,12 @@ def _expose_python(hidden):
             os.mkdir(stage)
             _check(_libc.mount(root.encode(), stage.encode(), None, MS_BIND | MS_REC, None), root)
             staged.append((stage, root))
-        _check(_libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), ancestor)
+        _check(
+            _libc.mount(
+                b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"
+            ),
+            ancestor,
+        )
         for stage, root in staged:
             os.makedirs(root, mode=0o755, exist_ok=True)
             _check(_libc.mount(stage.encode(), root.encode(), None, MS_MOVE, None), f"move {root}")
@@ -138,9 +141,16 @@ def _limit(res, value):
     resource.setrlimit(res, (value, value))
 
 
-def _run_program(job, scratch, w_out, w_err, w_res, drop_uid, isolated_net):
+def _run_program(job, scratch, w_out, w_err, w_res, drop_uid, isolated_net, own_pidns):
     """Program process: apply limits, drop privileges, run the program, report, exit."""
+    extra_isolation = []
     try:
+        if own_pidns:
+            # A /proc of our own pid namespace: host processes (their command lines, their
+            # environments) are not even listed.
+            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+            if _libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0:
+                extra_isolation.append("private-proc")
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(w_out, 1)
@@ -196,7 +206,7 @@ def _run_program(job, scratch, w_out, w_err, w_res, drop_uid, isolated_net):
         sys.stderr.flush()
     except BaseException:  # noqa: BLE001
         pass
-    msg = {"pid": os.getpid(), "outcome": outcome, "error": error}
+    msg = {"pid": os.getpid(), "outcome": outcome, "error": error, "isolation": extra_isolation}
     _write_all(w_res, (json.dumps(msg) + "\n").encode())
     os._exit(0)
 
@@ -210,7 +220,6 @@ def _short_traceback(exc, limit=4000):
 
 def _block_sockets():
     """Fallback when no network namespace is available: no socket can be created."""
-    import socket
 
     def refuse(*args, **kwargs):
         raise PermissionError("network access is disabled in the sandbox")
@@ -226,13 +235,15 @@ def _launcher(job, w_out, w_err, w_res):
     scratch = None
     is_root = os.geteuid() == 0
     if job["namespaces"] and is_root:
-        try:
-            scratch = _enter_namespaces(job)
+        flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+        if _libc.unshare(flags) == 0:
+            # Past this point a failure fails the job: half a sandbox is not a fallback.
+            scratch = _private_mounts(job)
             isolation += ["netns", "pidns", "mountns", "private-tmp"]
-        except OSError as exc:
-            if job["namespaces"] == "require":
-                raise
-            isolation.append(f"no-namespaces({exc.strerror})")
+        elif job["namespaces"] == "require":
+            raise OSError(ctypes.get_errno(), "unshare failed and isolation='strict'")
+        else:
+            isolation.append(f"no-namespaces({os.strerror(ctypes.get_errno())})")
     if scratch is None:
         import tempfile
 
@@ -240,14 +251,16 @@ def _launcher(job, w_out, w_err, w_res):
     drop_uid = is_root
     if drop_uid:
         os.chown(scratch, job["uid"], job["gid"])
-        isolation.append(f"uid={job['uid']}")
+        isolation.append("unprivileged-uid")
     isolated_net = "netns" in isolation
     if not isolated_net:
         isolation.append("socket-guard")
 
     child = os.fork()
     if child == 0:
-        _run_program(job, scratch, w_out, w_err, w_res, drop_uid, isolated_net)
+        _run_program(
+            job, scratch, w_out, w_err, w_res, drop_uid, isolated_net, "pidns" in isolation
+        )
     timed_out = []
 
     def on_alarm(signum, frame):
@@ -310,7 +323,9 @@ def _run_job(job):
             _launcher(job, w_out, w_err, w_res)
         except BaseException:  # noqa: BLE001
             try:
-                _write_all(w_res, (json.dumps({"launcher_error": traceback.format_exc()}) + "\n").encode())
+                _write_all(
+                    w_res, (json.dumps({"launcher_error": traceback.format_exc()}) + "\n").encode()
+                )
             finally:
                 os._exit(70)
         os._exit(70)
@@ -411,6 +426,7 @@ def _classify(res, out, err, backstop_kill, seconds, job):
         return {**result, "status": "timed_out", "error": f"CPU-time limit {job['cpu_s']} s"}
     if mine:
         m = mine[-1]
+        result["isolation"] = result["isolation"] + m.get("isolation", [])
         return {**result, "status": m["outcome"], "error": m.get("error", "")}
     if launcher["signal"] is not None:
         name = signal.Signals(launcher["signal"]).name

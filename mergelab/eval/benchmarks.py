@@ -120,12 +120,12 @@ class Benchmark:
         if self.task == "code":
             missing = [it.item_id for it in self.items if it.tests is None]
             if missing:
-                raise ValueError(f"code benchmark {self.name!r}: items without tests: {missing[:5]}")
+                raise ValueError(
+                    f"code benchmark {self.name!r}: items without tests: {missing[:5]}"
+                )
 
     @classmethod
-    def from_items(
-        cls, name: str, task: str, items: Sequence[Item | dict[str, Any]]
-    ) -> Benchmark:
+    def from_items(cls, name: str, task: str, items: Sequence[Item | dict[str, Any]]) -> Benchmark:
         """A benchmark from in-memory items (``Item`` objects or dicts with Item's fields)."""
         built = []
         for i, it in enumerate(items):
@@ -189,7 +189,9 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
             try:
                 data = json.load(f)
             except json.JSONDecodeError as exc:
-                raise BenchmarkFormatError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+                raise BenchmarkFormatError(
+                    f"{path}:{exc.lineno}: invalid JSON: {exc.msg}"
+                ) from None
             if isinstance(data, dict):  # one problem per file (MATH's layout)
                 data = [data]
             for i, rec in enumerate(data):
@@ -215,8 +217,7 @@ def _require(rec: dict, fields: Sequence[str], path: Path | str, lineno: int) ->
     missing = [f for f in fields if f not in rec]
     if missing:
         raise BenchmarkFormatError(
-            f"{path}:{lineno}: record is missing required field(s) {missing}; "
-            f"it has {sorted(rec)}"
+            f"{path}:{lineno}: record is missing required field(s) {missing}; it has {sorted(rec)}"
         )
 
 
@@ -306,7 +307,9 @@ def load_humaneval_plus(
     return _finish("humaneval_plus", "code", items, path, limit)
 
 
-_ASSERT_CALL = re.compile(r"assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\(")
+_ASSERT_CALL = re.compile(
+    r"assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\("
+)
 
 
 def _entry_point_from(asserts: Sequence[str], code: str) -> str:
@@ -395,9 +398,7 @@ def mbpp_plus_inputs(task_id: str, inputs: list) -> list:
     if n == 252:
         return [[complex(inp[0])] for inp in inputs]
     if n == 278:
-        return [
-            [tuple(tuple(x) if isinstance(x, list) else x for x in inp[0])] for inp in inputs
-        ]
+        return [[tuple(tuple(x) if isinstance(x, list) else x for x in inp[0])] for inp in inputs]
     if n == 307:
         return [[tuple(inp[0]), inp[1], inp[2]] for inp in inputs]
     if n == 722:

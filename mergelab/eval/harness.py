@@ -140,6 +140,16 @@ def _read_cache(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return done
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line left incomplete by a crash mid-write, so appends start on a new line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def _generate_missing(
     candidate: Candidate,
     jobs: list[tuple[str, int, str]],
@@ -151,6 +161,7 @@ def _generate_missing(
 ) -> None:
     """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache."""
     batch = max(1, gen_settings.batch_size)
+    _drop_torn_tail(cache_file)
     bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
     with open(cache_file, "a", encoding="utf-8") as f:
         for start in range(0, len(jobs), batch):
@@ -163,7 +174,9 @@ def _generate_missing(
                 seed = None if gen_settings.seed is None else gen_settings.seed + sample
                 if gen_settings.do_sample and seed is None:
                     seed = settings.seed + sample
-                gens = candidate.generate([p for _, _, p in group], replace(gen_settings, seed=seed))
+                gens = candidate.generate(
+                    [p for _, _, p in group], replace(gen_settings, seed=seed)
+                )
                 if len(gens) != len(group):
                     raise RuntimeError(
                         f"candidate {candidate.name!r} returned {len(gens)} generations "
@@ -231,7 +244,9 @@ def evaluate(
         if s not in settings.generation.stop_strings
     )  # fmt: skip
     gen_settings = replace(settings.generation, stop_strings=stops)
-    prompts = {it.item_id: build_prompt(it, bench, settings.prompt, tokenizer) for it in bench.items}
+    prompts = {
+        it.item_id: build_prompt(it, bench, settings.prompt, tokenizer) for it in bench.items
+    }
 
     cache_file = run_dir / "generations.jsonl"
     done = _read_cache(cache_file)
@@ -252,9 +267,10 @@ def evaluate(
         it.item_id: [done[(it.item_id, s)] for s in range(settings.n_samples)] for it in bench.items
     }
     if bench.task == "code":
-        items, metrics, primary = _score_code(bench, samples, settings, sandbox, progress)
+        items, metrics, primary, extra = _score_code(bench, samples, settings, sandbox, progress)
     else:
         items, metrics, primary = _score_math(bench, samples, settings)
+        extra = {}
     for it in items:
         it["prompt"] = prompts[it["item_id"]]
 
@@ -272,6 +288,7 @@ def evaluate(
             )
             for name, values in metrics.items()
         },
+        **extra,
         "generation_seconds_this_call": generation_seconds,
         "generated_this_call": len(jobs),
     }
@@ -341,12 +358,12 @@ def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, prog
                 scores[f"pass@{k}_plus"] = pass_at_k(n, c_plus, k)
         for name, v in scores.items():
             metrics.setdefault(name, []).append(v)
-        items.append({"item_id": it.item_id, "scores": scores, "samples": recs,
-                      "isolation": results[0].isolation if results else []})  # fmt: skip
+        items.append({"item_id": it.item_id, "scores": scores, "samples": recs})
     primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
         f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
     )  # fmt: skip
-    return items, metrics, primary
+    isolation = sorted({tag for r in results for tag in r.isolation})
+    return items, metrics, primary, {"sandbox_isolation": isolation}
 
 
 def _write_results(run_dir, output_dir, force, summary, items) -> Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -67,7 +67,7 @@ class PromptConfig:
         }
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_exemplars(name: str) -> tuple[dict[str, str], ...]:
     """Exemplars shipped in ``mergelab/eval/data``: ``"gsm8k_cot_8shot"`` or ``"math_4shot"``."""
     text = resources.files("mergelab.eval").joinpath("data", f"{name}.json").read_text("utf-8")

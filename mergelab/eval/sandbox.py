@@ -34,6 +34,7 @@ its reporting pipe could fake a pass. It is a guard against accidents and sloppy
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -53,6 +54,7 @@ STATUSES = ("passed", "failed", "timed_out", "crashed")
 WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
 # Sandboxed programs run as uid BASE_UID + slot; high, unnamed uids that own no files.
 BASE_UID = 1_500_000
+_SANDBOX_COUNTER = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,11 @@ class Sandbox:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.limits = limits or SandboxLimits()
         self.isolation = isolation
-        # Different Sandbox objects (e.g. two studies at once) get different uids.
-        base_uid = BASE_UID + (os.getpid() % 4096) * 256 + (id(self) >> 4) % 64 * 4
+        if self.workers > 256:
+            raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
+        # Every Sandbox (in this process, and across processes by pid) gets its own block of
+        # 256 uids, so RLIMIT_NPROC budgets and cleanup never mix two jobs.
+        base_uid = BASE_UID + (os.getpid() % 4096) * 65536 + (next(_SANDBOX_COUNTER) % 256) * 256
         self._free: queue.Queue[_Worker] = queue.Queue()
         self._all = [_Worker(i, base_uid) for i in range(self.workers)]
         for w in self._all:

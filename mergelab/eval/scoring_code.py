@@ -54,9 +54,7 @@ def solution_code(prompt: str, completion: str, tests: CodeTests) -> str:
     if not tests.prompt_is_code:
         return code
     if re.search(rf"^def\s+{re.escape(tests.entry_point)}\s*\(", code, re.M):
-        imports = "\n".join(
-            ln for ln in prompt.splitlines() if ln.startswith(("import ", "from "))
-        )
+        imports = "\n".join(ln for ln in prompt.splitlines() if ln.startswith(("import ", "from ")))
         return imports + "\n" + code
     return prompt + completion
 
@@ -67,7 +65,7 @@ def _literal(obj) -> str:
     return f"__pickle.loads(__base64.b64decode({data!r}))"
 
 
-_COMPARE_SOURCE = r'''
+_COMPARE_SOURCE = r"""
 import base64 as __base64, copy as __copy, math as __math, pickle as __pickle
 
 
@@ -124,7 +122,7 @@ def __differential(reference_src, candidate_src, entry_point, inputs, atol, mode
             raise AssertionError(
                 f"input #{i}: {repr(inp)[:300]} -> expected {repr(exp)[:300]}, got {repr(out)[:300]}"
             )
-'''
+"""
 
 
 def _compare_mode(entry_point: str) -> str:

@@ -40,7 +40,8 @@ def extract_gsm8k_flexible(text: str) -> str | None:
     for a, b in reversed(matches):
         token = a or b
         if any(ch.isdigit() for ch in token):
-            return token
+            # lm-eval ignores "$" and a sentence-final "." when comparing; drop them here.
+            return token.replace("$", "").rstrip(".,")
     return None
 
 
@@ -71,7 +72,9 @@ def numbers_equal(pred: str | None, ref: str | None) -> bool:
     return a is not None and b is not None and a == b
 
 
-def gsm8k_correct(generation: str, reference: str, mode: str = "flexible") -> tuple[bool, str | None]:
+def gsm8k_correct(
+    generation: str, reference: str, mode: str = "flexible"
+) -> tuple[bool, str | None]:
     """(correct, extracted answer) for one GSM8K generation."""
     pred = extract_gsm8k(generation, mode)
     return numbers_equal(pred, reference), pred

@@ -33,9 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig
-from peft.utils import load_peft_weights
-from peft.utils.other import get_pattern_key
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -88,7 +85,7 @@ class LoraModule:
 @dataclass
 class LoraAdapter:
     path: Path
-    config: LoraConfig
+    config: Any  # peft.LoraConfig
     modules: dict[
         str, LoraModule
     ]  # module name as in the base model, e.g. model.layers.0.mlp.up_proj
@@ -100,6 +97,12 @@ class LoraAdapter:
 
 def load_lora_adapter(path: str | os.PathLike, label: str = "adapter") -> LoraAdapter:
     """Read a PEFT LoRA adapter folder with PEFT's own loaders (no base model needed)."""
+    # peft is imported here, not at module level: it costs seconds, and checkpoint merges
+    # (which import this module through the CLI) never need it.
+    from peft import LoraConfig
+    from peft.utils import load_peft_weights
+    from peft.utils.other import get_pattern_key
+
     path = Path(path)
     if not is_lora_adapter(path):
         raise MergeInputError(f"{label} {path} is not a PEFT adapter (no {ADAPTER_CONFIG_NAME})")
@@ -422,7 +425,7 @@ def _write_adapter(
     total_rank = sum(block_ranks)
     exact = merge.method.name in LINEAR_IN_DELTA and (rank is None or rank >= total_rank)
     out_rank = total_rank if exact else (rank or total_rank)
-    store_dtype = merge.adapters[0].modules[merge.modules[0]].A.dtype
+    store_dtype = next(iter(merge.adapters[0].modules.values())).A.dtype
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
     coefficients = merge.linear_coefficients() if exact else None

@@ -9,6 +9,7 @@ is the default, and each docstring says which setting reproduces which tool.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -20,15 +21,72 @@ from .registry import TensorContext, merge_method
 _DENSITY_RANGE = {"density": (0.0, 1.0)}
 
 
-def _weighted_sum(stack: torch.Tensor, weight: list[float], normalize: bool) -> torch.Tensor:
-    """Σ_i w_i x_i over the stack, divided by Σ_i w_i when ``normalize``."""
-    merged = (ops.per_expert(weight, stack) * stack).sum(0)
+def _weighted_sum(
+    tensors: Iterable[torch.Tensor], weight: list[float], normalize: bool
+) -> torch.Tensor:
+    """Σ_i w_i x_i into a new tensor, divided by Σ_i w_i when ``normalize``.
+
+    Accumulates one tensor at a time, so a generator of task vectors never needs a full stack.
+    """
+    merged: torch.Tensor | None = None
+    for w, x in zip(weight, tensors):
+        if merged is None:
+            merged = torch.mul(x, w)
+        else:
+            merged.add_(x, alpha=w)
+    assert merged is not None
     if normalize:
         total = sum(weight)
-        if abs(total) < 1e-8:  # mergekit's rule: a (near-)zero total is not divided by
-            return merged
-        merged = merged / total
+        if abs(total) >= 1e-8:  # mergekit's rule: a (near-)zero total is not divided by
+            merged.div_(total)
     return merged
+
+
+def _combine(
+    base: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+    weight: list[float],
+    *,
+    normalize: bool,
+    lambda_: float = 1.0,
+) -> torch.Tensor:
+    """θ_b + λ Σ_i w_i (x_i − θ_b), or Σ_i w_i x_i without a base; Σ divided by Σ_i w_i when
+    ``normalize`` (unless |Σ w_i| < 1e-8, mergekit's rule).
+
+    Walks the tensors chunk by chunk with two reused cache-sized buffers: no task-vector stack,
+    no full-size temporaries besides the output.
+    """
+    total = sum(weight)
+    divide = normalize and abs(total) >= 1e-8
+    flat_base = base.reshape(-1) if base is not None else None
+    flat = [x.reshape(-1) for x in tensors]
+    out = torch.empty_like(flat[0])
+    width = min(ops.CHUNK, out.numel())
+    delta = torch.empty(width, dtype=out.dtype, device=out.device)
+    acc = torch.empty(width, dtype=out.dtype, device=out.device)
+    for part in ops.chunks(out.numel()):
+        n = part.stop - part.start
+        d, a = delta[:n], acc[:n]
+        for i, (x, w) in enumerate(zip(flat, weight)):
+            term = x[part] if flat_base is None else torch.sub(x[part], flat_base[part], out=d)
+            if i == 0:
+                torch.mul(term, w, out=a)
+            else:
+                a.add_(term, alpha=w)
+        if divide:
+            a.div_(total)
+        if flat_base is None:
+            out[part] = a
+        else:
+            torch.add(flat_base[part], a, alpha=lambda_, out=out[part])
+    return out.view(tensors[0].shape)
+
+
+def _add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torch.Tensor:
+    """θ_b + λ δ, reusing δ's storage (``delta`` is the method's own buffer)."""
+    if lambda_ != 1:
+        delta.mul_(lambda_)
+    return delta.add_(base)
 
 
 @merge_method("linear", per_model=("weight",), needs_base=False)
@@ -47,7 +105,7 @@ def linear(
     """
     if normalize and sum(weight) == 0:
         raise ValueError("linear merge: weights sum to zero, cannot normalise")
-    return _weighted_sum(torch.stack(experts), weight, normalize)
+    return _combine(None, experts, weight, normalize=normalize)
 
 
 @merge_method("slerp", per_model=(), needs_base=False)
@@ -91,8 +149,7 @@ def task_arithmetic(
     With λ = 1 and w_i = 1 on a model whose logits are linear in θ this is exactly logit
     composition.
     """
-    tv = ops.task_vectors(base, experts)
-    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+    return _combine(base, experts, weight, normalize=normalize, lambda_=lambda_)
 
 
 def _ties_prepare(params: dict[str, Any], make_iter) -> dict[str, Any]:
@@ -100,22 +157,39 @@ def _ties_prepare(params: dict[str, Any], make_iter) -> dict[str, Any]:
     return {"ties_thresholds": ops.global_magnitude_thresholds(make_iter, params["density"])}
 
 
-def _sign_elect_and_merge(
-    tv: torch.Tensor,
+def _trim_elect_merge(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    thresholds: list[float],
     weight: list[float],
     *,
+    lambda_: float,
     majority_sign: MajoritySign,
     weighted_sign: bool,
     divide_by: DivideBy,
 ) -> torch.Tensor:
-    """TIES' elect + disjoint merge on a stack of sparsified task vectors (modified in place)."""
-    w = ops.per_expert(weight, tv)
-    if weighted_sign:
-        tv.mul_(w)
-    agree = ops.majority_sign_mask(tv, majority_sign)
-    if not weighted_sign:
-        tv.mul_(w)
-    return ops.disjoint_merge(tv, agree, divide_by, weight)
+    """θ_b + λ · disjoint_merge(elect(trim(τ))) with known |τ_i| thresholds, chunk by chunk.
+
+    Only the output and an ``[n_experts, CHUNK]`` scratch buffer are allocated: τ_i is formed per
+    chunk, so no full-size stack of task vectors exists (lower peak memory than stacking, and
+    the temporaries stay in cache).
+    """
+    flat_base = base.reshape(-1)
+    flat_experts = [e.reshape(-1) for e in experts]
+    out = torch.empty_like(flat_base)
+    width = min(ops.CHUNK, flat_base.numel())
+    scratch = torch.empty((len(experts), width), dtype=base.dtype, device=base.device)
+    for part in ops.chunks(flat_base.numel()):
+        stack = scratch[:, : part.stop - part.start]
+        for tau, expert, threshold in zip(stack, flat_experts, thresholds):
+            torch.sub(expert[part], flat_base[part], out=tau)
+            ops.threshold_trim_(tau, threshold)
+        elected = ops.elect_sign(stack, majority_sign, weight if weighted_sign else None)
+        merged = ops.disjoint_merge_(
+            stack, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
+        )
+        torch.add(flat_base[part], merged, alpha=lambda_, out=out[part])
+    return out.view(base.shape)
 
 
 @merge_method(
@@ -156,7 +230,6 @@ def ties(
     is ``trim_scope="tensor", weighted_sign=True, divide_by="weight_sum"`` (its density default is
     1.0, i.e. no trimming). Exact ties in |τ| at the threshold are all kept (a sort keeps exactly k).
     """
-    tv = ops.task_vectors(base, experts)
     if trim_scope == "model":
         if any(d < 1 for d in density) and "ties_thresholds" not in ctx.stats:
             raise ValueError(
@@ -165,14 +238,18 @@ def ties(
                 "or use trim_scope='tensor'"
             )
         thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
-    else:
-        thresholds = [ops.magnitude_threshold(tau, d) for tau, d in zip(tv, density)]
-    for tau, threshold in zip(tv, thresholds):
-        ops.magnitude_trim_(tau, threshold)
-    merged = _sign_elect_and_merge(
-        tv, weight, majority_sign=majority_sign, weighted_sign=weighted_sign, divide_by=divide_by
+    else:  # the same exact selection, over this tensor only
+        thresholds = ops.global_magnitude_thresholds(lambda: [(ctx.name, base, experts)], density)
+    return _trim_elect_merge(
+        base,
+        experts,
+        thresholds,
+        weight,
+        lambda_=lambda_,
+        majority_sign=majority_sign,
+        weighted_sign=weighted_sign,
+        divide_by=divide_by,
     )
-    return base + lambda_ * merged
 
 
 def _dare_drop(
@@ -219,7 +296,7 @@ def dare_linear(
     ``rescale="l1"``; PEFT's returns Σ w_i DARE(τ_i) only.
     """
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+    return _add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base)
 
 
 @merge_method(
@@ -249,10 +326,11 @@ def dare_ties(
     is its default here; ``normalize: true`` is ``divide_by="weight_sum"``).
     """
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    merged = _sign_elect_and_merge(
-        tv, weight, majority_sign=majority_sign, weighted_sign=weighted_sign, divide_by=divide_by
+    elected = ops.elect_sign(tv, majority_sign, weight if weighted_sign else None)
+    merged = ops.disjoint_merge_(
+        tv, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
     )
-    return base + lambda_ * merged
+    return _add_scaled_(merged, lambda_, base)
 
 
 @merge_method(
@@ -282,7 +360,7 @@ def breadcrumbs(
     tv = ops.task_vectors(base, experts)
     for tau, d, g in zip(tv, density, gamma):
         ops.magnitude_outlier_trim_(tau, d, g)
-    return base + lambda_ * _weighted_sum(tv, weight, normalize)
+    return _add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base)
 
 
 @merge_method("model_stock", per_model=())

@@ -11,6 +11,10 @@ the top 16 bits place the k-th largest in one of 2¹⁵ buckets and the low 16 b
 pin it down exactly. This costs two ``bincount`` sweeps (≈10× faster than ``argsort`` on CPU),
 needs O(1) memory beyond the tensor, and works across tensors streamed from disk, which is what
 whole-model ("global") TIES trimming needs.
+
+Speed notes (CPU): the hot loops walk tensors in chunks of :data:`CHUNK` entries so temporaries
+stay in cache and are reused, and they use float arithmetic (``hardshrink``, ``relu``, ``sign``)
+rather than boolean masks, ``where`` or indexing, which are several times slower per element.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 
 _HIGH_BUCKETS = 1 << 15  # |x| has sign bit 0, so the top 16 bits of its float32 pattern are < 2¹⁵
 _LOW_BUCKETS = 1 << 16
+CHUNK = 1 << 16  # entries per chunk in the elementwise loops: 256 KiB of float32, cache-sized
+# Histogram passes pay a fixed cost per chunk (the 2¹⁵/2¹⁶-bin output), so they take bigger ones.
+HISTOGRAM_CHUNK = 1 << 18
+
+
+def chunks(numel: int, size: int | None = None) -> Iterable[slice]:
+    """Consecutive slices of ``size`` (default :data:`CHUNK`) entries covering ``range(numel)``."""
+    size = size or CHUNK
+    return (slice(start, min(start + size, numel)) for start in range(0, numel, size))
 
 
 # --- task vectors and per-expert scalars -------------------------------------------------------
@@ -68,6 +81,10 @@ def _abs_bits(x: torch.Tensor) -> torch.Tensor:
     return a.reshape(-1).view(torch.int32)
 
 
+def _bits_to_float(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32).item())
+
+
 def _locate(counts: torch.Tensor, k: int) -> tuple[int, int]:
     """Bucket holding the k-th largest (1-based) item of a histogram, and its rank inside it."""
     from_top = counts.flip(0).cumsum(0)
@@ -80,9 +97,10 @@ def _locate(counts: torch.Tensor, k: int) -> tuple[int, int]:
 class KthLargestAbs:
     """Exact k-th largest |x| over values seen in two passes (e.g. tensors streamed from disk).
 
-    Pass 1: ``observe(x)`` for every chunk; then ``select(k)``; pass 2: ``observe(x)`` again for
-    the same chunks (any order); ``value()`` returns the threshold as a float. Memory: two
-    histograms (2¹⁵ + 2¹⁶ int64 counters), whatever the number of values.
+    Pass 1: ``observe(x)`` for every chunk of values; then ``select(k)``; pass 2: ``observe(x)``
+    again for the same values (any order, any chunking); ``value()`` returns the threshold as a
+    float. Memory: two histograms (2¹⁵ + 2¹⁶ int64 counters), whatever the number of values.
+    ``observe_`` does the same but may overwrite ``x`` (a float32 scratch buffer), saving a copy.
     """
 
     def __init__(self) -> None:
@@ -94,14 +112,20 @@ class KthLargestAbs:
         self._k = 0
 
     def observe(self, x: torch.Tensor) -> None:
-        bits = _abs_bits(x)
+        self.observe_(_abs_bits(x).view(torch.float32))
+
+    def observe_(self, x: torch.Tensor) -> None:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return self.observe(x)
+        bits = x.abs_().view(-1).view(torch.int32)
         if self._low is None:  # pass 1: histogram of the top 16 bits
             self.count += bits.numel()
-            self._high += torch.bincount(bits >> 16, minlength=_HIGH_BUCKETS).cpu()
-        elif self._k > 0:  # pass 2: low 16 bits of the values inside the chosen bucket
-            lo = self._bucket << 16
-            inside = bits[(bits >= lo) & (bits < lo + _LOW_BUCKETS)] - lo
-            self._low += torch.bincount(inside, minlength=_LOW_BUCKETS).cpu()
+            high = bits.bitwise_right_shift_(16)
+            self._high += torch.bincount(high, minlength=_HIGH_BUCKETS).cpu()
+        elif self._k > 0:  # pass 2: low 16 bits inside the chosen bucket; the rest go to the ends
+            bits.sub_((self._bucket << 16) - 1).clamp_(0, _LOW_BUCKETS + 1)
+            counts = torch.bincount(bits, minlength=_LOW_BUCKETS + 2)
+            self._low += counts[1:-1].cpu()
 
     def select(self, k: int) -> None:
         """End pass 1: remember which bucket holds the k-th largest value."""
@@ -117,16 +141,20 @@ class KthLargestAbs:
         if self._k == 0:
             return math.inf
         low, _ = _locate(self._low, self._rank)
-        bits = torch.tensor([(self._bucket << 16) | low], dtype=torch.int32)
-        return float(bits.view(torch.float32).item())
+        return _bits_to_float((self._bucket << 16) | low)
 
 
 def kth_largest_abs(x: torch.Tensor, k: int) -> float:
     """Exact k-th largest |x| of one tensor (1-based; ``k`` ≥ numel gives the smallest |x|)."""
+    if k <= 0:
+        return math.inf
     finder = KthLargestAbs()
-    finder.observe(x)
-    finder.select(k)
-    finder.observe(x)
+    flat = x.reshape(-1)
+    for pass_ in range(2):
+        for part in chunks(flat.numel(), HISTOGRAM_CHUNK):
+            finder.observe(flat[part])
+        if pass_ == 0:
+            finder.select(k)
     return finder.value()
 
 
@@ -140,19 +168,34 @@ def magnitude_threshold(x: torch.Tensor, density: float) -> float:
 def global_magnitude_thresholds(
     make_iter: Callable[[], TensorTriples], densities: list[float]
 ) -> list[float]:
-    """Per-expert |τ_i| thresholds over the WHOLE model (the TIES paper's global top-k).
+    """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
     ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called twice
-    (two passes) and nothing but the current tensor is held. Expert i keeps the entries with
-    |τ_i| ≥ its threshold, i.e. its ``kept_count(density_i, N)`` largest over all N parameters
-    (plus any exact ties with the k-th).
+    (two passes) and nothing but the current tensor is held; τ_i is formed chunk by chunk in a
+    reused buffer. Expert i keeps the entries with |τ_i| ≥ its threshold, i.e. its
+    ``kept_count(density_i, N)`` largest over all N parameters (plus any exact ties with the
+    k-th). Over the whole model this is the TIES paper's trim; over one tensor, mergekit's.
     """
     finders = [KthLargestAbs() for _ in densities]
+    scratch: torch.Tensor | None = None
 
     def one_pass() -> None:
+        nonlocal scratch
         for _, base, experts in make_iter():
-            for finder, expert in zip(finders, experts):
-                finder.observe(expert - base)
+            flat_base = base.reshape(-1)
+            flat_experts = [e.reshape(-1) for e in experts]
+            if base.dtype != torch.float32:  # τ is formed in the compute dtype, then widened
+                for part in chunks(flat_base.numel(), HISTOGRAM_CHUNK):
+                    for finder, expert in zip(finders, flat_experts):
+                        finder.observe(expert[part] - flat_base[part])
+                continue
+            if scratch is None or scratch.device != base.device:
+                scratch = torch.empty(HISTOGRAM_CHUNK, dtype=torch.float32, device=base.device)
+            for part in chunks(flat_base.numel(), HISTOGRAM_CHUNK):
+                buffer = scratch[: part.stop - part.start]
+                for finder, expert in zip(finders, flat_experts):
+                    torch.sub(expert[part], flat_base[part], out=buffer)
+                    finder.observe_(buffer)
 
     one_pass()
     for finder, density in zip(finders, densities):
@@ -165,14 +208,34 @@ def global_magnitude_thresholds(
 # --- sparsification (in place on a method's own buffers) ---------------------------------------
 
 
-def magnitude_trim_(tau: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Zero the entries with |τ| < ``threshold`` (in place); ``inf`` zeroes everything."""
+def threshold_trim_(tau: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Zero the entries with |τ| < ``threshold`` (in place); ``inf`` zeroes everything.
+
+    With a whole-model threshold from :func:`global_magnitude_thresholds` this is global trimming.
+    """
     if threshold == math.inf:
         return tau.zero_()
     if threshold > 0:
-        magnitude = tau.abs() if tau.dtype == torch.float32 else tau.abs().float()
-        tau.masked_fill_(magnitude < threshold, 0)
+        if tau.dtype == torch.float32:
+            # hardshrink zeroes |x| ≤ λ; with λ the largest float32 below the threshold that is
+            # exactly |x| < threshold, in one float kernel instead of abs + compare + fill.
+            as_float32 = torch.tensor(threshold, dtype=torch.float32)
+            below = float(as_float32)
+            if below >= threshold:
+                below = _bits_to_float(int(as_float32.view(torch.int32)) - 1)
+            torch.hardshrink(tau, below, out=tau)
+        else:
+            tau.masked_fill_(tau.abs().float() < threshold, 0)
     return tau
+
+
+def magnitude_trim_(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep the ``kept_count(density, numel)`` largest |τ| of this tensor, zero the rest (in place).
+
+    Per-tensor trimming (mergekit, PEFT ``prune(..., "magnitude")``). Entries tied with the k-th
+    largest are all kept, where a sort keeps exactly k.
+    """
+    return threshold_trim_(tau, magnitude_threshold(tau, density))
 
 
 def magnitude_outlier_trim_(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -241,50 +304,62 @@ MajoritySign = Literal["sum", "count"]
 DivideBy = Literal["count", "weight_sum", "none"]
 
 
-def majority_sign_mask(stack: torch.Tensor, method: MajoritySign = "sum") -> torch.Tensor:
-    """Bool ``[n, ...]``: which entries agree with the elected sign of their position.
-
-    The elected sign is + where Σ_i τ_i ≥ 0 ("sum": TIES paper, PEFT "total", mergekit "sum") or
-    where the count of positive entries ≥ the count of negative ones ("count": PEFT "frequency",
-    mergekit "count"). Zeros (trimmed or dropped entries) never agree.
-    """
-    if method == "sum":
-        positive = stack.sum(0) >= 0
-    elif method == "count":
-        positive = (stack > 0).sum(0) >= (stack < 0).sum(0)
-    else:
-        raise ValueError(f"unknown majority_sign {method!r}; use 'sum' or 'count'")
-    return torch.where(positive, stack > 0, stack < 0)
-
-
-def disjoint_merge(
-    weighted: torch.Tensor,
-    agree: torch.Tensor,
-    divide_by: DivideBy = "count",
-    weights: list[float] | None = None,
+def elect_sign(
+    stack: torch.Tensor,
+    method: MajoritySign = "sum",
+    sign_weights: list[float] | None = None,
 ) -> torch.Tensor:
-    """Σ_i w_i τ_i over the agreeing entries, divided per entry by ``divide_by``.
+    """The elected sign (+1.0 or −1.0) of every position of a stack ``[n, ...]`` → ``[...]``.
 
-    ``weighted`` is the stack of w_i τ_i; ``agree`` from :func:`majority_sign_mask`.
-    "count": number of agreeing experts (TIES paper, PEFT); "weight_sum": Σ of their weights
-    (mergekit ``normalize: true``); "none": the plain sum (mergekit ``normalize: false``).
-    A position where nobody agrees gets 0.
+    + where Σ_i τ_i ≥ 0 ("sum": TIES paper, PEFT "total", mergekit "sum"), or where
+    Σ_i sign(τ_i) ≥ 0, i.e. positives at least as many as negatives ("count": PEFT "frequency",
+    mergekit "count"). With ``sign_weights`` the election is on w_i τ_i instead (mergekit).
+    A tie (0) elects +, as in every implementation.
     """
-    merged = torch.zeros_like(weighted[0])
-    for i in range(weighted.shape[0]):
-        merged.add_(torch.where(agree[i], weighted[i], 0))
-    if divide_by == "count":
-        merged.div_(agree.sum(0).clamp_(min=1))
-    elif divide_by == "weight_sum":
-        if weights is None:
-            raise ValueError("disjoint_merge(divide_by='weight_sum') needs the weights")
-        total = torch.zeros_like(merged)
-        for w, a in zip(weights, agree):
-            total.add_(a, alpha=w)
-        total[total == 0] = 1
-        merged.div_(total)
-    elif divide_by != "none":
+    if method not in ("sum", "count"):
+        raise ValueError(f"unknown majority_sign {method!r}; use 'sum' or 'count'")
+    if sign_weights is not None and any(w != 1 for w in sign_weights):
+        stack = stack * per_expert(sign_weights, stack)
+    votes = stack.sum(0) if method == "sum" else stack.sign().sum(0)
+    return votes.sign_().add_(0.5).sign_()  # −1, 0, +1 → −1, +1, +1
+
+
+def disjoint_merge_(
+    stack: torch.Tensor,
+    elected: torch.Tensor,
+    weights: list[float] | None = None,
+    *,
+    divide_by: DivideBy = "count",
+    weighted_sign: bool = False,
+) -> torch.Tensor:
+    """Σ_i w_i τ_i over the entries whose sign agrees with ``elected``, divided per entry.
+
+    ``stack``: the unweighted τ_i ``[n, ...]`` (overwritten); ``elected`` from
+    :func:`elect_sign`. Agreement is judged on τ_i, or on w_i τ_i when ``weighted_sign`` (they
+    differ only for negative weights); zeros never agree. ``divide_by``: "count" of agreeing
+    experts (TIES paper, PEFT), "weight_sum" Σ of their w_i (mergekit ``normalize: true``) or
+    "none" (mergekit ``normalize: false``). A position where nobody agrees gets 0.
+    """
+    if divide_by not in ("count", "weight_sum", "none"):
         raise ValueError(f"unknown divide_by {divide_by!r}; use 'count', 'weight_sum' or 'none'")
+    weights = [1.0] * stack.shape[0] if weights is None else weights
+    merged = torch.zeros_like(elected)
+    divisor = torch.zeros_like(elected) if divide_by != "none" else None
+    for tau, w in zip(stack, weights):
+        # agreeing entries have f·e·τ_i = |τ_i| > 0, where f = sign(w_i) or 1; relu zeroes the rest
+        flip = (math.copysign(1.0, w) if w != 0 else 0.0) if weighted_sign else 1.0
+        magnitude = tau.mul_(elected)
+        if flip != 1:
+            magnitude.mul_(flip)
+        magnitude.relu_()
+        if divisor is not None:
+            divisor.add_(magnitude.sign(), alpha=1.0 if divide_by == "count" else w)
+        merged.add_(magnitude, alpha=w * flip)  # w_i τ_i = (w_i f) · e · |τ_i| when agreeing
+    merged.mul_(elected)
+    if divide_by == "count":
+        merged.div_(divisor.clamp_(min=1))
+    elif divide_by == "weight_sum":
+        merged.div_(divisor.masked_fill_(divisor == 0, 1))
     return merged
 
 

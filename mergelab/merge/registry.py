@@ -160,7 +160,9 @@ class MergeMethod:
 
         ``params``: resolved global parameters and per-model lists merged into one dict.
         """
-        if self.prepare is None or (self.needs_prepare is not None and not self.needs_prepare(params)):
+        if self.prepare is None or (
+            self.needs_prepare is not None and not self.needs_prepare(params)
+        ):
             return {}
         return self.prepare(params, make_iter)
 

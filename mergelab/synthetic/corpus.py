@@ -2,7 +2,7 @@
 
 It teaches the *ingredients* the tasks are written in — stories about people and objects,
 arithmetic equations, Python functions, English words — but never a task's format paired with its
-solution: no "Question: … Answer: … #### n", no docstring followed by its body, no reversed word.
+solution: no "Q: … A: … #### n", no docstring followed by its body, no enumerated word count.
 So the base knows the language and is weak at every task (as gemma-2-2b is weak at GSM8K and
 HumanEval+ before fine-tuning), and each expert has a skill to add.
 """

@@ -7,10 +7,11 @@ Four skills, each an item generator with a checkable answer:
   (HumanEval style).
 * ``mixed`` — a function whose docstring *is* a word problem: the body must turn the story into
   arithmetic (the math skill) written as Python (the code skill). Neither expert is trained on it.
-* ``reverse`` — spell a word backwards; the third, unrelated skill for the 3-expert experiment.
+* ``count`` — count the words of a list (GSM8K-style answer); the third, unrelated skill for the
+  3-expert experiment.
 
 Every item is a plain dict (JSON-able): ``id``, ``task``, ``prompt``, ``target`` (the reference
-completion, what fine-tuning learns), and the scoring fields ``answer`` (math, reverse) or
+completion, what fine-tuning learns), and the scoring fields ``answer`` (math, count; ``question`` is the text inside ``Q: … A:``) or
 ``tests`` + ``entry_point`` (code, mixed). Generation is seeded and splits never share a prompt.
 """
 
@@ -66,9 +67,15 @@ def math_item(rng: random.Random) -> dict:
         new = total + k if op == "+" else total - k
         lines.append(f"{total} {op} {k} = {new}")
         total = new
-    prompt = f"Question: {_story_text(name, obj, ops, start)}\nAnswer:"
+    question = _story_text(name, obj, ops, start)
     target = " " + "\n".join(lines) + f"\n#### {total}"
-    return {"task": "math", "prompt": prompt, "target": target, "answer": str(total)}
+    return {"task": "math", "question": question, "prompt": qa_prompt(question),
+            "target": target, "answer": str(total)}  # fmt: skip
+
+
+def qa_prompt(question: str) -> str:
+    """The GSM8K zero-shot layout (``mergelab.eval.prompts.gsm8k_prompt`` with no shots)."""
+    return f"Q: {question}\nA:"
 
 
 # Docstring → body templates: (docstring, expression in x, python function computing it).
@@ -116,19 +123,20 @@ def mixed_item(rng: random.Random) -> dict:
     }
 
 
-def reverse_item(rng: random.Random) -> dict:
-    word = rng.choice(WORDS)
-    if rng.random() < 0.5:  # two words make the space of prompts large enough for held-out splits
-        word = word + " " + rng.choice(WORDS)
-    prompt = f"Reverse: {word}\nOutput:"
-    return {"task": "reverse", "prompt": prompt, "target": " " + word[::-1], "answer": word[::-1]}
+def count_item(rng: random.Random) -> dict:
+    """Count the words of a list, enumerating them first (a skill unrelated to math and code)."""
+    words = [rng.choice(WORDS) for _ in range(rng.randint(2, 7))]
+    question = "How many words are in: " + " ".join(words) + "?"
+    target = " " + "\n".join(f"{i + 1} {w}" for i, w in enumerate(words)) + f"\n#### {len(words)}"
+    return {"task": "count", "question": question, "prompt": qa_prompt(question),
+            "target": target, "answer": str(len(words))}  # fmt: skip
 
 
 GENERATORS: dict[str, Callable[[random.Random], dict]] = {
     "math": math_item,
     "code": code_item,
     "mixed": mixed_item,
-    "reverse": reverse_item,
+    "count": count_item,
 }
 
 
@@ -159,6 +167,8 @@ def make_splits(
             item["id"] = f"{task}/{split}/{len(items)}"
             items.append(item)
         if len(items) < sizes[split]:
-            raise ValueError(f"could only draw {len(items)} distinct {task!r} prompts for {split!r}")
+            raise ValueError(
+                f"could only draw {len(items)} distinct {task!r} prompts for {split!r}"
+            )
         out[split] = items
     return out

@@ -10,7 +10,7 @@ Components only; the recipes that run the studies are ``studies/toy_*.py``.
 * :mod:`.metrics` — exact match of the joint transformation, per-skill success, bootstrap CIs.
 """
 
-from .metrics import bootstrap_ci, exact_match, skill_success
+from .metrics import exact_match, seed_bootstrap_ci, skill_success
 from .tasks import (
     AlignedTask,
     GenerativeTask,
@@ -29,7 +29,7 @@ __all__ = [
     "LetterMap",
     "SpanSkillTask",
     "TrainConfig",
-    "bootstrap_ci",
+    "seed_bootstrap_ci",
     "build_char_tokenizer",
     "exact_match",
     "finetune_lora",

@@ -122,7 +122,9 @@ class AlignedTask:
 
     tokenizer: object
 
-    def encode(self, inputs: Sequence[str], targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, inputs: Sequence[str], targets: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``input_ids, labels``: ``[N, T]`` long, right-padded (pad id / -100)."""
         pad = self.tokenizer.pad_token_id
         xs, ys = [], []
@@ -144,7 +146,8 @@ class AlignedTask:
         """Per-position argmax of ``[N, T, V]`` log-probs, cut to each input's length."""
         ids = logprobs.argmax(-1).tolist()
         return [
-            "".join(self.tokenizer.convert_ids_to_tokens(row[: len(x)])) for row, x in zip(ids, inputs)
+            "".join(self.tokenizer.convert_ids_to_tokens(row[: len(x)]))
+            for row, x in zip(ids, inputs)
         ]
 
 
@@ -154,7 +157,9 @@ class GenerativeTask:
 
     tokenizer: object
 
-    def encode(self, inputs: Sequence[str], targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, inputs: Sequence[str], targets: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tok = self.tokenizer
         seqs, labs = [], []
         for x, y in zip(inputs, targets, strict=True):
@@ -263,7 +268,9 @@ class SpanSkillTask:
             out.append(SpanExample(letters, tuple(spans)))
         return out
 
-    def sample_with_overlap(self, n: int, k: int, span: int, rng: random.Random) -> list[SpanExample]:
+    def sample_with_overlap(
+        self, n: int, k: int, span: int, rng: random.Random
+    ) -> list[SpanExample]:
         if len(self.skills) != 2:
             raise ValueError("the overlap sweep is defined for two skills")
         if not 0 <= k <= span or 2 * span - k > self.n_letters:

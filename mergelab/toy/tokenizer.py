@@ -28,7 +28,9 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
         raise ValueError(f"extra_chars {extra_chars!r} repeat a character of the alphabet")
     if any(len(c.encode()) != 1 or c in "[]" for c in extra_chars):
         # "[" would let a string like "[SEP]" read as the special token.
-        raise ValueError(f"extra_chars must be single ASCII characters other than [ ], got {extra_chars!r}")
+        raise ValueError(
+            f"extra_chars must be single ASCII characters other than [ ], got {extra_chars!r}"
+        )
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for c in chars:
         vocab[c] = len(vocab)
@@ -45,8 +47,8 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
 
 def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     """Ids of ``text``, one per character; raises on a character outside the alphabet."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) != len(text):
-        bad = sorted(set(text) - set(tokenizer.get_vocab()))
+    vocab = tokenizer.get_vocab()
+    bad = sorted({c for c in text if c not in vocab})
+    if bad:
         raise ValueError(f"characters {bad} are not in the toy alphabet")
-    return ids
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -98,7 +98,9 @@ def train_model(
     return {"final_loss": running, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
-def finetune_full(base: torch.nn.Module, input_ids, labels, cfg: TrainConfig) -> tuple[torch.nn.Module, dict]:
+def finetune_full(
+    base: torch.nn.Module, input_ids, labels, cfg: TrainConfig
+) -> tuple[torch.nn.Module, dict]:
     """Copy of ``base`` fine-tuned on all parameters (shared initialisation → task vectors)."""
     model = copy.deepcopy(base)
     log = train_model(model, input_ids, labels, cfg)

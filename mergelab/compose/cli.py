@@ -1,0 +1,147 @@
+"""``mergelab compose``: decode from a logit composition of local checkpoints.
+
+    mergelab compose --base base/ --expert math/ --expert code/ --prompt "2 + 2 =" \
+        --max-new-tokens 32
+    mergelab compose --base base/ --expert math-lora/ --expert code-lora/ --lora \
+        --prompts-file prompts.jsonl --out generations.jsonl --eos-policy base
+
+Experts are model folders (or, with ``--lora``, PEFT adapter folders of the base). Prompts come
+from ``--prompt`` (repeatable) or ``--prompts-file`` (JSONL with a ``"prompt"`` field, or plain
+text with one prompt per line). Without ``--out`` the generations are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..candidate import GenerationSettings
+from .eos import EOS_POLICIES
+from .formula import Composition
+
+
+def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compose",
+        help="generate from a logit composition of a base and experts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base", required=True, help="base model folder (with its tokenizer)")
+    p.add_argument("--expert", action="append", required=True, help="expert folder (repeat)")
+    p.add_argument("--expert-name", action="append", help="name per expert (default expert1..k)")
+    p.add_argument("--weight", action="append", type=float, help="weight per expert (default 1)")
+    p.add_argument("--composition", help="JSON file with a Composition over 'base' and the expert names")
+    p.add_argument("--lora", action="store_true", help="experts are PEFT LoRA adapters of the base (fast path)")
+    p.add_argument("--eos-policy", default="plain", choices=EOS_POLICIES)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or one prompt per line")
+    p.add_argument("--out", help="write generations as JSONL here (atomically)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--component-logprobs", action="store_true", help="also record every model's log-probs")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run)
+    return p
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} not found")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            record = json.loads(line)
+            if "prompt" not in record:
+                raise ValueError(f"{path}:{n}: no 'prompt' field")
+            prompts.append(record["prompt"])
+        return prompts
+    return lines
+
+
+def build_decoder(args: argparse.Namespace):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .decoder import ComposedDecoder
+    from .vocab import check_same_tokenizer
+
+    dtype = getattr(torch, args.dtype)
+
+    def load_model(path: str):
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model folder {path} not found")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    names = args.expert_name or [f"expert{i + 1}" for i in range(len(args.expert))]
+    if len(names) != len(args.expert):
+        raise ValueError(f"{len(names)} --expert-name for {len(args.expert)} --expert")
+    if args.weight is not None and len(args.weight) != len(args.expert):
+        raise ValueError(f"{len(args.weight)} --weight for {len(args.expert)} --expert")
+    composition = None
+    if args.composition:
+        if args.weight is not None:
+            raise ValueError("pass either --weight or --composition")
+        composition = Composition.from_json(Path(args.composition).read_text())
+    # Experts that ship a tokenizer must ship the base's.
+    expert_tokenizers = []
+    for path in args.expert:
+        if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            expert_tokenizers.append((path, AutoTokenizer.from_pretrained(path)))
+    if expert_tokenizers:
+        check_same_tokenizer(
+            [tokenizer, *[t for _, t in expert_tokenizers]],
+            [args.base, *[p for p, _ in expert_tokenizers]],
+        )
+    base = load_model(args.base)
+    common = dict(eos_policy=args.eos_policy, expert_names=names, composition=composition)
+    if args.lora:
+        return ComposedDecoder.from_lora(base, list(args.expert), tokenizer, args.weight, **common)
+    experts = [load_model(p) for p in args.expert]
+    return ComposedDecoder(base, experts, tokenizer, args.weight, **common)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..outputs import atomic_output_file, check_output_path
+
+    prompts = args.prompt if args.prompt else read_prompts(args.prompts_file)
+    if args.out:
+        check_output_path(args.out, force=args.force)  # fail before loading any model
+    decoder = build_decoder(args)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+        batch_size=args.batch_size,
+        return_component_logprobs=args.component_logprobs,
+    )
+    generations = decoder.generate(prompts, settings)
+    if args.out:
+        with atomic_output_file(args.out, force=args.force) as tmp:
+            with open(tmp, "w") as f:
+                for g in generations:
+                    record = {"candidate": decoder.name, **g.to_dict(), "settings": settings.to_dict()}
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        print(f"wrote {len(generations)} generations of {decoder.name} to {args.out}")
+    else:
+        for g in generations:
+            print(f"### {g.prompt}\n{g.text}\n[{g.finish_reason}, {len(g.token_ids)} tokens]")
+    return 0

@@ -1,0 +1,172 @@
+"""``mergelab eval``: evaluate a saved model, compare two results, check a benchmark's data.
+
+    mergelab eval run --model merged/ --benchmark humaneval --limit 20 --out results/he-merged
+    mergelab eval run --model base/ --benchmark gsm8k --data gsm8k_test.jsonl --n-shots 8
+    mergelab eval compare results/he-merged results/he-base
+    mergelab eval canonical --benchmark humaneval+ --data HumanEvalPlus.jsonl.gz
+
+``run`` loads a local transformers folder (offline) as a :class:`mergelab.compose.ModelCandidate`;
+compositions and other candidates are evaluated from Python with :func:`mergelab.eval.evaluate`.
+``canonical`` runs every item's reference solution through the tests in the sandbox: a check of
+the data file and of the sandbox on this machine (all should pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate candidates on math and code benchmarks",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="eval_command", required=True)
+
+    run = sub.add_parser("run", help="evaluate a saved model on a benchmark")
+    run.add_argument("--model", required=True, help="local transformers model folder")
+    run.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    run.add_argument("--name", help="row label (default: the folder name)")
+    _benchmark_args(run)
+    run.add_argument("--max-new-tokens", type=int, default=512)
+    run.add_argument("--batch-size", type=int, default=8)
+    run.add_argument("--n-shots", type=int, help="few-shot examples (default: the protocol's)")
+    run.add_argument("--chat-template", choices=["never", "auto", "always"], default="never")
+    run.add_argument("--strict", action="store_true", help="GSM8K: strict '####' extraction")
+    run.add_argument("--timeout", type=float, default=10.0, help="seconds per test program")
+    run.add_argument("--workers", type=int, help="parallel test programs (default: all cores)")
+    run.add_argument("--cache-dir", default="results/eval_cache")
+    run.add_argument(
+        "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
+    )
+    run.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    run.add_argument("--seed", type=int, default=0)
+    run.set_defaults(func=_run)
+
+    cmp = sub.add_parser("compare", help="paired comparison of two results folders")
+    cmp.add_argument("result_a")
+    cmp.add_argument("result_b")
+    cmp.add_argument("--metric", help="default: the primary metric of result_a")
+    cmp.add_argument("--n-boot", type=int, default=10_000)
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.set_defaults(func=_compare)
+
+    canon = sub.add_parser("canonical", help="run reference solutions through the sandbox")
+    _benchmark_args(canon)
+    canon.add_argument("--workers", type=int)
+    canon.add_argument("--timeout", type=float, default=10.0)
+    canon.set_defaults(func=_canonical)
+    return p
+
+
+def _benchmark_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--benchmark",
+        required=True,
+        help="humaneval, humaneval+, mbpp, mbpp+, gsm8k or math",
+    )
+    p.add_argument("--data", help="local data file (or MATH folder); HumanEval is bundled")
+    p.add_argument("--limit", type=int, help="only the first N items")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergelab.candidate import GenerationSettings
+    from mergelab.compose import ModelCandidate
+    from mergelab.eval.benchmarks import load_benchmark
+    from mergelab.eval.harness import EvalSettings, evaluate
+    from mergelab.eval.prompts import PromptConfig
+    from mergelab.eval.sandbox import SandboxLimits
+
+    bench = load_benchmark(args.benchmark, args.data)
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder not found: {model_dir}")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    torch.manual_seed(args.seed)
+    candidate = ModelCandidate(model, tokenizer, name=args.name or model_dir.name)
+    settings = EvalSettings(
+        generation=GenerationSettings(
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+        ),
+        prompt=PromptConfig(n_shots=args.n_shots, chat_template=args.chat_template),
+        gsm8k_extraction="strict" if args.strict else "flexible",
+        sandbox=SandboxLimits(timeout_s=args.timeout),
+        workers=args.workers,
+        seed=args.seed,
+    )
+    result = evaluate(
+        candidate, bench, settings, cache_dir=args.cache_dir, limit=args.limit,
+        output_dir=args.output, force=args.force,
+    )  # fmt: skip
+    _print_metrics(result.summary)
+    print(f"results: {result.output_dir}")
+    return 0
+
+
+def _print_metrics(summary: dict) -> None:
+    for name, m in summary["metrics"].items():
+        print(
+            f"{summary['benchmark']['name']} {name}: {100 * m['mean']:.1f} "
+            f"[{100 * m['low']:.1f}, {100 * m['high']:.1f}] ({100 * m['confidence']:.0f}% CI, "
+            f"n={m['n']})"
+        )
+
+
+def _load_items(folder: str) -> tuple[dict, list[dict]]:
+    path = Path(folder)
+    summary_file, items_file = path / "summary.json", path / "items.jsonl"
+    if not summary_file.exists() or not items_file.exists():
+        raise FileNotFoundError(f"{path} has no summary.json + items.jsonl (an evaluate() output)")
+    summary = json.loads(summary_file.read_text())
+    items = [json.loads(line) for line in items_file.read_text().splitlines() if line.strip()]
+    return summary, items
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from mergelab.eval.stats import compare
+
+    sa, ia = _load_items(args.result_a)
+    sb, ib = _load_items(args.result_b)
+    metric = args.metric or sa["primary_metric"]
+    out = compare(ia, ib, metric=metric, n_boot=args.n_boot, seed=args.seed)
+    pb = out["paired_bootstrap"]
+    print(f"{metric} on {out['n_shared']} shared items: a = {100 * out['mean_a']:.1f}, "
+          f"b = {100 * out['mean_b']:.1f}")  # fmt: skip
+    print(f"a - b = {100 * pb['mean_diff']:+.1f} [{100 * pb['low']:+.1f}, {100 * pb['high']:+.1f}] "
+          f"(paired bootstrap {100 * pb['confidence']:.0f}% CI, p = {pb['p_value']:.3g})")  # fmt: skip
+    if "mcnemar" in out:
+        m = out["mcnemar"]
+        print(f"McNemar exact: a-only {m['a_only']}, b-only {m['b_only']}, p = {m['p_value']:.3g}")
+    print(json.dumps(out))
+    return 0
+
+
+def _canonical(args: argparse.Namespace) -> int:
+    from mergelab.eval.benchmarks import load_benchmark
+    from mergelab.eval.sandbox import Sandbox, SandboxLimits
+    from mergelab.eval.scoring_code import build_test_programs
+
+    bench = load_benchmark(args.benchmark, args.data, limit=args.limit)
+    if bench.task != "code":
+        raise ValueError(f"{bench.name} is not a code benchmark")
+    programs, index = [], []
+    for it in bench.items:
+        for kind, prog in build_test_programs(it.prompt, it.solution or "", it.tests).items():
+            programs.append(prog)
+            index.append((it.item_id, kind))
+    with Sandbox(workers=args.workers, limits=SandboxLimits(timeout_s=args.timeout)) as sandbox:
+        results = sandbox.run_many(programs, progress=True)
+    failed = [(i, r) for i, r in zip(index, results) if not r.passed]
+    print(f"{bench.name}: {len(programs) - len(failed)}/{len(programs)} test programs pass "
+          f"with the canonical solutions (isolation: {', '.join(results[0].isolation)})")  # fmt: skip
+    for (item_id, kind), r in failed[:20]:
+        print(f"  {item_id} [{kind}] {r.status}: {r.error.strip().splitlines()[-1:]}")
+    return 1 if failed else 0

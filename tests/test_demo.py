@@ -1,0 +1,39 @@
+"""`mergelab demo` runs end to end offline and its table is meaningful."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from mergelab.cli import main
+from mergelab.demo import run_demo
+from mergelab.merge import list_merge_methods
+
+torch.set_num_threads(1)
+
+
+def test_demo_merges_with_every_method(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--steps", "40", "--threads", "1", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(list_merge_methods()) <= set(rows)
+    for method in list_merge_methods():
+        assert rows[method]["error"] is None, rows[method]["error"]
+        assert all(math.isfinite(rows[method][k]) for k in ("count_loss", "skip_loss"))
+        assert method in text
+    # each expert learned its own task, and only its own
+    assert rows["expert: count"]["count_acc"] > 0.9 > rows["expert: count"]["skip_acc"]
+    assert rows["expert: skip"]["skip_acc"] > 0.9 > rows["expert: skip"]["count_acc"]
+    # the average of the two experts does better on their tasks than the base
+    linear = rows["linear"]
+    base = rows["base"]
+    assert linear["count_loss"] < base["count_loss"] and linear["skip_loss"] < base["skip_loss"]
+
+
+def test_demo_is_deterministic():
+    a = run_demo(seed=1, steps=5)
+    b = run_demo(seed=1, steps=5)
+    assert [r.count_loss for r in a] == [r.count_loss for r in b]

@@ -1,0 +1,81 @@
+"""Bootstrap CIs and paired comparisons: seeded, correct against closed forms and scipy."""
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest
+
+from mergelab.eval.stats import bootstrap_ci, compare, mcnemar_exact, paired_bootstrap
+
+
+def test_bootstrap_ci_is_seeded_and_brackets_the_mean():
+    rng = np.random.default_rng(1)
+    x = (rng.random(200) < 0.3).astype(float)
+    a = bootstrap_ci(x, n_boot=4000, seed=7)
+    b = bootstrap_ci(x, n_boot=4000, seed=7)
+    c = bootstrap_ci(x, n_boot=4000, seed=8)
+    assert a == b and a != c
+    assert a["low"] < a["mean"] < a["high"]
+    assert a["mean"] == pytest.approx(x.mean())
+
+
+def test_bootstrap_ci_width_matches_the_binomial_standard_error():
+    # For a proportion p over n items, the 95% CI is about ±1.96·sqrt(p(1−p)/n).
+    n, p = 400, 0.4
+    x = np.array([1.0] * int(n * p) + [0.0] * int(n * (1 - p)))
+    ci = bootstrap_ci(x, n_boot=10_000, seed=0)
+    half_width = (ci["high"] - ci["low"]) / 2
+    assert half_width == pytest.approx(1.96 * np.sqrt(p * (1 - p) / n), rel=0.08)
+
+
+def test_bootstrap_ci_coverage_is_close_to_nominal():
+    rng = np.random.default_rng(0)
+    covered = 0
+    for trial in range(200):
+        x = (rng.random(150) < 0.35).astype(float)
+        ci = bootstrap_ci(x, n_boot=1000, seed=trial)
+        covered += ci["low"] <= 0.35 <= ci["high"]
+    assert 0.88 <= covered / 200 <= 0.99
+
+
+def test_paired_bootstrap_is_tighter_than_unpaired_when_correlated():
+    rng = np.random.default_rng(3)
+    base = (rng.random(300) < 0.5).astype(float)
+    flip = rng.random(300) < 0.06  # b differs from a on ~6% of items
+    a, b = base, np.where(flip, 1 - base, base)
+    paired = paired_bootstrap(a, b, n_boot=4000, seed=0)
+    assert paired["mean_diff"] == pytest.approx(a.mean() - b.mean())
+    ci_a, ci_b = bootstrap_ci(a, n_boot=4000), bootstrap_ci(b, n_boot=4000)
+    assert paired["high"] - paired["low"] < 0.5 * (
+        (ci_a["high"] - ci_a["low"]) + (ci_b["high"] - ci_b["low"])
+    )
+    identical = paired_bootstrap(a, a, n_boot=500)
+    assert identical["mean_diff"] == identical["low"] == identical["high"] == 0.0
+    assert identical["p_value"] == 1.0
+    clearly = paired_bootstrap(np.ones(100), np.zeros(100), n_boot=500)
+    assert clearly["p_value"] == 0.0
+
+
+def test_mcnemar_exact_matches_the_binomial_test():
+    a = np.array([1] * 30 + [1] * 12 + [0] * 4 + [0] * 54, dtype=bool)
+    b = np.array([1] * 30 + [0] * 12 + [1] * 4 + [0] * 54, dtype=bool)
+    res = mcnemar_exact(a, b)
+    assert (res["a_only"], res["b_only"], res["both"], res["neither"]) == (12, 4, 30, 54)
+    assert res["p_value"] == pytest.approx(binomtest(12, 16, 0.5).pvalue)
+    assert res["p_value"] == pytest.approx(0.0768, abs=1e-4)  # exact two-sided value
+    assert mcnemar_exact(a, a)["p_value"] == 1.0
+
+
+def test_compare_aligns_items_by_id_and_rejects_bad_input():
+    items_a = [{"item_id": str(i), "scores": {"accuracy": float(i % 2)}} for i in range(10)]
+    items_b = [{"item_id": str(i), "scores": {"accuracy": 1.0}} for i in reversed(range(12))]
+    out = compare(items_a, items_b, metric="accuracy", n_boot=500)
+    assert out["n_shared"] == 10 and out["mean_a"] == 0.5 and out["mean_b"] == 1.0
+    assert out["mcnemar"]["b_only"] == 5 and out["mcnemar"]["a_only"] == 0
+    with pytest.raises(ValueError, match="share no items"):
+        compare(items_a, [{"item_id": "x", "scores": {"accuracy": 1.0}}], metric="accuracy")
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_bootstrap([1, 0], [1])
+    with pytest.raises(ValueError, match="NaN"):
+        bootstrap_ci([1.0, float("nan")])
+    with pytest.raises(ValueError, match="non-empty"):
+        bootstrap_ci([])

@@ -1,0 +1,188 @@
+"""The LLM study (studies/llm_math_code.py) and its synthetic data (mergelab.synthetic).
+
+* The synthetic tasks are correct: every reference solution scores 100% under the evaluation
+  harness's own scoring (GSM8K numeric extraction; sandboxed execution of the tests), splits are
+  disjoint, the tokenizer round-trips every item, and the pretraining corpus never pairs a task
+  with its solution.
+* The whole mini pipeline runs on a tiny setting: train tiny experts for a few steps, build every
+  candidate, evaluate on a handful of items, write results.json and figures.
+* The "paper" configuration runs end to end on tiny stand-in models and the local benchmark
+  fixture files (GSM8K, MATH, HumanEval+, MBPP+).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mergelab.eval import Sandbox, build_test_programs, gsm8k_correct
+from mergelab.synthetic import GENERATORS, char_tokenizer, make_splits, pretraining_corpus
+from mergelab.synthetic.training import finetune, new_mini_model, pretrain
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "eval"
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("llm_math_code", ROOT / "studies" / "llm_math_code.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["llm_math_code"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------- synthetic data
+
+
+def test_reference_solutions_score_100_percent():
+    """The targets the experts learn are right by the harness's own scoring."""
+    programs = []
+    for task in GENERATORS:
+        for it in make_splits(task, {"test": 40}, seed=3)["test"]:
+            if task in ("math", "count"):
+                ok, _ = gsm8k_correct(it["target"], it["answer"], "strict")
+                assert ok, it
+            else:
+                bench = _study()._to_benchmark("t", [it])
+                programs.append(build_test_programs(it["prompt"], it["target"], bench.items[0].tests)["base"])
+    with Sandbox(workers=2) as sandbox:
+        results = sandbox.run_many(programs)
+    assert len(programs) == 80
+    assert all(r.passed for r in results), [r.error for r in results if not r.passed][:3]
+
+
+def test_splits_are_disjoint_and_deterministic():
+    for task in GENERATORS:
+        a = make_splits(task, {"train": 300, "validation": 20, "test": 30}, seed=1)
+        b = make_splits(task, {"train": 300, "validation": 20, "test": 30}, seed=1)
+        assert a == b
+        held_out = [it["prompt"] for s in ("validation", "test") for it in a[s]]
+        assert len(set(held_out)) == len(held_out)  # no duplicates across held-out splits
+        assert not set(held_out) & {it["prompt"] for it in a["train"]}
+
+
+def test_tokenizer_round_trips_and_corpus_has_no_solved_task():
+    tok = char_tokenizer()
+    for task in GENERATORS:
+        for it in make_splits(task, {"test": 10})["test"]:
+            text = it["prompt"] + it["target"]
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert len(ids) == len(text) and tok.unk_token_id not in ids
+            assert tok.decode(ids) == text
+    docs = pretraining_corpus(2000)
+    assert not any("####" in d or "Q:" in d or '"""\n    return' in d for d in docs)
+
+
+def test_tiny_training_reduces_loss():
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    model = new_mini_model(tok, hidden_size=32, num_layers=1, intermediate_size=64)
+    losses = pretrain(model, tok, pretraining_corpus(200), steps=30, batch_size=8, seq_len=64)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    items = make_splits("math", {"train": 50})["train"]
+    _, ft = finetune(model, tok, items, steps=10, batch_size=8, lr=3e-3)
+    assert ft[-1] < ft[0]
+
+
+# ---------------------------------------------------------------------------- whole pipeline
+
+TINY = dict(hidden_size=32, num_layers=1, intermediate_size=64, pretrain_steps=4, expert_steps=2,
+            lora_steps=2, lora_rank=2, n_train=40, n_validation=2, n_test=3, pretrain_docs=100,
+            max_new_tokens=6, batch_size=4, composition_weights=(1.0, 1.5),
+            task_arithmetic_lambdas=(0.5, 1.0), bootstrap_samples=100, sandbox_workers=2,
+            eos_policies=("plain", "base"))  # fmt: skip
+
+
+def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
+    study = _study()
+    torch.set_num_threads(1)
+    cfg = study.scale_config("mini", **TINY)
+    results = study.run_study(cfg, tmp_path / "out", tmp_path / "figs")
+
+    expected = {"base", "math_expert", "code_expert", "composition", "composition_weighted",
+                "task_arithmetic", "ties", "dare_ties", "linear", "math_lora", "code_lora",
+                "lora_composition", "lora_merge_task_arithmetic"}  # fmt: skip
+    assert set(results["candidates"]) == expected
+    for cand, per_bench in results["candidates"].items():
+        assert set(per_bench) == {"math", "code", "mixed"}, cand
+        for rec in per_bench.values():
+            s = rec["score"]
+            assert 0.0 <= s["low"] <= s["mean"] <= s["high"] <= 1.0
+            assert len(rec["per_item"]) == 3
+    # Cost accounting: one forward per token for a model, one per component for a composition.
+    cost = lambda c: results["candidates"][c]["math"]["cost"]["forward_passes_per_token"]  # noqa: E731
+    assert cost("base") == pytest.approx(1.0, abs=0.2)
+    assert cost("composition") == pytest.approx(3 * cost("base"), rel=0.05)
+    # Weights were chosen on validation, from the grid.
+    assert results["choices"]["composition_weight"]["chosen"] in (1.0, 1.5)
+    assert results["choices"]["task_arithmetic_lambda"]["chosen"] in (0.5, 1.0)
+    # Paired comparisons against the best single expert, on the shared items.
+    for bench, cmp in results["paired_vs_best_expert"].items():
+        assert cmp["best_expert"] in ("math_expert", "code_expert")
+        assert cmp["vs"]["composition"]["n_shared"] == 3
+    # 2 vs 3 experts × EOS policies, and diagnostics per benchmark.
+    rows = results["termination"]["rows"]
+    assert {(r["n_experts"], r["eos_policy"]) for r in rows} == {(2, "plain"), (2, "base"), (3, "plain"), (3, "base")}
+    assert set(results["diagnostics"]) == {"math", "code", "mixed", "count"}
+    assert 0.0 <= results["diagnostics"]["code"]["coactive_fraction"]["math&code"]["0.1"] <= 1.0
+    on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert on_disk["config"]["scale"] == "mini"
+    for name in ("scores", "quality_cost", "termination", "diagnostics"):
+        assert (tmp_path / "figs" / f"llm_{name}.png").stat().st_size > 1000
+    # Results are never overwritten without force.
+    with pytest.raises(FileExistsError):
+        study.run_study(cfg, tmp_path / "out", None)
+
+
+def _stand_in_models(folder: Path) -> dict[str, Path]:
+    """A tiny "gemma-2-2b" and two "fine-tuned experts" (base + small perturbations)."""
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    base = new_mini_model(tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096)
+    paths = {}
+    for i, name in enumerate(("base", "math", "code")):
+        model = base
+        if name != "base":
+            model = new_mini_model(tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096)
+            g = torch.Generator().manual_seed(i)
+            model.load_state_dict({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.state_dict().items()})
+        paths[name] = folder / name
+        model.save_pretrained(paths[name])
+        tok.save_pretrained(paths[name])
+    return paths
+
+
+def test_paper_configuration_end_to_end_on_stand_ins(tmp_path):
+    study = _study()
+    paths = _stand_in_models(tmp_path / "models")
+    out = tmp_path / "paper"
+    argv = ["--scale", "paper", "--out", str(out), "--figures", str(tmp_path / "figs"), "--threads", "1",
+            "--base-path", str(paths["base"]), "--math-path", str(paths["math"]),
+            "--code-path", str(paths["code"]), "--gsm8k", str(FIXTURES / "gsm8k.jsonl"),
+            "--math-data", str(FIXTURES / "math.jsonl"),
+            "--humaneval-plus", str(FIXTURES / "humaneval_plus.jsonl"),
+            "--mbpp-plus", str(FIXTURES / "mbpp_plus.jsonl"), "--max-new-tokens", "3",
+            "--set", "dtype=float32", "--set", "bootstrap_samples=100", "--set", "diagnostics=false",
+            "--set", "composition_weights=[1.0]", "--set", "task_arithmetic_lambdas=[1.0]"]  # fmt: skip
+    assert study.main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["benchmarks"]) == {"gsm8k", "math", "humaneval_plus", "mbpp_plus"}
+    # Validation (first item of each file) and test (the rest) never overlap.
+    assert all(b["n_items"] == 2 for b in res["benchmarks"].values())
+    assert {"base", "math_expert", "code_expert", "composition", "task_arithmetic", "ties",
+            "dare_ties", "linear"} <= set(res["candidates"])  # fmt: skip
+    # The paper's protocol: GSM8K 8-shot and MATH 2-shot prompts (default shots), greedy decoding.
+    run = Path(res["candidates"]["base"]["gsm8k"]["cache_dir"]) / "results"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["settings"]["generation"]["do_sample"] is False
+    prompts = [json.loads(line)["prompt"] for line in open(run / "items.jsonl")]
+    assert all(p.count("Q: ") == 9 for p in prompts)  # 8 exemplars + the question
+    run = Path(res["candidates"]["base"]["math"]["cache_dir"]) / "results"
+    prompts = [json.loads(line)["prompt"] for line in open(run / "items.jsonl")]
+    assert all(p.count("Problem:") == 3 for p in prompts)  # 2 exemplars + the problem
+    assert (tmp_path / "figs" / "llm_paper_scores.png").exists()
