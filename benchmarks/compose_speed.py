@@ -114,9 +114,13 @@ def run_shape(shape: str, batches, args, tokenizer) -> list[dict]:
         for label, cand in candidates.items():
             if label == "naive_no_cache" and batch > args.naive_max_batch:
                 continue
-            plan.append((label, lambda c=cand: c.generate(first, settings(batch)), batch))
+            plan.append((label, lambda c=cand, p=first, b=batch: c.generate(p, settings(b)), batch))
         plan.append(
-            ("base_batch_k+1", lambda: candidates["single"].generate(prompts, settings(batch * (K + 1))), batch)
+            (
+                "base_batch_k+1",
+                lambda p=prompts, b=batch: candidates["single"].generate(p, settings(b * (K + 1))),
+                batch,
+            )
         )
         # Warm up each path on a short run (allocations, lazy imports) before timing.
         short = GenerationSettings(max_new_tokens=4, batch_size=batch)
@@ -144,14 +148,21 @@ def run_shape(shape: str, batches, args, tokenizer) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="best of N timings per path")
-    parser.add_argument("--naive-max-batch", type=int, default=1, help="skip the no-cache loop above this batch (it is quadratic)")
+    parser.add_argument(
+        "--naive-max-batch",
+        type=int,
+        default=1,
+        help="skip the no-cache loop above this batch (it is quadratic)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/compose_speed.json")
     args = parser.parse_args(argv)
@@ -164,7 +175,9 @@ def main(argv=None) -> int:
 
     print(f"\n{'model':6s} {'batch':>5s} {'path':16s} {'tokens/s':>9s} {'× hf_generate':>13s}")
     for r in rows:
-        print(f"{r['model']:6s} {r['batch']:5d} {r['path']:16s} {r['tokens_per_second']:9.1f} {r['ratio_to_hf_generate']:13.2f}")
+        print(
+            f"{r['model']:6s} {r['batch']:5d} {r['path']:16s} {r['tokens_per_second']:9.1f} {r['ratio_to_hf_generate']:13.2f}"
+        )
     for shape in args.sizes.split(","):
         for batch in batches:
             by = {r["path"]: r for r in rows if r["model"] == shape and r["batch"] == batch}
@@ -174,7 +187,13 @@ def main(argv=None) -> int:
                 f"compose_lora / base_batch_k+1 = {lora['seconds'] / floor['seconds']:.2f} (target ≤ 1.15)"
             )
     record = {
-        "config": {**vars(args), "vocab": VOCAB, "experts": K, "torch": torch.__version__, "machine": platform.machine()},
+        "config": {
+            **vars(args),
+            "vocab": VOCAB,
+            "experts": K,
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+        },
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -423,7 +423,7 @@ class Runner:
             result = evaluate(candidate, bench, self.setting.eval_settings[name],
                               cache_dir=self.out / "eval_cache", sandbox=self.sandbox,
                               progress=sys.stderr.isatty())  # fmt: skip
-            records[name] = _record(result)
+            records[name] = _record(result, candidate)
         if split == "test":
             self.results[candidate.name] = records
             self.describe[candidate.name] = _short_describe(candidate)
@@ -436,7 +436,16 @@ class Runner:
         return sum(r["score"]["mean"] for r in recs.values()) / len(recs)
 
 
-def _record(result) -> dict[str, Any]:
+def _record(result, candidate) -> dict[str, Any]:
+    """Score with CI, per-item scores, cost and termination of one evaluation.
+
+    Cost: ``model_evaluations_per_token`` is the number of component models run per decoding
+    step (1 for a model or a merge, k + 1 for a composition of k experts; the LoRA fast path runs
+    them as one batched forward); ``forward_calls_per_token`` is the decoder's own count of
+    forward calls per sequence and generated token (it depends on batching and on when the other
+    rows of a batch stop, so compare it only at equal batch sizes); ``seconds_per_token`` is
+    wall time (batch time split evenly over its rows) per generated token.
+    """
     metric = result.primary_metric
     gens = [
         json.loads(line) for line in open(result.run_dir / "generations.jsonl", encoding="utf-8")
@@ -449,7 +458,8 @@ def _record(result) -> dict[str, Any]:
         "score": result.summary["metrics"][metric],
         "per_item": {it["item_id"]: it["scores"][metric] for it in result.items},
         "cost": {
-            "forward_passes_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
+            "model_evaluations_per_token": len(candidate.composition.components),
+            "forward_calls_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
             "seconds_per_token": sum(g["seconds"] for g in gens) / max(1, tokens),
             "mean_new_tokens": tokens / max(1, len(gens)),
         },
@@ -588,7 +598,7 @@ def termination_study(cfg: StudyConfig, setting: Setting, runner: Runner) -> dic
             for bname, bench in benches.items():
                 result = evaluate(cand, bench, setting.eval_settings[bname], cache_dir=runner.out / "eval_cache",
                                   sandbox=runner.sandbox, progress=sys.stderr.isatty())  # fmt: skip
-                rec = _record(result)
+                rec = _record(result, cand)
                 rec["eos_prob"] = _eos_prob_on_reference(cand, bench, setting, bname)
                 recs[bname] = {
                     k2: rec[k2] for k2 in ("score", "cost", "termination", "eos_prob", "examples")
@@ -735,12 +745,12 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for c in cands:
         score = sum(table[c][b]["score"]["mean"] for b in benches) / len(benches)
-        fp = sum(table[c][b]["cost"]["forward_passes_per_token"] for b in benches) / len(benches)
+        fp = table[c][benches[0]]["cost"]["model_evaluations_per_token"]
         sec = sum(table[c][b]["cost"]["seconds_per_token"] for b in benches) / len(benches)
         for ax, x in zip(axes, (fp, sec * 1000)):
             ax.scatter(x, score, color="tab:red" if "compos" in c else "tab:blue")
             ax.annotate(c, (x, score), fontsize=6)
-    axes[0].set_xlabel("model forward passes per generated token")
+    axes[0].set_xlabel("model evaluations per generated token")
     axes[1].set_xlabel("wall time per generated token (ms, CPU, shared machine)")
     for ax in axes:
         ax.set_ylabel("mean score over benchmarks")

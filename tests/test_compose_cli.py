@@ -25,7 +25,10 @@ def checkpoints(tmp_path_factory):
         paths[name] = root / name
     base = tiny_causal_lm(len(tok), seed=0, initializer_range=0.3)
     torch.manual_seed(3)
-    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
+    lora = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False),
+    )
     lora.save_pretrained(root / "lora")
     paths["lora"] = root / "lora"
     other = char_tokenizer("abc")
@@ -53,7 +56,9 @@ def test_cli_writes_the_decoder_generations(checkpoints, tmp_path):
     load = lambda p: AutoModelForCausalLM.from_pretrained(p).eval()  # noqa: E731
     decoder = ComposedDecoder(load(paths["base"]), [load(paths["math"]), load(paths["code"])], tok,
                               [1, 0.5], expert_names=["math", "code"], eos_policy="base")  # fmt: skip
-    expected = decoder.generate(["hello", "ab"], GenerationSettings(max_new_tokens=6, do_sample=True, seed=4, top_k=10))
+    expected = decoder.generate(
+        ["hello", "ab"], GenerationSettings(max_new_tokens=6, do_sample=True, seed=4, top_k=10)
+    )
     assert [r["token_ids"] for r in records] == [g.token_ids for g in expected]
     assert main(argv) == 2  # exists: refuses without --force
     assert main(argv + ["--force"]) == 0

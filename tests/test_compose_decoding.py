@@ -42,7 +42,9 @@ def _composed(models, tok, **kw):
 
 def _same(gens_a, gens_b, atol=ATOL):
     for a, b in zip(gens_a, gens_b):
-        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+        assert (
+            a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+        )
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=atol)
         if a.component_logprobs is not None:
             assert torch.allclose(
@@ -72,7 +74,9 @@ def test_batched_equals_unbatched(both_archs, tok, do_sample):
     settings = GenerationSettings(max_new_tokens=10, do_sample=do_sample, seed=3, batch_size=4)
     batched = decoder.generate(PROMPTS, settings)
     # Batch size 1: every prompt decoded alone, unpadded; prompt i still draws from seed (3, i).
-    one_by_one = decoder.generate(PROMPTS, GenerationSettings(**{**settings.to_dict(), "batch_size": 1}))
+    one_by_one = decoder.generate(
+        PROMPTS, GenerationSettings(**{**settings.to_dict(), "batch_size": 1})
+    )
     _same(batched, one_by_one)
 
 
@@ -112,10 +116,14 @@ def test_composed_distribution_sums_to_one_at_every_step(models, tok):
 def test_one_expert_weight_one_equals_the_expert_and_identical_expert_is_a_no_op(models, tok):
     settings = GenerationSettings(max_new_tokens=10, do_sample=True, seed=1)
     expert_alone = ModelCandidate(models[1], tok).generate(PROMPTS, settings)
-    composed = ComposedDecoder(models[0], [models[1]], tok, weights=[1.0]).generate(PROMPTS, settings)
+    composed = ComposedDecoder(models[0], [models[1]], tok, weights=[1.0]).generate(
+        PROMPTS, settings
+    )
     _same(composed, expert_alone)
     base_alone = ModelCandidate(models[0], tok).generate(PROMPTS, settings)
-    with_copy = ComposedDecoder(models[0], [copy.deepcopy(models[0])], tok).generate(PROMPTS, settings)
+    with_copy = ComposedDecoder(models[0], [copy.deepcopy(models[0])], tok).generate(
+        PROMPTS, settings
+    )
     _same(with_copy, base_alone)
 
 
@@ -132,10 +140,14 @@ def test_eos_and_stop_strings(models, tok):
     free = decoder.generate(PROMPTS[:2], GenerationSettings(max_new_tokens=10))
     first = free[0].token_ids[0]
     # Declaring the first generated token an EOS ends generation before any token is kept.
-    stopped = _composed(models, tok, eos_token_ids=[first]).generate(PROMPTS[:1], GenerationSettings(max_new_tokens=10))[0]
+    stopped = _composed(models, tok, eos_token_ids=[first]).generate(
+        PROMPTS[:1], GenerationSettings(max_new_tokens=10)
+    )[0]
     assert stopped.token_ids == [] and stopped.finish_reason == "eos" and stopped.text == ""
     stop = free[1].text[3:5]
-    cut = decoder.generate(PROMPTS[1:2], GenerationSettings(max_new_tokens=10, stop_strings=(stop,)))[0]
+    cut = decoder.generate(
+        PROMPTS[1:2], GenerationSettings(max_new_tokens=10, stop_strings=(stop,))
+    )[0]
     assert cut.finish_reason == "stop_string"
     assert cut.text == free[1].text[: free[1].text.index(stop)]
     assert len(cut.token_ids) == len(cut.logprobs) <= 5
@@ -183,11 +195,19 @@ def test_vocabulary_checks(tok):
 def test_composition_and_models_must_match(models, tok):
     with pytest.raises(ValueError, match="missing"):
         ComposedDecoder(models[0], models[1:], tok, composition=Composition.paper("base", ["math"]))
-    poe = ComposedDecoder(None, models[1:], tok, composition=Composition.product_of_experts(["expert1", "expert2"]))
+    poe = ComposedDecoder(
+        None, models[1:], tok, composition=Composition.product_of_experts(["expert1", "expert2"])
+    )
     out = poe.generate(["ab"], GenerationSettings(max_new_tokens=3))[0]
     assert len(out.token_ids) <= 3
     with pytest.raises(ValueError, match="needs a composition with a base"):
-        ComposedDecoder(None, models[1:], tok, composition=Composition.product_of_experts(["expert1", "expert2"]), eos_policy="base")
+        ComposedDecoder(
+            None,
+            models[1:],
+            tok,
+            composition=Composition.product_of_experts(["expert1", "expert2"]),
+            eos_policy="base",
+        )
     proxy = ComposedDecoder.from_models(
         {"large": models[0], "small_tuned": models[1], "small_base": models[2]},
         Composition.proxy_tuning("large", "small_tuned", "small_base"), tok,
@@ -195,4 +215,7 @@ def test_composition_and_models_must_match(models, tok):
     d = proxy.describe()
     assert d["composition"]["formula"] == "large + 1.0·(small_tuned − small_base)"
     assert set(d["models"]) == {"large", "small_tuned", "small_base"}
-    assert d["models"]["large"]["parameter_checksum"] != d["models"]["small_tuned"]["parameter_checksum"]
+    assert (
+        d["models"]["large"]["parameter_checksum"]
+        != d["models"]["small_tuned"]["parameter_checksum"]
+    )

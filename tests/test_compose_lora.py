@@ -52,7 +52,9 @@ def test_lora_fast_path_equals_merged_adapters(setup, tok, do_sample):
     names = ["math", "code"]
     fast = ComposedDecoder.from_lora(base, adapters, tok, weights=[1.0, 0.7], expert_names=names)
     reference = ComposedDecoder(base, merged, tok, weights=[1.0, 0.7], expert_names=names)
-    settings = GenerationSettings(max_new_tokens=8, do_sample=do_sample, seed=5, return_component_logprobs=True)
+    settings = GenerationSettings(
+        max_new_tokens=8, do_sample=do_sample, seed=5, return_component_logprobs=True
+    )
     got, want = fast.generate(PROMPTS, settings), reference.generate(PROMPTS, settings)
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
@@ -69,7 +71,9 @@ def test_hooks_are_removed_and_base_is_untouched(setup, tok):
     base, adapters, _ = setup
     ids = torch.tensor([tok("hello")["input_ids"]])
     before = ModelCandidate(base, tok).token_logprobs(ids)
-    ComposedDecoder.from_lora(base, adapters, tok).generate(["ab"], GenerationSettings(max_new_tokens=3))
+    ComposedDecoder.from_lora(base, adapters, tok).generate(
+        ["ab"], GenerationSettings(max_new_tokens=3)
+    )
     assert torch.equal(ModelCandidate(base, tok).token_logprobs(ids), before)
     assert all(not m._forward_hooks for m in base.modules())
 
@@ -89,7 +93,9 @@ def test_adapter_folder_loads_like_the_peft_model(setup, tmp_path):
 
 def test_unsupported_adapters_are_refused(tok):
     base = tiny_causal_lm(len(tok), architecture="llama", seed=0)
-    dora = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    dora = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
+    )
     with pytest.raises(ValueError, match="DoRA"):
         LoraAdapter.from_peft_model(dora)
     plain = _lora(base, "llama", ["q_proj"], r=2, seed=0)

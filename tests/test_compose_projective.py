@@ -31,7 +31,9 @@ def test_experts_that_differ_only_on_their_mask_compose_projectively(seed, vocab
     base_logits = 3 * torch.randn(5, vocab, generator=g, dtype=torch.float64)
     masks = _random_masks(g, vocab, k)
     experts = [
-        torch.log_softmax(base_logits + m * 4 * torch.randn(5, vocab, generator=g, dtype=torch.float64), -1)
+        torch.log_softmax(
+            base_logits + m * 4 * torch.randn(5, vocab, generator=g, dtype=torch.float64), -1
+        )
         for m in masks
     ]
     base = torch.log_softmax(base_logits, -1)
@@ -67,7 +69,9 @@ class DiffersOnMask(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         kw = dict(attention_mask=attention_mask, position_ids=position_ids)
-        return self.base(input_ids, **kw).logits + self.mask * 3 * self.other(input_ids, **kw).logits
+        return (
+            self.base(input_ids, **kw).logits + self.mask * 3 * self.other(input_ids, **kw).logits
+        )
 
 
 def test_projectivity_on_models_built_to_differ_on_masks():
@@ -78,7 +82,9 @@ def test_projectivity_on_models_built_to_differ_on_masks():
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         masks = _random_masks(g, vocab, 2)
-        others = [tiny_causal_lm(vocab, seed=10 * seed + i + 1, initializer_range=0.3) for i in range(2)]
+        others = [
+            tiny_causal_lm(vocab, seed=10 * seed + i + 1, initializer_range=0.3) for i in range(2)
+        ]
         experts = [DiffersOnMask(base, o, m) for o, m in zip(others, masks)]
         decoder = ComposedDecoder(base, experts, tok)
         from mergelab.compose.decoding import left_pad
@@ -88,7 +94,9 @@ def test_projectivity_on_models_built_to_differ_on_masks():
         report = check_projectivity(composed, comps[0], comps[1:], masks)
         assert report.holds(atol=1e-4), report
         # Token-mask composition of arbitrary experts is projective by construction.
-        masked = ComposedDecoder(base, others, tok, token_masks={"expert1": masks[0], "expert2": masks[1]})
+        masked = ComposedDecoder(
+            base, others, tok, token_masks={"expert1": masks[0], "expert2": masks[1]}
+        )
         comps, composed = masked.component_and_candidate_logprobs(ids, attn)
         projected = [project_onto_mask(comps[0], c, m) for c, m in zip(comps[1:], masks)]
         assert check_projectivity(composed, comps[0], projected, masks).holds(atol=1e-4)
@@ -100,14 +108,19 @@ def test_diagnostics_measure_kl_activity_and_new_top1():
     base = tiny_causal_lm(vocab, seed=0, initializer_range=0.3)
     expert = tiny_causal_lm(vocab, seed=1, initializer_range=0.3)
     texts = ["hello world", "ab", "the cat sat"]
-    same = composition_diagnostics(ComposedDecoder(base, [copy.deepcopy(base), expert], tok), texts, keep_positions=True)
+    same = composition_diagnostics(
+        ComposedDecoder(base, [copy.deepcopy(base), expert], tok), texts, keep_positions=True
+    )
     assert same.n_positions == sum(len(t) - 1 for t in texts)
     assert all(v == 0.0 for v in same.active_fraction["expert1"].values())
     assert same.mean_kl["expert1"] < 1e-5
     assert same.coactive_fraction["expert1&expert2"]["0.01"] == 0.0
     # per-position KL equals the KL computed from the single-model candidates.
     ids = torch.tensor([tok(texts[0])["input_ids"]])
-    kl = kl_divergence(ModelCandidate(expert, tok).token_logprobs(ids), ModelCandidate(base, tok).token_logprobs(ids))
+    kl = kl_divergence(
+        ModelCandidate(expert, tok).token_logprobs(ids),
+        ModelCandidate(base, tok).token_logprobs(ids),
+    )
     got = torch.tensor(same.per_position_kl[0])[:, 1]
     assert torch.allclose(got, kl[0, :-1], atol=1e-4)
     fractions = same.active_fraction["expert2"]
@@ -115,7 +128,10 @@ def test_diagnostics_measure_kl_activity_and_new_top1():
     assert fractions["0.01"] == float((got > 0.01).float().mean()) or len(texts) > 1
     # With a copy of the base, the composition is the other expert: no new top-1 tokens.
     assert same.composed_top1_differs_fraction == 0.0
-    both = composition_diagnostics(ComposedDecoder(base, [expert, tiny_causal_lm(vocab, seed=2, initializer_range=0.3)], tok), texts)
+    both = composition_diagnostics(
+        ComposedDecoder(base, [expert, tiny_causal_lm(vocab, seed=2, initializer_range=0.3)], tok),
+        texts,
+    )
     assert 0.0 <= both.composed_top1_differs_fraction <= 1.0
     for t in ("0.01", "0.1", "1"):
         pair = both.coactive_fraction["expert1&expert2"][t]

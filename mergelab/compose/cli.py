@@ -33,8 +33,12 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--expert", action="append", required=True, help="expert folder (repeat)")
     p.add_argument("--expert-name", action="append", help="name per expert (default expert1..k)")
     p.add_argument("--weight", action="append", type=float, help="weight per expert (default 1)")
-    p.add_argument("--composition", help="JSON file with a Composition over 'base' and the expert names")
-    p.add_argument("--lora", action="store_true", help="experts are PEFT LoRA adapters of the base (fast path)")
+    p.add_argument(
+        "--composition", help="JSON file with a Composition over 'base' and the expert names"
+    )
+    p.add_argument(
+        "--lora", action="store_true", help="experts are PEFT LoRA adapters of the base (fast path)"
+    )
     p.add_argument("--eos-policy", default="plain", choices=EOS_POLICIES)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -49,7 +53,9 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--component-logprobs", action="store_true", help="also record every model's log-probs")
+    p.add_argument(
+        "--component-logprobs", action="store_true", help="also record every model's log-probs"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=run)
@@ -138,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
         with atomic_output_file(args.out, force=args.force) as tmp:
             with open(tmp, "w") as f:
                 for g in generations:
-                    record = {"candidate": decoder.name, **g.to_dict(), "settings": settings.to_dict()}
+                    record = {
+                        "candidate": decoder.name,
+                        **g.to_dict(),
+                        "settings": settings.to_dict(),
+                    }
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
         print(f"wrote {len(generations)} generations of {decoder.name} to {args.out}")
     else:

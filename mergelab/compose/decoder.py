@@ -32,7 +32,9 @@ def _prepare(model: nn.Module) -> nn.Module:
 
 def _default_name(model: nn.Module) -> str:
     config = getattr(model, "config", None)
-    return (getattr(config, "_name_or_path", "") if config is not None else "") or type(model).__name__
+    return (getattr(config, "_name_or_path", "") if config is not None else "") or type(
+        model
+    ).__name__
 
 
 class ModelCandidate(RunnerCandidate):

@@ -221,7 +221,10 @@ class RunnerCandidate:
         """Candidate log-likelihood (nats) of each continuation given its prompt."""
         if len(prompts) != len(continuations):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
-        pairs = [(self.encode_prompt(p), self.encode_continuation(c)) for p, c in zip(prompts, continuations)]
+        pairs = [
+            (self.encode_prompt(p), self.encode_continuation(c))
+            for p, c in zip(prompts, continuations)
+        ]
         scores = [0.0] * len(pairs)
         for start in range(0, len(pairs), self.score_batch_size):
             chunk = pairs[start : start + self.score_batch_size]
@@ -248,14 +251,17 @@ class RunnerCandidate:
         # Batch prompts of similar length together; results return in input order.
         order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
         results: list[Generation | None] = [None] * len(prompts)
-        for start in range(0, len(order), max(1, settings.batch_size)):
+        if settings.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
+        for start in range(0, len(order), settings.batch_size):
             rows = order[start : start + settings.batch_size]
             batch = self._generate_batch(
                 [prompts[i] for i in rows], [encoded[i] for i in rows], rows, settings
             )
             for i, g in zip(rows, batch):
                 results[i] = g
-        return [g for g in results if g is not None]
+        assert all(g is not None for g in results)
+        return results  # type: ignore[return-value]
 
     @torch.no_grad()
     def _generate_batch(
@@ -301,7 +307,10 @@ class RunnerCandidate:
                 if settings.return_component_logprobs:
                     step_component_logprobs.append(
                         torch.cat(
-                            [c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True) for c in comps],
+                            [
+                                c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True)
+                                for c in comps
+                            ],
                             dim=-1,
                         )
                     )
@@ -314,7 +323,9 @@ class RunnerCandidate:
                     row_tokens[row].append(token)
                     kept[row] += 1
                     if stops:
-                        tail = self.tokenizer.decode(row_tokens[row][-window:], skip_special_tokens=True)
+                        tail = self.tokenizer.decode(
+                            row_tokens[row][-window:], skip_special_tokens=True
+                        )
                         if any(s in tail for s in stops):
                             done[row], reason[row] = True, "stop_string"
                 if all(done) or step == settings.max_new_tokens - 1:
@@ -336,7 +347,11 @@ class RunnerCandidate:
             n = kept[row]
             text = self.tokenizer.decode(row_tokens[row][:n], skip_special_tokens=True)
             if reason[row] == "stop_string":
-                cut = min(text.find(s) for s in stops if s in text) if any(s in text for s in stops) else len(text)
+                cut = (
+                    min(text.find(s) for s in stops if s in text)
+                    if any(s in text for s in stops)
+                    else len(text)
+                )
                 text = text[:cut]
             # Positions in the step lists: EOS is never kept, so the first n steps are the tokens.
             out.append(
@@ -365,9 +380,7 @@ class RunnerCandidate:
                 "eos_token_ids": self.eos_token_ids,
                 "models": self.runner.describe_models(),
                 "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                "token_masks": {
-                    n: int(m.sum()) for n, m in (self.token_masks or {}).items()
-                },
+                "token_masks": {n: int(m.sum()) for n, m in (self.token_masks or {}).items()},
             }
         return self._identity_cache
 
@@ -392,9 +405,13 @@ def _check_masks(
     out = {}
     for name, m in masks.items():
         if name not in composition.components or name == composition.anchor:
-            raise ValueError(f"token mask given for {name!r}, which is not an expert of {composition}")
+            raise ValueError(
+                f"token mask given for {name!r}, which is not an expert of {composition}"
+            )
         m = torch.as_tensor(m, dtype=torch.bool, device=device)
         if m.shape != (vocab_size,):
-            raise ValueError(f"token mask of {name!r} has shape {tuple(m.shape)}, expected ({vocab_size},)")
+            raise ValueError(
+                f"token mask of {name!r} has shape {tuple(m.shape)}, expected ({vocab_size},)"
+            )
         out[name] = m
     return out

@@ -104,7 +104,10 @@ def composition_diagnostics(
             ids = decoder.encode_prompt(text)
             sequences.append((ids, len(ids) - 1))
         else:
-            prompt, cont = decoder.encode_prompt(text), decoder.encode_continuation(continuations[i])
+            prompt, cont = (
+                decoder.encode_prompt(text),
+                decoder.encode_continuation(continuations[i]),
+            )
             sequences.append((prompt + cont, len(cont)))
 
     kls: list[torch.Tensor] = []  # [n_scored, k] per sequence
@@ -163,8 +166,12 @@ def composition_diagnostics(
         thresholds=thresholds,
         n_sequences=len(sequences),
         n_positions=n_positions,
-        mean_kl={e: finite(all_kl[:, i].mean()) if n_positions else 0.0 for i, e in enumerate(experts)},
-        median_kl={e: finite(all_kl[:, i].median()) if n_positions else 0.0 for i, e in enumerate(experts)},
+        mean_kl={
+            e: finite(all_kl[:, i].mean()) if n_positions else 0.0 for i, e in enumerate(experts)
+        },
+        median_kl={
+            e: finite(all_kl[:, i].median()) if n_positions else 0.0 for i, e in enumerate(experts)
+        },
         active_fraction=active_fraction,
         coactive_fraction=coactive,
         all_active_fraction=all_active,

@@ -56,7 +56,9 @@ def apply_eos_policy(
     elif policy == "most_confident":
         top1 = torch.stack([c.max(dim=-1).values for c in components])  # [n, ...]
         who = top1.argmax(dim=0)  # [...]
-        target = torch.gather(stacked_eos, 0, who.unsqueeze(0).unsqueeze(-1).expand_as(stacked_eos[:1]))[0]
+        target = torch.gather(
+            stacked_eos, 0, who.unsqueeze(0).unsqueeze(-1).expand_as(stacked_eos[:1])
+        )[0]
     else:
         raise ValueError(f"unknown eos_policy {policy!r}")
     target = target.to(composed.dtype)

@@ -48,7 +48,9 @@ class LoraAdapter:
         digest = hashlib.sha1()
         for key in sorted(self.modules):
             a, b, s = self.modules[key]
-            digest.update(f"{key}:{float(a.double().sum()):.8e}:{float(b.double().sum()):.8e}:{s}".encode())
+            digest.update(
+                f"{key}:{float(a.double().sum()):.8e}:{float(b.double().sum()):.8e}:{s}".encode()
+            )
         return digest.hexdigest()[:16]
 
     @classmethod
@@ -77,7 +79,11 @@ class LoraAdapter:
                 raise ValueError(f"{module_name}: LoRA variants (DoRA, ...) are not supported")
             if getattr(module, "lora_bias", {}).get(adapter_name, False):
                 raise ValueError(f"{module_name}: LoRA bias is not supported")
-            key = module_name[len(_PEFT_PREFIX) :] if module_name.startswith(_PEFT_PREFIX) else module_name
+            key = (
+                module_name[len(_PEFT_PREFIX) :]
+                if module_name.startswith(_PEFT_PREFIX)
+                else module_name
+            )
             modules[key] = (
                 lora_a[adapter_name].weight.detach(),
                 module.lora_B[adapter_name].weight.detach(),
@@ -118,7 +124,9 @@ class LoraAdapter:
             if module_name.startswith(_PEFT_PREFIX):
                 module_name = module_name[len(_PEFT_PREFIX) :]
             r = a.shape[0]
-            alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module_name), config["lora_alpha"])
+            alpha = alpha_pattern.get(
+                get_pattern_key(alpha_pattern.keys(), module_name), config["lora_alpha"]
+            )
             scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
             modules[module_name] = (a, b, float(scaling))
         if not modules:
@@ -204,7 +212,9 @@ class LoraRunner:
                     continue
                 a, b, scaling = adapter.modules[module_name]
                 if a.shape[1] != in_features or b.shape[0] != out_features:
-                    raise ValueError(f"{adapter.name}: {module_name} LoRA shapes {a.shape}, {b.shape}")
+                    raise ValueError(
+                        f"{adapter.name}: {module_name} LoRA shapes {a.shape}, {b.shape}"
+                    )
                 r = a.shape[0]
                 a_stack[i, :, :r] = a.t().to(weight)
                 b_stack[i, :r, :] = (b.t() * scaling).to(weight)
@@ -219,7 +229,9 @@ class LoraRunner:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        handles = [module.register_forward_hook(_lora_hook(self.k, a, b)) for module, a, b in self._targets]
+        handles = [
+            module.register_forward_hook(_lora_hook(self.k, a, b)) for module, a, b in self._targets
+        ]
         try:
             yield
         finally:
@@ -252,7 +264,9 @@ class LoraRunner:
         next_ids, position_ids = self._repeat(next_ids), self._repeat(position_ids)
         mask = self._repeat(attention_mask)
         if self._cache is not None:
-            logits, self._cache = self.call(next_ids, mask, position_ids, self._cache, last_only=True)
+            logits, self._cache = self.call(
+                next_ids, mask, position_ids, self._cache, last_only=True
+            )
         else:  # a model without a cache: recompute the prefix
             self._ids = torch.cat([self._ids, next_ids], dim=1)
             self._positions = torch.cat([self._positions, position_ids], dim=1)

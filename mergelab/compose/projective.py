@@ -28,9 +28,7 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def project_onto_mask(
-    base: torch.Tensor, expert: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def project_onto_mask(base: torch.Tensor, expert: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Log-probs ``[..., V]`` equal to ``expert`` on ``mask`` and ∝ ``base`` off it.
 
     Off the mask the result is ``base + log p_e(¬M) − log p_b(¬M)``, so the total mass off the
@@ -118,7 +116,9 @@ def check_projectivity(
         a, b = _restricted(composed, m), _restricted(lp, m)
         error.append(_max_abs_on(a, b, m.expand_as(a)))
         tv.append(float(0.5 * (a.exp() - b.exp()).abs().sum(-1).max()) if bool(m.any()) else 0.0)
-    background = ~torch.stack(masks).any(0) if masks else torch.ones_like(composed[..., 0], dtype=torch.bool)
+    background = (
+        ~torch.stack(masks).any(0) if masks else torch.ones_like(composed[..., 0], dtype=torch.bool)
+    )
     a, b = _restricted(composed, background), _restricted(base, background)
     if bool(background.any()):
         bg_error = _max_abs_on(a, b, background.expand_as(a))

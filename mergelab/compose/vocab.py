@@ -110,8 +110,12 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
             n_params += p.numel()
             flat = p.detach().reshape(-1).double()
             # sum, and a position-weighted sum so that permutations change the checksum.
-            weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-            digest.update(f"{pname}:{flat.sum().item():.10e}:{(flat * weights).sum().item():.10e}".encode())
+            weights = torch.linspace(
+                1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device
+            )
+            digest.update(
+                f"{pname}:{flat.sum().item():.10e}:{(flat * weights).sum().item():.10e}".encode()
+            )
     return {
         "class": type(model).__name__,
         "name_or_path": getattr(config, "_name_or_path", "") if config is not None else "",

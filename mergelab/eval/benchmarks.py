@@ -29,12 +29,11 @@ comparison), ``"math"`` (``\\boxed{}`` answer, normalised and symbolic equivalen
 
 from __future__ import annotations
 
-import base64
 import gzip
 import hashlib
 import json
+import math
 import os
-import pickle
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -96,10 +95,11 @@ class Item:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.tests is not None:
-            # Inputs may hold tuples, sets, complex numbers or inf: keep them exactly.
+            # Inputs may hold tuples, sets, complex numbers or inf: keep their types, in a form
+            # that does not depend on set iteration order (which varies between processes).
             for key in ("base_inputs", "plus_inputs"):
                 if d["tests"][key] is not None:
-                    d["tests"][key] = _pickle_b64(getattr(self.tests, key))
+                    d["tests"][key] = _canonical(getattr(self.tests, key))
         return d
 
 
@@ -170,8 +170,20 @@ class Benchmark:
         }
 
 
-def _pickle_b64(obj: Any) -> str:
-    return base64.b64encode(pickle.dumps(obj, protocol=4)).decode("ascii")
+def _canonical(obj: Any) -> Any:
+    """A JSON-able, order-stable form of test inputs that keeps tuples, sets and non-finite or
+    complex numbers distinguishable (for fingerprints)."""
+    if isinstance(obj, list):
+        return [_canonical(x) for x in obj]
+    if isinstance(obj, tuple):
+        return {"tuple": [_canonical(x) for x in obj]}
+    if isinstance(obj, (set, frozenset)):
+        return {"set": sorted(json.dumps(_canonical(x), sort_keys=True) for x in obj)}
+    if isinstance(obj, dict):
+        return {"dict": sorted((repr(k), _canonical(v)) for k, v in obj.items())}
+    if (isinstance(obj, float) and not math.isfinite(obj)) or isinstance(obj, complex):
+        return {"number": repr(obj)}
+    return obj
 
 
 # ---------------------------------------------------------------- reading record files

@@ -157,22 +157,37 @@ def _ties_prepare(params: dict[str, Any], make_iter) -> dict[str, Any]:
     return {"ties_thresholds": ops.global_magnitude_thresholds(make_iter, params["density"])}
 
 
-def _trim_elect_merge(
+def _elect_merge_into(
+    out: torch.Tensor,
     base: torch.Tensor,
-    experts: list[torch.Tensor],
-    thresholds: list[float],
+    stack: torch.Tensor,
     weight: list[float],
     *,
     lambda_: float,
     majority_sign: MajoritySign,
     weighted_sign: bool,
     divide_by: DivideBy,
+) -> None:
+    """out = θ_b + λ · disjoint_merge(elect(stack)) for one chunk (``stack`` is overwritten)."""
+    elected = ops.elect_sign(stack, majority_sign, weight if weighted_sign else None)
+    merged = ops.disjoint_merge_(
+        stack, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
+    )
+    torch.add(base, merged, alpha=lambda_, out=out)
+
+
+def _trim_elect_merge(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    thresholds: list[float],
+    weight: list[float],
+    **options: Any,
 ) -> torch.Tensor:
     """θ_b + λ · disjoint_merge(elect(trim(τ))) with known |τ_i| thresholds, chunk by chunk.
 
     Only the output and an ``[n_experts, CHUNK]`` scratch buffer are allocated: τ_i is formed per
     chunk, so no full-size stack of task vectors exists (lower peak memory than stacking, and
-    the temporaries stay in cache).
+    the temporaries stay in cache). ``options``: those of :func:`_elect_merge_into`.
     """
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
@@ -184,11 +199,19 @@ def _trim_elect_merge(
         for tau, expert, threshold in zip(stack, flat_experts, thresholds):
             torch.sub(expert[part], flat_base[part], out=tau)
             ops.threshold_trim_(tau, threshold)
-        elected = ops.elect_sign(stack, majority_sign, weight if weighted_sign else None)
-        merged = ops.disjoint_merge_(
-            stack, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
-        )
-        torch.add(flat_base[part], merged, alpha=lambda_, out=out[part])
+        _elect_merge_into(out[part], flat_base[part], stack, weight, **options)
+    return out.view(base.shape)
+
+
+def _elect_merge(
+    base: torch.Tensor, stack: torch.Tensor, weight: list[float], **options: Any
+) -> torch.Tensor:
+    """θ_b + λ · disjoint_merge(elect(stack)) for a full ``[n, *shape]`` stack, chunk by chunk."""
+    flat_base = base.reshape(-1)
+    flat_stack = stack.reshape(stack.shape[0], -1)
+    out = torch.empty_like(flat_base)
+    for part in ops.chunks(flat_base.numel()):
+        _elect_merge_into(out[part], flat_base[part], flat_stack[:, part], weight, **options)
     return out.view(base.shape)
 
 
@@ -326,11 +349,15 @@ def dare_ties(
     is its default here; ``normalize: true`` is ``divide_by="weight_sum"``).
     """
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    elected = ops.elect_sign(tv, majority_sign, weight if weighted_sign else None)
-    merged = ops.disjoint_merge_(
-        tv, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
+    return _elect_merge(
+        base,
+        tv,
+        weight,
+        lambda_=lambda_,
+        majority_sign=majority_sign,
+        weighted_sign=weighted_sign,
+        divide_by=divide_by,
     )
-    return _add_scaled_(merged, lambda_, base)
 
 
 @merge_method(

@@ -61,7 +61,7 @@ def _train_loop(model, batches, *, steps: int, lr: float, desc: str, params=None
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
