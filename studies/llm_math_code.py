@@ -805,6 +805,7 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
         axes[0].set_xticks(range(len(db)), db, fontsize=8)
         axes[0].legend(fontsize=6)
         axes[0].set_title("share of tokens where an expert is active", fontsize=9)
+        axes[0].set_ylim(0, 1)
         for j, t in enumerate(keys):
             axes[1].bar([i + j * 0.25 for i in range(len(db))], [diag[b]["coactive_fraction"]["math&code"][t] for b in db],
                         0.25, label=f"both active, KL>{t}")  # fmt: skip
@@ -813,6 +814,7 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
         axes[1].set_xticks(range(len(db)), db, fontsize=8)
         axes[1].legend(fontsize=6)
         axes[1].set_title("co-activity (where factorisation fails)", fontsize=9)
+        axes[1].set_ylim(0, 1)
         paired = res.get("paired_vs_best_expert", {})
         for b in db:
             if b in paired and "composition" in paired[b]["vs"]:

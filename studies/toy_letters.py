@@ -754,7 +754,9 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
     if sp:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
         for ax, metric in zip(axes, ("joint", "outside overlap")):
-            for method in sorted({r["method"] for r in sp}):
+            # Outside the overlap only rows that claim both skills are of interest.
+            kinds = ("composition", "merge") if metric == "outside overlap" else colors
+            for method in sorted({r["method"] for r in sp if r["kind"] in kinds}):
                 sel = sorted(
                     (r for r in sp if r["method"] == method and r["metric"] == metric),
                     key=lambda r: r["x"],
@@ -763,6 +765,7 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
                 m, e = err(sel)
                 ax.errorbar(xs, m, yerr=e, marker="o", ms=4, capsize=3, label=method)
             ax.set_xlabel("letters inside both spans (overlap)")
+            ax.set_xticks(range(max(r["x"] for r in sp) + 1))
             ax.set_title(
                 {
                     "joint": "joint exact match (both skills, incl. overlap)",

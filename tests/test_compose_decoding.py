@@ -2,6 +2,7 @@
 scores, vocabulary checks — on tiny GPT-2 and Llama models with a character tokenizer."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -213,6 +214,7 @@ def test_composition_and_models_must_match(models, tok):
         Composition.proxy_tuning("large", "small_tuned", "small_base"), tok,
     )  # fmt: skip
     d = proxy.describe()
+    json.dumps(d)  # JSON-able: the evaluation harness keys its cache on it
     assert d["composition"]["formula"] == "large + 1.0·(small_tuned − small_base)"
     assert set(d["models"]) == {"large", "small_tuned", "small_base"}
     assert (

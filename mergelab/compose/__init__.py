@@ -8,6 +8,7 @@
 """
 
 from .decoder import ComposedDecoder, ModelCandidate
+from .diagnostics import CompositionDiagnostics, composition_diagnostics
 from .eos import EOS_POLICIES
 from .formula import Composition, Term, compose_logprobs
 from .lora import LoraAdapter
@@ -18,6 +19,7 @@ __all__ = [
     "EOS_POLICIES",
     "ComposedDecoder",
     "Composition",
+    "CompositionDiagnostics",
     "LoraAdapter",
     "ModelCandidate",
     "ProjectivityReport",
@@ -25,5 +27,6 @@ __all__ = [
     "check_projectivity",
     "check_same_tokenizer",
     "compose_logprobs",
+    "composition_diagnostics",
     "project_onto_mask",
 ]

@@ -43,6 +43,7 @@ import math
 import os
 import shutil
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -174,6 +175,7 @@ class CheckpointFolder:
             raise MergeInputError(f"{config_path}: not valid JSON ({exc})") from None
         self.tensors: dict[str, TensorInfo] = {}
         self._files: dict[Path, Any] = {}
+        self._lock = threading.Lock()
         for shard, names in self._shards().items():
             self._read_shard_header(shard, names)
 
@@ -262,8 +264,9 @@ class CheckpointFolder:
             f = self._files[info.file] = open(info.file, "rb", buffering=0)
         if buffer is None:
             buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-        f.seek(info.offset)
-        got = f.readinto(buffer.numpy()) if info.nbytes else 0
+        with self._lock:  # the merge reads the next tensor in a background thread
+            f.seek(info.offset)
+            got = f.readinto(buffer.numpy()) if info.nbytes else 0
         if got != info.nbytes:
             raise MergeInputError(
                 f"{self.label}: shard {info.file.name} ended inside tensor {info.name!r}"
@@ -448,6 +451,9 @@ class CheckpointMergePlan:
     stats: dict[str, Any] = field(default_factory=dict)
     buffers: BufferPool | None = None  # reused across tensors by merge_tensor
     _n_produced: int = 0
+    _order: dict[str, int] | None = None
+    _loader: ThreadPoolExecutor | None = None
+    _prefetched: tuple[int, Future] | None = None
 
     @property
     def output_bytes(self) -> int:
@@ -470,25 +476,29 @@ class CheckpointMergePlan:
         }
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader, self._prefetched, self._order = None, None, None
         for folder in {id(f): f for f in [self.template, *self.experts]}.values():
             folder.close()
 
     # -- reading inputs for one output tensor --------------------------------------------------
 
     def inputs(
-        self, name: str, pool: BufferPool | None = None
+        self, name: str, pool: BufferPool | None = None, slot: str = ""
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(base tensor, expert tensors) for ``name`` as stored (checkpoint dtype), rows cut to
         the common vocabulary where the vocab-padding rule applies. With ``pool`` the tensors
         live in its reusable buffers (valid until the next call)."""
 
-        def read(folder: CheckpointFolder, slot: str) -> torch.Tensor:
+        def read(folder: CheckpointFolder, key: str) -> torch.Tensor:
             nbytes = folder.info(name).nbytes
-            return folder.read(name, pool.take(slot, (nbytes,), torch.uint8) if pool else None)
+            buffer = pool.take(f"read-{key}{slot}", (nbytes,), torch.uint8) if pool else None
+            return folder.read(name, buffer)
 
         rows = self.truncated_rows.get(name)
-        base = read(self.base, "read-base") if self.base is not None else None
-        experts = [read(e, f"read-{i}") for i, e in enumerate(self.experts)]
+        base = read(self.base, "base") if self.base is not None else None
+        experts = [read(e, str(i)) for i, e in enumerate(self.experts)]
         if rows is not None:
             base = base[:rows] if base is not None else None
             experts = [e[:rows] for e in experts]
@@ -507,26 +517,55 @@ class CheckpointMergePlan:
                 [e.to(cast) for e in experts],
             )
 
-    def merge_tensor(self, t: OutputTensor) -> torch.Tensor:
-        """The merged tensor ``t``, in its output dtype; NaN/Inf in an input or the result is an
-        error naming the tensor and the model."""
+    def load(
+        self, t: OutputTensor, slot: str = ""
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """Inputs of ``t`` read and cast to the compute dtype in the pool's buffers (set
+        ``slot``), checked for NaN/Inf; ``None`` for a non-floating tensor."""
         pool = self._pool
-        base, experts = self.inputs(t.name, pool)
+        base, experts = self.inputs(t.name, pool, slot)
         reference = base if base is not None else experts[0]
-        if not reference.is_floating_point():  # integer buffers: the base's, unchanged
-            return self.template.read(t.name).to(t.dtype)
+        if not reference.is_floating_point():
+            return None
 
-        def cast(x: torch.Tensor, slot: str) -> torch.Tensor:
-            return pool.take(slot, x.shape, self.compute_dtype).copy_(x)
+        def cast(x: torch.Tensor, key: str) -> torch.Tensor:
+            return pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype).copy_(x)
 
-        base = cast(base, "compute-base") if base is not None else None
-        experts = [cast(e, f"compute-{i}") for i, e in enumerate(experts)]
+        base = cast(base, "base") if base is not None else None
+        experts = [cast(e, str(i)) for i, e in enumerate(experts)]
         labelled = [(self.base, base)] if base is not None else []
         for folder, x in [*labelled, *zip(self.experts, experts)]:
             if not all_finite(x):
                 raise MergeInputError(
                     f"tensor {t.name!r} in {folder.label} ({folder.path}) contains NaN or Inf"
                 )
+        return base, experts
+
+    def merge_tensor(self, t: OutputTensor) -> torch.Tensor:
+        """The merged tensor ``t``, in its output dtype; NaN/Inf in an input or the result is an
+        error naming the tensor and the model.
+
+        Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
+        and cast in a background thread while this one is merged (two alternating buffer sets).
+        """
+        if self._order is None:
+            self._order = {x.name: i for i, x in enumerate(self.tensors)}
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-reader")
+        index = self._order[t.name]
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == index:
+            loaded = prefetched[1].result()
+        else:
+            if prefetched is not None:
+                futures_wait([prefetched[1]])  # its buffers are about to be reused
+            loaded = self.load(t, f"-{index % 2}")
+        if index + 1 < len(self.tensors):
+            future = self._loader.submit(self.load, self.tensors[index + 1], f"-{(index + 1) % 2}")
+            self._prefetched = (index + 1, future)
+        if loaded is None:  # integer buffers: the base's, unchanged
+            return self.template.read(t.name).to(t.dtype)
+        base, experts = loaded
+        pool = self._pool
         ctx = TensorContext(name=t.name, seed=self.seed, stats=self.stats)
         merged = self.method.fn(base, experts, ctx=ctx, **self.params, **self.per_model)
         if not all_finite(merged):

@@ -199,7 +199,10 @@ def _print_checkpoint_plan(plan, config: MergeConfig, verbose: bool) -> None:
     print(f"base: {plan.base.path if plan.base is not None else '(none)'}")
     for i, e in enumerate(plan.experts):
         print(f"model {i}: {e.path}")
-    print(f"compute dtype: {plan.compute_dtype}; seed: {plan.seed}")
+    print(f"compute dtype: {str(plan.compute_dtype).removeprefix('torch.')}; seed: {plan.seed}")
+    m, params = plan.method, {**plan.params, **plan.per_model}
+    if m.prepare is not None and (m.needs_prepare is None or m.needs_prepare(params)):
+        print("passes: a whole-model statistics pass over the inputs first, then the merge")
     if plan.truncated_rows:
         print(f"vocabulary rows merged (truncate rule): {plan.truncated_rows}")
     n_params = sum(_numel(t.shape) for t in plan.tensors)

@@ -120,8 +120,9 @@ class KthLargestAbs:
         bits = x.abs_().view(-1).view(torch.int32)
         if self._low is None:  # pass 1: histogram of the top 16 bits
             self.count += bits.numel()
-            high = bits.bitwise_right_shift_(16)
-            self._high += torch.bincount(high, minlength=_HIGH_BUCKETS).cpu()
+            # without minlength the output only spans the buckets present: less to allocate/add
+            counts = torch.bincount(bits.bitwise_right_shift_(16)).cpu()
+            self._high[: counts.numel()] += counts
         elif self._k > 0:  # pass 2: low 16 bits inside the chosen bucket; the rest go to the ends
             bits.sub_((self._bucket << 16) - 1).clamp_(0, _LOW_BUCKETS + 1)
             counts = torch.bincount(bits, minlength=_LOW_BUCKETS + 2)
@@ -304,6 +305,19 @@ MajoritySign = Literal["sum", "count"]
 DivideBy = Literal["count", "weight_sum", "none"]
 
 
+def _weighted_rows_sum(stack: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
+    """Σ_i w_i stack_i over the first axis (a plain sum when there are no weights or all are 1)."""
+    if weights is None or all(w == 1 for w in weights):
+        if stack.shape[0] == 1:
+            return stack[0].clone()
+        total = torch.add(stack[0], stack[1])  # row by row: faster than sum(0) on strided rows
+        for row in stack[2:]:
+            total.add_(row)
+        return total
+    w = torch.tensor(weights, dtype=stack.dtype, device=stack.device)
+    return torch.tensordot(w, stack, dims=1)
+
+
 def elect_sign(
     stack: torch.Tensor,
     method: MajoritySign = "sum",
@@ -316,11 +330,17 @@ def elect_sign(
     mergekit "count"). With ``sign_weights`` the election is on w_i τ_i instead (mergekit).
     A tie (0) elects +, as in every implementation.
     """
-    if method not in ("sum", "count"):
+    if method == "sum":
+        votes = _weighted_rows_sum(stack, sign_weights)
+    elif method == "count":
+        flips = (
+            None
+            if sign_weights is None
+            else [math.copysign(1.0, w) * (w != 0) for w in sign_weights]
+        )
+        votes = _weighted_rows_sum(stack.sign(), flips)
+    else:
         raise ValueError(f"unknown majority_sign {method!r}; use 'sum' or 'count'")
-    if sign_weights is not None and any(w != 1 for w in sign_weights):
-        stack = stack * per_expert(sign_weights, stack)
-    votes = stack.sum(0) if method == "sum" else stack.sign().sum(0)
     return votes.sign_().add_(0.5).sign_()  # −1, 0, +1 → −1, +1, +1
 
 
@@ -342,25 +362,26 @@ def disjoint_merge_(
     """
     if divide_by not in ("count", "weight_sum", "none"):
         raise ValueError(f"unknown divide_by {divide_by!r}; use 'count', 'weight_sum' or 'none'")
-    weights = [1.0] * stack.shape[0] if weights is None else weights
-    merged = torch.zeros_like(elected)
-    divisor = torch.zeros_like(elected) if divide_by != "none" else None
-    for tau, w in zip(stack, weights):
-        # agreeing entries have f·e·τ_i = |τ_i| > 0, where f = sign(w_i) or 1; relu zeroes the rest
-        flip = (math.copysign(1.0, w) if w != 0 else 0.0) if weighted_sign else 1.0
-        magnitude = tau.mul_(elected)
-        if flip != 1:
-            magnitude.mul_(flip)
-        magnitude.relu_()
-        if divisor is not None:
-            divisor.add_(magnitude.sign(), alpha=1.0 if divide_by == "count" else w)
-        merged.add_(magnitude, alpha=w * flip)  # w_i τ_i = (w_i f) · e · |τ_i| when agreeing
+    weights = [1.0] * stack.shape[0] if weights is None else list(weights)
+    # f_i = sign(w_i) when agreement is judged on w_i τ_i, else 1; an agreeing entry has
+    # f_i · e · τ_i = |τ_i| > 0, so relu keeps exactly the agreeing magnitudes.
+    flips = [math.copysign(1.0, w) * (w != 0) if weighted_sign else 1.0 for w in weights]
+    magnitudes = stack.mul_(elected)
+    if any(f != 1 for f in flips):
+        magnitudes.mul_(per_expert(flips, magnitudes))
+    magnitudes.relu_()
+    # w_i τ_i = (w_i f_i) · e · |τ_i| on the agreeing entries
+    merged = _weighted_rows_sum(magnitudes, [w * f for w, f in zip(weights, flips)])
     merged.mul_(elected)
+    if divide_by == "none":
+        return merged
+    agrees = magnitudes.sign_()  # 1 where expert i agrees, else 0
     if divide_by == "count":
-        merged.div_(divisor.clamp_(min=1))
-    elif divide_by == "weight_sum":
-        merged.div_(divisor.masked_fill_(divisor == 0, 1))
-    return merged
+        return merged.div_(agrees.sum(0).clamp_(min=1))
+    divisor = _weighted_rows_sum(agrees, weights)
+    if all(w > 0 for w in weights):  # then divisor is 0 (nobody agrees, merged = 0) or ≥ min w
+        return merged.div_(divisor.clamp_(min=min(weights)))
+    return merged.div_(divisor.masked_fill_(divisor == 0, 1))
 
 
 # --- interpolation -------------------------------------------------------------------------------
