@@ -835,6 +835,33 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
     return written
 
 
+def markdown_table(res: dict[str, Any]) -> str:
+    """The main table as markdown: score [95% CI] per benchmark, Δ vs best expert, cost."""
+    table = res["candidates"]
+    benches = list(next(iter(table.values())).keys())
+    paired = res.get("paired_vs_best_expert", {})
+    head = "| candidate | " + " | ".join(benches) + " | evals/token | ms/token |"
+    lines = [head, "|" + "---|" * (len(benches) + 3)]
+    for c, recs in table.items():
+        cells = []
+        for b in benches:
+            sc = recs[b]["score"]
+            cell = f"{100 * sc['mean']:.1f} [{100 * sc['low']:.0f}, {100 * sc['high']:.0f}]"
+            vs = paired.get(b, {}).get("vs", {}).get(c)
+            if vs is not None:
+                d = vs["paired_bootstrap"]
+                cell += f" (Δ {100 * d['mean_diff']:+.1f}, p={d['p_value']:.2f})"
+            cells.append(cell)
+        cost = recs[benches[0]]["cost"]
+        ms = 1000 * sum(recs[b]["cost"]["seconds_per_token"] for b in benches) / len(benches)
+        lines.append(
+            f"| {c} | "
+            + " | ".join(cells)
+            + f" | {cost.get('model_evaluations_per_token', '?')} | {ms:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     with atomic_output_file(path) as tmp:
@@ -952,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         for path in plot(out / "results.json", args.figures, _prefix(args.scale)):
             print(path)
+        print(markdown_table(json.loads((out / "results.json").read_text())))
         return 0
     overrides: dict[str, Any] = {"seed": args.seed, "limit": args.limit}
     for name in ("gguf_path", "base_path", "math_path", "code_path", "third_path", "gsm8k", "math_data",

@@ -653,6 +653,15 @@ def print_main_table(rows: list[dict]) -> None:
             )
 
 
+PANEL_TITLES = {
+    "authors": "authors' protocol: aligned, all from scratch",
+    "generative": "generative (x SEP y EOS), all from scratch",
+    "shared-full": "aligned, experts = full fine-tunes of base",
+    "shared-lora": "aligned, experts = LoRA fine-tunes of base",
+    "generative-shared": "generative, experts = fine-tunes of base",
+}
+
+
 def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
     import matplotlib
 
@@ -697,10 +706,10 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
         ax.invert_yaxis()
         ax.set_xlim(0, 105)
         ax.set_xlabel("joint exact match (%)")
-        ax.set_title(part, fontsize=10)
+        ax.set_title(PANEL_TITLES[part], fontsize=9)
         ax.axvline(100, color="k", lw=0.5, ls=":")
     fig.suptitle(
-        f"Letter replacement A→B + C→D at length 16 ({setting}, {n_seeds} seeds, 95% bootstrap CI)"
+        f"Letter replacement, joint exact match at the trained length 16 ({setting}, {n_seeds} seeds, 95% bootstrap CI)"
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="lower center", ncol=4, frameon=False)
@@ -897,12 +906,10 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
     fig.tight_layout()
     save(fig, "failures")
 
-    # 5. Diagnostics vs success: co-activity of the two experts vs composition joint success.
-    diag = [r for r in rows if r["method"] == "diagnostics" and r["metric"] == "co-active@0.1"]
-    pts = []
-    for r in diag:
+    # 5. Diagnostics vs success: two per-token measures against composition joint success.
+    def success_of(r):
         if r["part"] == "spans":
-            succ = [
+            sel = [
                 s
                 for s in rows
                 if s["part"] == "spans"
@@ -913,7 +920,7 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
         else:
             pair, _, wb = r["pair"].partition(" (")
             name = f"composition ({wb[:-1]})" if wb else "composition"
-            succ = [
+            sel = [
                 s
                 for s in rows
                 if s["part"] == r["part"]
@@ -922,36 +929,57 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
                 and s["metric"] == "joint"
                 and s["x"] is None
             ]
-        if succ:
-            pts.append((r, succ[0]))
-    if pts:
-        fig, ax = plt.subplots(figsize=(9, 5))
-        for i, (r, s) in enumerate(pts, 1):
-            xerr = [[100 * (r["mean"] - r["ci_low"])], [100 * (r["ci_high"] - r["mean"])]]
-            yerr = [[100 * (s["mean"] - s["ci_low"])], [100 * (s["ci_high"] - s["mean"])]]
-            ax.errorbar(
-                100 * r["mean"],
-                100 * s["mean"],
-                xerr=xerr,
-                yerr=yerr,
-                marker="o",
-                capsize=2,
-                label=f"{i}: {r['part']} · {r['pair']}",
-            )
-            ax.annotate(
-                str(i),
-                (100 * r["mean"], 100 * s["mean"]),
-                fontsize=7,
-                xytext=(4, 4),
-                textcoords="offset points",
-            )
-        ax.set_xlabel("co-active positions: both experts have KL(p_i‖p_b) > 0.1 nats (%)")
-        ax.set_ylabel("composition joint exact match (%)")
-        ax.set_title(
-            f"Does measured expert overlap predict composition success? ({setting}, 95% CI)",
-            fontsize=10,
+        return sel[0] if sel else None
+
+    measures = {
+        "co-active@0.1": "co-active positions: both experts have KL(p_i‖p_b) > 0.1 nats (%)",
+        "composed top-1 differs": "positions where the composed top-1 differs from every model's (%)",
+    }
+    cases = [
+        r
+        for r in rows
+        if r["method"] == "diagnostics" and r["metric"] == "co-active@0.1" and success_of(r)
+    ]
+    if cases:
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=True)
+        cmap = plt.get_cmap("tab20")
+        for ax, (metric, xlabel) in zip(axes, measures.items()):
+            for i, case in enumerate(cases, 1):
+                r = next(
+                    d
+                    for d in rows
+                    if d["method"] == "diagnostics"
+                    and d["metric"] == metric
+                    and d["part"] == case["part"]
+                    and d["pair"] == case["pair"]
+                    and d["x"] == case["x"]
+                )
+                s = success_of(case)
+                xerr = [[100 * (r["mean"] - r["ci_low"])], [100 * (r["ci_high"] - r["mean"])]]
+                yerr = [[100 * (s["mean"] - s["ci_low"])], [100 * (s["ci_high"] - s["mean"])]]
+                ax.errorbar(
+                    100 * r["mean"],
+                    100 * s["mean"],
+                    xerr=xerr,
+                    yerr=yerr,
+                    marker="o",
+                    capsize=2,
+                    color=cmap((i - 1) % 20),
+                    label=f"{i}: {case['part']} · {case['pair']}",
+                )
+                ax.annotate(
+                    str(i),
+                    (100 * r["mean"], 100 * s["mean"]),
+                    fontsize=7,
+                    xytext=(4, 4 + 6 * (i % 3)),
+                    textcoords="offset points",
+                )
+            ax.set_xlabel(xlabel, fontsize=9)
+        axes[0].set_ylabel("composition joint exact match (%)")
+        axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.suptitle(
+            f"Do per-token diagnostics predict composition success? ({setting}, 95% CI over seeds)"
         )
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         save(fig, "diagnostics")
     return written
@@ -972,7 +1000,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="recompute seeds that already have results")
     p.add_argument("--results", type=Path, default=ROOT / "results" / "toy")
     p.add_argument("--figures", type=Path, default=ROOT / "figures")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: tiny models gain nothing from more)",
+    )
     args = p.parse_args(argv)
 
     settings = full_settings() if args.full else Settings()

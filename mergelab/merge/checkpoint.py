@@ -29,8 +29,10 @@ Embedding rows that differ only by vocabulary padding (``vocab_padding``):
 * ``"error"`` (default) — refuse, naming the tensor and the row counts;
 * ``"truncate"`` — merge the rows all models share (the first ``min(rows)``); rows beyond that are
   taken from the base unchanged (an expert's extra rows are dropped), so the output keeps the
-  base's shape and vocabulary size. A tensor qualifies only if its shapes differ in dimension 0
-  alone and that dimension equals each model's ``config.vocab_size``.
+  base's shape and vocabulary size (its config is copied). A tensor qualifies only if its shapes
+  differ in dimension 0 alone and its name is an embedding or output head
+  (:data:`mergelab.merge.validation.VOCAB_TENSOR_PATTERN`); the rule and its checks are shared
+  with the in-memory engine (:mod:`mergelab.merge.validation`).
 
 Tied embeddings: a model with ``tie_word_embeddings`` that stores no ``lm_head.weight`` is read as
 if its ``lm_head.weight`` were its input embedding; the output stores what the base stores.
@@ -59,7 +61,12 @@ from tqdm.auto import tqdm
 from mergelab.outputs import atomic_output_dir, check_output_path
 
 from .registry import MergeMethod, TensorContext, get_merge_method
-from .validation import MergeInputError
+from .validation import (
+    VOCAB_PADDING_RULES,
+    MergeInputError,
+    check_same_architecture,
+    common_vocab_rows,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -103,8 +110,6 @@ TIED_PAIRS = (
     ("lm_head.weight", "model.embed_tokens.weight"),
     ("lm_head.weight", "transformer.wte.weight"),
 )
-
-VOCAB_PADDING_RULES = ("error", "truncate")
 
 
 def parse_size(size: int | str) -> int:
@@ -614,25 +619,6 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
-def _check_architectures(template: CheckpointFolder, others: list[CheckpointFolder]) -> None:
-    keys = ("architectures", "model_type", "tie_word_embeddings")
-    for other in others:
-        for key in keys:
-            a, b = template.config.get(key), other.config.get(key)
-            if a != b:
-                raise MergeInputError(
-                    f"{other.label} {other.path} has {key}={b!r} but {template.label} "
-                    f"{template.path} has {key}={a!r}; they cannot be merged"
-                )
-
-
-def _vocab_rows(folder: CheckpointFolder) -> int | None:
-    vocab = folder.config.get("vocab_size")
-    if vocab is None and isinstance(folder.config.get("text_config"), dict):
-        vocab = folder.config["text_config"].get("vocab_size")
-    return vocab
-
-
 def plan_checkpoint_merge(
     method: str | MergeMethod,
     base: str | os.PathLike | None,
@@ -668,7 +654,10 @@ def plan_checkpoint_merge(
     experts = [CheckpointFolder(p, f"model {i}") for i, p in enumerate(models)]
     template = base_folder if base_folder is not None else experts[0]
     others = [f for f in [base_folder, *experts] if f is not None and f is not template]
-    _check_architectures(template, others)
+    labels = [f"{f.label} ({f.path})" for f in [template, *others]]
+    check_same_architecture(
+        [f.config for f in [template, *others]], labels, vocab_padding=vocab_padding
+    )
 
     # Tensor names: what the template stores (a tied head it omits is omitted in the output).
     names = list(template.tensors)
@@ -688,34 +677,20 @@ def plan_checkpoint_merge(
     truncated: dict[str, int] = {}
     for name in names:
         ref = template.tensors[name]
-        for other in others:
-            info = other.info(name)
+        infos = [other.info(name) for other in others]
+        for other, info in zip(others, infos):
             if info.dtype != ref.dtype:
                 raise MergeInputError(
                     f"tensor {name!r} is {info.dtype} in {other.label} ({other.path}) but "
                     f"{ref.dtype} in {template.label}; convert the models to one dtype first"
                 )
-            if info.shape == ref.shape:
-                continue
-            padded = (
-                len(info.shape) == len(ref.shape)
-                and info.shape[1:] == ref.shape[1:]
-                and info.shape[0] == _vocab_rows(other)
-                and ref.shape[0] == _vocab_rows(template)
-            )
-            if not padded:
-                raise MergeInputError(
-                    f"tensor {name!r}: shape {info.shape} in {other.label} ({other.path}) but "
-                    f"{ref.shape} in {template.label} ({template.path})"
-                )
-            if vocab_padding == "error":
-                raise MergeInputError(
-                    f"tensor {name!r} has {info.shape[0]} vocabulary rows in {other.label} but "
-                    f"{ref.shape[0]} in {template.label} (vocabulary padding); pass "
-                    "vocab_padding='truncate' (--vocab-padding truncate) to merge the common rows "
-                    f"and keep the {template.label}'s extra rows"
-                )
-            truncated[name] = min(truncated.get(name, ref.shape[0]), info.shape[0])
+        # equal shapes, or rows to merge under the vocabulary padding rule (shared with the
+        # in-memory engine), or an error naming the tensor and every model's shape
+        rows = common_vocab_rows(
+            name, [ref.shape] + [i.shape for i in infos], labels, vocab_padding
+        )
+        if rows is not None:
+            truncated[name] = rows
 
     # Output in the template's storage order: sequential reads of each input shard.
     order = sorted(names, key=lambda n: (str(template.tensors[n].file), template.tensors[n].offset))

@@ -141,6 +141,8 @@ def load_lora_adapter(path: str | os.PathLike, label: str = "adapter") -> LoraAd
         if set(ab) != {"lora_A", "lora_B"}:
             raise MergeInputError(f"{label} {path}: module {module} lacks lora_A or lora_B")
         A, B = ab["lora_A"], ab["lora_B"]
+        if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+            raise MergeInputError(f"{label} {path}: module {module} contains NaN or Inf")
         r = A.shape[0]
         if A.dim() != 2 or B.dim() != 2 or B.shape[1] != r:
             raise MergeInputError(
@@ -292,7 +294,7 @@ def merge_lora_adapters(
     )
     plan.merge.prepare()
     if output_kind == "full":
-        return _write_full(plan, base, output, inputs, shard_size, force, progress)
+        return _write_full(plan, output, inputs, shard_size, force, progress)
     return _write_adapter(plan, output, inputs, rank, force, progress)
 
 
@@ -356,7 +358,6 @@ def plan_lora_merge(
 
 def _write_full(
     plan: LoraMergePlan,
-    base: str | os.PathLike,
     output: str | os.PathLike,
     inputs: list,
     shard_size: int | str,
