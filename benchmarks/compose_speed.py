@@ -13,7 +13,7 @@ prompt and 128 new tokens (EOS disabled so every row decodes all of them), batch
 Ratios are seconds per generated token relative to ``hf_generate`` at the same batch size.
 Targets (issue 3): compose_full ≤ 3.3 (1.1 × the 3× bound); compose_lora ≤ 1.15 × base_batch_k+1.
 
-    python benchmarks/compose_speed.py                      # everything, writes results/compose_speed.json
+    python benchmarks/compose_speed.py                      # everything, writes benchmarks/results/compose_speed.json
     python benchmarks/compose_speed.py --sizes tiny --batches 1
 """
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         help="skip the no-cache loop above this batch (it is quadratic)",
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="results/compose_speed.json")
+    parser.add_argument("--out", default="benchmarks/results/compose_speed.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = numbered_tokenizer(VOCAB)

@@ -202,7 +202,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=60, help="training steps per model")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    # The models are tiny: more threads only add synchronisation (and contend on shared machines).
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--output", help="also write the rows and the config as JSON here")
     p.set_defaults(func=main)
     return p

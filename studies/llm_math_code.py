@@ -203,7 +203,9 @@ def _synthetic_eval_settings(cfg: StudyConfig, names) -> dict[str, EvalSettings]
 def _load_or_train(folder: Path, train_fn, load_fn):
     """Reuse a saved checkpoint folder (resume), else train and save it atomically."""
     if (folder / "config.json").exists() or (folder / "adapter_config.json").exists():
-        return load_fn(folder), None
+        log_file = folder / "training_log.json"
+        log = json.loads(log_file.read_text()) if log_file.exists() else None
+        return load_fn(folder), log and {**log, "resumed_from_checkpoint": True}
     model, log = train_fn()
     with atomic_output_dir(folder, force=True) as tmp:
         model.save_pretrained(tmp)

@@ -653,6 +653,11 @@ def print_main_table(rows: list[dict]) -> None:
             )
 
 
+LENGTH_TITLES = {
+    "length-authors": "authors' protocol (aligned, from scratch)",
+    "length-shared-full": "aligned, experts = full fine-tunes of base",
+    "length-generative": "generative (trained at exactly length 16)",
+}
 PANEL_TITLES = {
     "authors": "authors' protocol: aligned, all from scratch",
     "generative": "generative (x SEP y EOS), all from scratch",
@@ -685,6 +690,12 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
         )
 
     colors = {"base": "0.6", "expert": "tab:blue", "composition": "tab:red", "merge": "tab:green"}
+    # One colour per row name across every curve figure, so a method looks the same everywhere.
+    palette = plt.get_cmap("tab20")
+    curve_methods = sorted(
+        {r["method"] for r in rows if r["x"] is not None and r["kind"] != "diagnostic"}
+    )
+    method_color = {m: palette(i % 20) for i, m in enumerate(curve_methods)}
     n_seeds = max((len(r["seeds"]) for r in rows), default=0)
 
     # 1. Main bars: joint exact match for every row, one panel per protocol.
@@ -740,7 +751,13 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
                 xs = [r["x"] for r in sel]
                 # Distinct line styles keep coinciding curves (often all at 100%) visible.
                 style = {"ls": ["-", "--", ":", "-."][i % 4], "marker": "osD^v"[i % 5], "ms": 3}
-                line = ax.plot(xs, [100 * r["mean"] for r in sel], label=method, **style)[0]
+                line = ax.plot(
+                    xs,
+                    [100 * r["mean"] for r in sel],
+                    label=method,
+                    color=method_color[method],
+                    **style,
+                )[0]
                 ax.fill_between(
                     xs,
                     [100 * r["ci_low"] for r in sel],
@@ -751,7 +768,7 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
             ax.axvline(16, color="k", ls=":", lw=0.8)
             ax.text(16.5, 3, "trained length", fontsize=7)
             ax.set_xlabel("input length (characters)")
-            ax.set_title(part.replace("length-", ""), fontsize=10)
+            ax.set_title(LENGTH_TITLES[part], fontsize=9)
             ax.legend(fontsize=7)
         axes[0][0].set_ylabel("joint exact match (%)")
         fig.suptitle(f"Length generalisation, A→B + C→D ({setting}, 95% CI bands)")
@@ -772,7 +789,16 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
                 )
                 xs = [r["x"] for r in sel]
                 m, e = err(sel)
-                ax.errorbar(xs, m, yerr=e, marker="o", ms=4, capsize=3, label=method)
+                ax.errorbar(
+                    xs,
+                    m,
+                    yerr=e,
+                    marker="o",
+                    ms=4,
+                    capsize=3,
+                    label=method,
+                    color=method_color[method],
+                )
             ax.set_xlabel("letters inside both spans (overlap)")
             ax.set_xticks(range(max(r["x"] for r in sp) + 1))
             ax.set_title(
@@ -783,7 +809,7 @@ def plot_all(rows: list[dict], fig_prefix: Path, setting: str) -> list[Path]:
                 fontsize=10,
             )
         axes[0].set_ylabel("success (%)")
-        axes[1].legend(fontsize=7)
+        axes[0].legend(fontsize=7, title="row", title_fontsize=7)
         fig.suptitle(f"Span skills: shift inside <…>, mirror inside (…) ({setting}, 95% CI)")
         fig.tight_layout()
         save(fig, "spans")

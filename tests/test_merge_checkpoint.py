@@ -82,7 +82,7 @@ METHOD_PARAMS = {
     "dare_ties": {"params": {"density": 0.5}, "seed": 3},
     "dare_linear": {"params": {"density": 0.5}, "seed": 3},
     "breadcrumbs": {},
-    "slerp": {"params": {"t": 0.3}},
+    "slerp": {"params": {"t": 0.3}, "base": False},  # slerp: two experts, no base
 }
 
 
@@ -90,10 +90,9 @@ METHOD_PARAMS = {
 def test_streamed_merge_equals_in_memory_merge(ckpts, tmp_path, method):
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     kwargs = dict(METHOD_PARAMS.get(method, {}))
-    try:
-        expected = merge_state_dicts(method, base_sd, [sd0, sd1], **kwargs)
-    except ValueError as exc:  # a method that cannot take this input in memory either
-        pytest.skip(f"{method} rejects this input: {exc}")
+    if not kwargs.pop("base", True):
+        base, base_sd = None, None
+    expected = merge_state_dicts(method, base_sd, [sd0, sd1], **kwargs)
     out = merge_checkpoints(
         method, base, [e0, e1], output=tmp_path / "out", progress=False, **kwargs
     )
@@ -383,3 +382,21 @@ def test_out_dtype_is_stored_and_recorded(ckpts, tmp_path):
     torch.testing.assert_close(got["model.norm.weight"], stacked.mean(0), rtol=1e-6, atol=1e-7)
     record = json.loads((out / "mergelab_merge.json").read_text())
     assert record["method"] == "linear" and record["seed"] == 0
+
+
+@pytest.mark.parametrize("prefetch_max_bytes", [0, 20_000])
+def test_read_ahead_on_or_off_gives_the_same_merge(
+    ckpts, tmp_path, monkeypatch, prefetch_max_bytes
+):
+    """No read-ahead at all, or only for the small tensors (embeddings read in turn)."""
+    from mergelab.merge import checkpoint
+
+    monkeypatch.setattr(checkpoint, "PREFETCH_MAX_BYTES", prefetch_max_bytes)
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    params = {"density": 0.3, "trim_scope": "tensor"}
+    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
+    out = merge_checkpoints(
+        "ties", base, [e0, e1], output=tmp_path / "o", params=params, progress=False
+    )
+    got = stored_state_dict(out)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)

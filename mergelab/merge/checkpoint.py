@@ -12,10 +12,15 @@ with ``config.json``, ``generation_config.json`` and the tokenizer files copied 
 How memory stays bounded by a few tensors, not by the model:
 
 * every input tensor is read on its own, with a positioned read of exactly its bytes (the offsets
-  come from the shard's safetensors header), so no shard is ever loaded or memory-mapped whole;
-  mapped pages would count toward the process's resident memory until the file is closed;
+  come from the shard's safetensors header, which ``safe_open`` also validates), so no shard is
+  ever loaded or memory-mapped whole; mapped pages would count toward the process's resident
+  memory until the file is closed;
 * each output shard's header is known before any tensor is merged (names, shapes and dtypes are
   fixed by the inputs), so shards are written front to back, one merged tensor at a time;
+* while one tensor is merged, a background thread reads the next tensor's inputs and another
+  writes the previous results (``PREFETCH_MAX_BYTES``, ``WRITE_BEHIND``), into reused buffers:
+  at most about two tensors' inputs and three outputs are alive, each buffer the size of the
+  largest tensor it has held;
 * methods with a whole-model first pass (e.g. TIES with one global top-k threshold) get a
   ``make_iter()`` that streams the inputs again, as often as they need.
 
@@ -551,7 +556,8 @@ class CheckpointMergePlan:
         error naming the tensor and the model.
 
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
-        and cast in a background thread while this one is merged (two alternating buffer sets).
+        and cast in a background thread while this one is merged (two alternating buffer sets,
+        for tensors whose inputs take at most ``PREFETCH_MAX_BYTES`` in the compute dtype).
         """
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}
@@ -562,11 +568,13 @@ class CheckpointMergePlan:
             loaded = prefetched[1].result()
         else:
             if prefetched is not None:
-                futures_wait([prefetched[1]])  # its buffers are about to be reused
-            loaded = self.load(t, f"-{index % 2}")
+                futures_wait([prefetched[1]])  # a background read must not outlive its turn
+            loaded = self.load(t, self._buffer_set(index))
         if index + 1 < len(self.tensors):
-            future = self._loader.submit(self.load, self.tensors[index + 1], f"-{(index + 1) % 2}")
-            self._prefetched = (index + 1, future)
+            slot = self._buffer_set(index + 1)
+            if slot != "-large":  # large inputs are read in turn, not ahead
+                future = self._loader.submit(self.load, self.tensors[index + 1], slot)
+                self._prefetched = (index + 1, future)
         if loaded is None:  # integer buffers: the base's, unchanged
             return self.template.read(t.name).to(t.dtype)
         base, experts = loaded
@@ -585,11 +593,25 @@ class CheckpointMergePlan:
         slot = f"output-{self._n_produced % OUTPUT_SLOTS}"
         return pool.take(slot, merged.shape, t.dtype).copy_(merged)
 
+    def _buffer_set(self, index: int) -> str:
+        """Which buffers tensor ``index`` is loaded into: one of two alternating sets (so one can
+        be read ahead while the other is merged), or a third set for inputs too large to read
+        ahead (bigger than ``PREFETCH_MAX_BYTES``); each set grows to the largest tensor it holds."""
+        t = self.tensors[index]
+        n_inputs = len(self.experts) + (self.base is not None)
+        size = math.prod(t.shape) * self.compute_dtype.itemsize * n_inputs
+        return f"-{index % 2}" if size <= PREFETCH_MAX_BYTES else "-large"
+
     @property
     def _pool(self) -> BufferPool:
         if self.buffers is None:
             self.buffers = BufferPool()
         return self.buffers
+
+
+# Inputs (all models, compute dtype) of at most this size are read ahead in the background; the
+# two read-ahead buffer sets then add at most twice this to the peak memory.
+PREFETCH_MAX_BYTES = 2**30
 
 
 class BufferPool:

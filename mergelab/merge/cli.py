@@ -31,9 +31,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p = subparsers.add_parser(
         "merge",
         help="merge checkpoints or LoRA adapters in weight space",
-        description=__doc__.split("\n\n")[0],
+        description="Merge checkpoint folders or PEFT LoRA adapters with a registered method, "
+        "from flags or a YAML/TOML config file.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="methods: " + ", ".join(list_merge_methods()),
+        epilog="methods: " + ", ".join(list_merge_methods()) + "\n\nexamples:\n"
+        "  mergelab merge --method ties --base base/ --model math/:1.0 --model code/:0.5 \\\n"
+        "      --param density=0.2 --param lambda=1.0 --out merged/\n"
+        "  mergelab merge --config merge.yaml --dry-run",
     )
     p.add_argument("--config", help="YAML or TOML merge config (see mergelab.merge.config)")
     p.add_argument("--method", help="merge method, e.g. ties")
