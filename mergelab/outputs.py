@@ -74,4 +74,11 @@ def atomic_output_file(output: str | os.PathLike, *, force: bool = True) -> Iter
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    os.chmod(tmp, _default_file_mode())  # mkstemp makes 0600; give the file normal permissions
     os.replace(tmp, out)
+
+
+def _default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask

@@ -86,6 +86,7 @@ class StudyConfig:
     expert_steps: int = 250
     expert_lr: float = 1e-3
     batch_size: int = 32
+    expert_replay: float = 0.0  # share of each fine-tuning batch that is pretraining text
     lora: bool = True
     lora_rank: int = 8
     lora_steps: int = 250
@@ -243,9 +244,13 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
 
         def train_expert(skill=skill, i=i):
             t0 = time.time()
+            replay = (
+                pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed) if cfg.expert_replay else ()
+            )
             model, losses = finetune(copy.deepcopy(base), tok, train[skill], steps=cfg.expert_steps,
                                      lr=cfg.expert_lr, batch_size=cfg.batch_size, seed=cfg.seed + 1 + i,
-                                     desc=f"{skill} expert")  # fmt: skip
+                                     desc=f"{skill} expert", replay_documents=replay,
+                                     replay_fraction=cfg.expert_replay)  # fmt: skip
             return model, {"loss_first": losses[0], "loss_last": _tail_mean(losses),
                            "seconds": time.time() - t0, "steps": cfg.expert_steps}  # fmt: skip
 
@@ -762,7 +767,7 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
     if term.get("rows"):
         policies = sorted({r["eos_policy"] for r in term["rows"]}, key=list(EOS_POLICIES).index)
         tb = list(term["rows"][0]["benchmarks"])
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+        fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
         for policy in policies:
             rows = sorted(
                 (r for r in term["rows"] if r["eos_policy"] == policy), key=lambda r: r["n_experts"]
@@ -784,9 +789,11 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
             axes[2].plot(
                 ks, [mean(r, lambda x: x["score"]["mean"]) for r in rows], "o-", label=policy
             )
-        for ax, t in zip(
-            axes, ("share stopped before the limit", "mean generated tokens", "mean score")
-        ):
+            eos_end = lambda x: x["eos_prob"].get("at_reference_end", float("nan"))  # noqa: E731
+            axes[3].plot(ks, [mean(r, eos_end) for r in rows], "o-", label=policy)
+        titles = ("share stopped before the limit", "mean generated tokens", "mean score",
+                  "p(EOS) where the reference ends (teacher-forced)")  # fmt: skip
+        for ax, t in zip(axes, titles):
             ax.set_xlabel("experts composed")
             ax.set_xticks([2, 3])
             ax.set_title(t, fontsize=9)

@@ -28,6 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The machine is shared: one intra-op thread avoids oversubscription (and is as fast here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _study():
     spec = importlib.util.spec_from_file_location(
         "llm_math_code", ROOT / "studies" / "llm_math_code.py"
@@ -91,6 +100,11 @@ def test_tiny_training_reduces_loss():
     items = make_splits("math", {"train": 50})["train"]
     _, ft = finetune(model, tok, items, steps=10, batch_size=8, lr=3e-3)
     assert ft[-1] < ft[0]
+    # Replay mixes pretraining text into the batches: the replayed loss is the pretraining loss.
+    _, mixed = finetune(
+        model, tok, items, steps=3, batch_size=8, replay_documents=["ab"] * 4, replay_fraction=1.0
+    )
+    assert all(loss > 1.0 for loss in mixed)  # "ab<eos>" was never trained on: high loss
 
 
 # ---------------------------------------------------------------------------- whole pipeline
@@ -104,7 +118,6 @@ TINY = dict(hidden_size=32, num_layers=1, intermediate_size=64, pretrain_steps=4
 
 def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     study = _study()
-    torch.set_num_threads(1)
     cfg = study.scale_config("mini", **TINY)
     results = study.run_study(cfg, tmp_path / "out", tmp_path / "figs")
 

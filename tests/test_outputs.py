@@ -63,3 +63,14 @@ def test_atomic_file(tmp_path):
             raise KeyError("boom")
     assert out.read_text() == "{}"
     assert sorted(p.name for p in out.parent.iterdir()) == ["results.json"]
+
+
+def test_atomic_file_gets_normal_permissions(tmp_path):
+    import os
+
+    out = tmp_path / "results.json"
+    with atomic_output_file(out) as tmp:
+        tmp.write_text("{}")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -1,4 +1,4 @@
-"""``mergelab compose``: decode from a logit composition of local checkpoints.
+r"""``mergelab compose``: decode from a logit composition of local checkpoints.
 
     mergelab compose --base base/ --expert math/ --expert code/ --prompt "2 + 2 =" \
         --max-new-tokens 32

@@ -113,10 +113,15 @@ def sft_batch(tokenizer, items: Sequence[dict]) -> tuple[torch.Tensor, torch.Ten
 
 
 def finetune(model, tokenizer, items: Sequence[dict], *, steps: int, batch_size: int = 32,
-             lr: float = 1e-3, seed: int = 0, lora: dict | None = None, desc: str = "finetune"):  # fmt: skip
+             lr: float = 1e-3, seed: int = 0, lora: dict | None = None, desc: str = "finetune",
+             replay_documents: Sequence[str] = (), replay_fraction: float = 0.0):  # fmt: skip
     """Fine-tune on (prompt, target) items. Full fine-tuning trains ``model`` in place and returns
     it; with ``lora`` (kwargs for ``peft.LoraConfig``) a PEFT model wrapping ``model`` is trained
-    and returned (``model``'s own weights are left unchanged). Returns ``(model, losses)``."""
+    and returned (``model``'s own weights are left unchanged). Returns ``(model, losses)``.
+
+    ``replay_fraction`` of each batch is drawn from ``replay_documents`` (pretraining text, loss on
+    every token): replay keeps the expert close to the base away from its skill, which is what
+    the factorisation assumption of logit composition asks for."""
     if not items:
         raise ValueError("finetune needs at least one item")
     if lora is not None:
@@ -125,9 +130,13 @@ def finetune(model, tokenizer, items: Sequence[dict], *, steps: int, batch_size:
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     rng = random.Random(seed)
 
+    n_replay = round(replay_fraction * batch_size) if replay_documents else 0
+    replay = [{"prompt": "", "target": d} for d in replay_documents]
+
     def batches():
         while True:
-            yield sft_batch(tokenizer, [rng.choice(items) for _ in range(batch_size)])
+            rows = [rng.choice(items) for _ in range(batch_size - n_replay)]
+            yield sft_batch(tokenizer, rows + [rng.choice(replay) for _ in range(n_replay)])
 
     torch.manual_seed(seed)
     losses = _train_loop(model, batches(), steps=steps, lr=lr, desc=desc)
