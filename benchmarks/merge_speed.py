@@ -6,8 +6,8 @@
 The checkpoints are synthetic (random tensors with Llama's tensor names and shapes, a real
 ``config.json``), written once into ``--cache-dir`` and reused. Each merge runs in its own
 subprocess (``mergelab merge`` and ``mergekit-yaml``), both limited to ``--threads`` torch
-threads, both computing in float32 and storing bf16. Peak RSS is the subprocess's ``ru_maxrss``
-(from ``wait4``). Results go to ``--results`` as JSON (with the config that produced them) and are
+threads, both computing in float32 and storing bf16. Peak RSS is the subprocess's maximum
+resident set size as GNU ``/usr/bin/time`` reports it. Results go to ``--results`` as JSON (with the config that produced them) and are
 printed as a table. Other processes on the machine add noise to wall times; RSS is not affected.
 """
 
@@ -135,17 +135,33 @@ def write_checkpoint_set(folder: Path, shape: dict, shard_bytes: int = 2 * 10**8
     os.replace(tmp, folder)
 
 
+GNU_TIME = "/usr/bin/time"
+RSS_TAG = "mergelab-bench-maxrss-kb="
+
+
 def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MiB, exit code) of one subprocess."""
+    """(wall seconds, peak RSS in MiB, exit code) of one subprocess.
+
+    Peak RSS comes from GNU time when present: Linux carries a process's ``ru_maxrss`` across
+    fork + exec, so a child forked straight from this (torch-importing) script would report at
+    least this script's own RSS. ``wait4`` is the fallback, with that floor.
+    """
+    use_time = os.path.exists(GNU_TIME)
+    full = [GNU_TIME, "-f", RSS_TAG + "%M", *cmd] if use_time else cmd
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stderr = proc.stderr.read()
+    proc = subprocess.Popen(full, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = proc.stderr.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        print(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{stderr.decode()[-3000:]}")
-    return wall, usage.ru_maxrss / 1024, proc.returncode  # ru_maxrss is in KiB on Linux
+    if returncode != 0:
+        print(f"command failed ({returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
+    rss_kib = usage.ru_maxrss  # KiB on Linux
+    if use_time:
+        tagged = [line for line in stderr.splitlines() if line.startswith(RSS_TAG)]
+        if tagged:
+            rss_kib = int(tagged[-1].removeprefix(RSS_TAG))
+    return wall, rss_kib / 1024, returncode
 
 
 def compare_outputs(a: Path, b: Path, names: list[str]) -> float:
@@ -164,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=LLAMA_SHAPE["num_hidden_layers"])
     parser.add_argument("--results", default="benchmarks/results/merge_speed.json")
     parser.add_argument("--skip-mergekit", action="store_true")
+    parser.add_argument("--keep-outputs", action="store_true", help="keep the merged checkpoints")
     args = parser.parse_args(argv)
 
     shape = {**LLAMA_SHAPE, "num_hidden_layers": args.layers}
@@ -187,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.cache_dir) / "outputs"
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    sample = ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight"]
+    last = min(3, args.layers - 1)
+    sample = ["model.layers.0.self_attn.q_proj.weight", f"model.layers.{last}.mlp.down_proj.weight"]
     for method in args.methods:
         ours, theirs_global, theirs_model = METHODS[method]
         base = None if method == "linear" else str(folder / "base")
@@ -236,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["max_abs_diff_sample"] = compare_outputs(out_ours, out_theirs, sample)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if not args.keep_outputs:  # 1 GB each; the inputs stay cached for the next run
+            shutil.rmtree(out_ours, ignore_errors=True)
+            shutil.rmtree(work / f"mergekit-{method}", ignore_errors=True)
 
     print()
     header = f"{'method':16s} {'mergelab s':>11s} {'mergekit s':>11s} {'speed-up':>9s} "

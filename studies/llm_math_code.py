@@ -974,7 +974,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--figures", type=Path, default=ROOT / "figures")
     p.add_argument("--force", action="store_true", help="recompute results.json (caches reused)")
     p.add_argument("--plot-only", action="store_true", help="redraw figures from results.json")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: no oversubscription on a shared machine)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a StudyConfig field, e.g. --set expert_steps=100")  # fmt: skip

@@ -8,7 +8,8 @@ Parts (each seed runs all of them):
 
 1. authors     aligned protocol, every model from scratch: base = identity, experts A→B, C→D
                and the authors' code's A→K, M→B. Base, experts, composition.
-2. generative  ``x [SEP] y [EOS]``, greedy decoding until EOS; models from scratch.
+2. generative  ``x [SEP] y [EOS]``, greedy decoding until EOS; experts from scratch, and experts
+               fine-tuned from the generative base (then the weight merges are rows too).
 3. shared      experts fine-tuned from the base (full and LoRA) so that task arithmetic (λ grid),
                TIES, DARE, linear averaging and SLERP are meaningful next to the composition.
 4. length      trained at length 16, tested at lengths 1..64 (parts 1–3).
@@ -19,9 +20,13 @@ Parts (each seed runs all of them):
 7. diagnostics per-token expert activity (KL to the base) and co-activity vs composition success.
 
 Run:
-    python studies/toy_letters.py              # fast default, ~10 min on 2 CPU cores
+    python studies/toy_letters.py              # fast default: ~430 s of CPU on one thread
+                                               # (15 min wall on a shared, loaded 2-core box)
     python studies/toy_letters.py --full       # authors' settings (batch 1), 5 seeds, all lengths
     python studies/toy_letters.py --plot-only  # redraw figures from results/toy/<setting>/
+
+``studies/toy_authors_exact.py`` runs part 1 alone at the authors' exact settings (batch 1).
+Threads: 1 by default; on a busy machine 2 intra-op threads made training ~10x slower.
 
 Outputs: results/toy/<fast|full>/{config.json, seed_<s>.json, summary.csv, summary.json};
 figures/toy_*.png (fast) or figures/toy_full_*.png, drawn from summary.json only. Finished seeds
@@ -89,7 +94,8 @@ class Settings:
     # Authors: AdamW lr 3e-4, batch 1, 5 epochs. Fast: batch 16 (same lr, epochs) — still 100%.
     scratch: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=5, batch_size=16))
     # Generative models from scratch: copying across the separator needs more updates than
-    # the aligned map; lr 1e-3 reaches 100% at length 16 in 5 epochs of batch 16.
+    # the aligned map; lr 1e-3 reaches 100% at length 16 in 5 epochs of batch 16. Trained at
+    # exactly length 16 (lengths 1..16 mixed reached only 66% teacher-forced in 15 epochs).
     generative: TrainConfig = field(
         default_factory=lambda: TrainConfig(epochs=5, batch_size=16, lr=1e-3)
     )

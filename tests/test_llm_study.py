@@ -22,7 +22,7 @@ import torch
 
 from mergelab.eval import Sandbox, build_test_programs, gsm8k_correct
 from mergelab.synthetic import GENERATORS, char_tokenizer, make_splits, pretraining_corpus
-from mergelab.synthetic.training import finetune, new_mini_model, pretrain
+from mergelab.synthetic.training import finetune, new_mini_model, pretrain, sft_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
@@ -100,11 +100,14 @@ def test_tiny_training_reduces_loss():
     items = make_splits("math", {"train": 50})["train"]
     _, ft = finetune(model, tok, items, steps=10, batch_size=8, lr=3e-3)
     assert ft[-1] < ft[0]
-    # Replay mixes pretraining text into the batches: the replayed loss is the pretraining loss.
-    _, mixed = finetune(
-        model, tok, items, steps=3, batch_size=8, replay_documents=["ab"] * 4, replay_fraction=1.0
-    )
-    assert all(loss > 1.0 for loss in mixed)  # "ab<eos>" was never trained on: high loss
+    # replay_fraction=1: a batch is replayed text only, so the first step's loss is exactly the
+    # model's loss on "ab<eos>" (loss on every token, no prompt).
+    x, mask, labels = sft_batch(tok, [{"prompt": "", "target": "ab"}] * 8)
+    with torch.no_grad():
+        expected = model(input_ids=x, attention_mask=mask, labels=labels).loss.item()
+    _, replayed = finetune(model, tok, items, steps=1, batch_size=8,
+                           replay_documents=["ab"] * 4, replay_fraction=1.0)  # fmt: skip
+    assert replayed[0] == pytest.approx(expected, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- whole pipeline

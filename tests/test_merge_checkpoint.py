@@ -388,7 +388,7 @@ def test_out_dtype_is_stored_and_recorded(ckpts, tmp_path):
 def test_read_ahead_on_or_off_gives_the_same_merge(
     ckpts, tmp_path, monkeypatch, prefetch_max_bytes
 ):
-    """No read-ahead at all, or only for the small tensors (embeddings read in turn)."""
+    """No read-ahead at all, or only for some tensors."""
     from mergelab.merge import checkpoint
 
     monkeypatch.setattr(checkpoint, "PREFETCH_MAX_BYTES", prefetch_max_bytes)

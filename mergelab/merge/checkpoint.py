@@ -462,6 +462,7 @@ class CheckpointMergePlan:
     buffers: BufferPool | None = None  # reused across tensors by merge_tensor
     _n_produced: int = 0
     _order: dict[str, int] | None = None
+    _largest_numel: int | None = None
     _loader: ThreadPoolExecutor | None = None
     _prefetched: tuple[int, Future] | None = None
 
@@ -557,7 +558,7 @@ class CheckpointMergePlan:
 
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
         and cast in a background thread while this one is merged (two alternating buffer sets,
-        for tensors whose inputs take at most ``PREFETCH_MAX_BYTES`` in the compute dtype).
+        except for the largest tensors, see ``_buffer_set``).
         """
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}
@@ -595,12 +596,18 @@ class CheckpointMergePlan:
 
     def _buffer_set(self, index: int) -> str:
         """Which buffers tensor ``index`` is loaded into: one of two alternating sets (so one can
-        be read ahead while the other is merged), or a third set for inputs too large to read
-        ahead (bigger than ``PREFETCH_MAX_BYTES``); each set grows to the largest tensor it holds."""
-        t = self.tensors[index]
+        be read ahead while the other is merged), or a third set, not read ahead, for the
+        largest tensors (inputs over half the largest's, e.g. embeddings, or over
+        ``PREFETCH_MAX_BYTES``). Each set grows to the largest tensor it holds, so the three
+        together hold at most about twice the largest tensor's inputs."""
+        if self._largest_numel is None:
+            self._largest_numel = max((math.prod(t.shape) for t in self.tensors), default=0)
+        numel = math.prod(self.tensors[index].shape)
         n_inputs = len(self.experts) + (self.base is not None)
-        size = math.prod(t.shape) * self.compute_dtype.itemsize * n_inputs
-        return f"-{index % 2}" if size <= PREFETCH_MAX_BYTES else "-large"
+        size = numel * self.compute_dtype.itemsize * n_inputs
+        if size <= PREFETCH_MAX_BYTES and 2 * numel <= self._largest_numel:
+            return f"-{index % 2}"
+        return "-large"
 
     @property
     def _pool(self) -> BufferPool:
