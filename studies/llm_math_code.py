@@ -12,11 +12,15 @@ One recipe, three scales (``--scale``):
   MATH, HumanEval+ and MBPP+ from local files, with the paper's decoding settings.
 
 Every scale builds the same candidates — base, each expert, logit composition (w = 1), weighted
-composition (w chosen on validation), task arithmetic (λ chosen on validation), TIES, DARE-TIES,
-linear interpolation, and for LoRA experts the adapter merge and the LoRA composition — and
-evaluates them all with ``mergelab.eval.evaluate`` (bootstrap CIs, paired comparison with the best
-single expert, cost per generated token). Then: 2 vs 3 experts under each EOS policy
-(termination), and factorisation diagnostics per benchmark. Results go to ``<out>/results.json``;
+composition, task arithmetic, TIES, DARE-TIES, linear interpolation, and for LoRA experts the
+adapter merge and the LoRA composition — and evaluates them all with ``mergelab.eval.evaluate``
+(bootstrap CIs, paired comparison with the best single expert, cost per generated token). Every
+choice is made on the validation split, never on test: the composition weight, the λ of task
+arithmetic, TIES and DARE-TIES, the TIES density, and, per benchmark, which single expert is "the
+best" reference of the paired comparisons. At the paper scale the weight merges are streamed
+from the checkpoint folders by ``mergelab.merge.checkpoint`` into folders on disk and loaded back,
+one at a time. Then: 2 vs 3 experts under each EOS policy (termination), and factorisation
+diagnostics per benchmark. Results go to ``<out>/results.json``;
 figures are drawn from that file alone (``--plot-only``).
 
     python studies/llm_math_code.py                       # mini: results/llm/mini + figures/llm_*
@@ -33,11 +37,14 @@ Reruns resume: checkpoints are reused from ``<out>/checkpoints`` and generations
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,6 +66,7 @@ from mergelab.eval import (
 )
 from mergelab.eval.sandbox import Sandbox
 from mergelab.merge import merge_models
+from mergelab.merge.checkpoint import MERGE_RECORD_NAME
 from mergelab.outputs import atomic_output_dir, atomic_output_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +108,11 @@ class StudyConfig:
     # candidates
     composition_weights: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
     task_arithmetic_lambdas: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
-    ties_density: float = 0.2  # TIES paper default k = 20%, λ = 1
+    # TIES and DARE-TIES: λ (and TIES density) chosen on validation like task arithmetic; the
+    # grids hold the papers' defaults (TIES k = 20%, λ = 1) and a milder setting.
+    ties_lambdas: tuple[float, ...] = (0.5, 0.7, 1.0)
+    ties_densities: tuple[float, ...] = (0.2, 0.5)
+    dare_lambdas: tuple[float, ...] = (0.5, 0.7, 1.0)
     dare_density: float = 0.5  # DARE keep rate (drop p = 0.5; p = 0.9 wrecks experts this small)
     # extra experiments
     three_experts: bool = True
@@ -117,6 +129,7 @@ class StudyConfig:
     humaneval_plus: str | None = None
     mbpp_plus: str | None = None
     dtype: str = "float32"
+    keep_merges: bool = False  # keep streamed merge folders (paper scale) after evaluating them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -155,6 +168,11 @@ class Setting:
     lora_adapters: dict[str, Path] = field(default_factory=dict)
     reference: dict[str, dict[str, str]] = field(default_factory=dict)  # bench → item → solution
     training: dict[str, Any] = field(default_factory=dict)
+    # test benchmark → validation benchmark where the test set has no split of its own
+    validation_of: dict[str, str] = field(default_factory=dict)
+    # saved full-model folders of the experts: weight merges then stream from disk
+    expert_dirs: dict[str, Path] = field(default_factory=dict)
+    merge_dir: Path | None = None  # where streamed merges are written
 
 
 def synthetic_benchmarks(cfg: StudyConfig, tasks=("math", "code", "mixed", "count")):
@@ -312,7 +330,16 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
     path = Path(path)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    # transformers de-quantizes GGUF into plain float tensors but keeps a GGUF "quantizer" on the
+    # model, which makes save_pretrained refuse (the LoRA merges need the base saved as a folder).
+    # A model rebuilt from the config without it, holding the same tensors, has no such flag.
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -356,7 +383,8 @@ def smollm2_setting(cfg: StudyConfig, work: Path) -> Setting:
     eval_settings = _synthetic_eval_settings(cfg, list(test))
     return Setting(tok, base, experts, validation, test, eval_settings, work / "base",
                    {k: v for k, v in adapters.items() if k in ("math", "code")}, reference,
-                   {k: v for k, v in log.items() if v is not None})  # fmt: skip
+                   {k: v for k, v in log.items() if v is not None},
+                   validation_of={"humaneval": "code"})  # fmt: skip
 
 
 def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
@@ -407,8 +435,9 @@ def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
                         bootstrap_samples=cfg.bootstrap_samples, workers=cfg.sandbox_workers, seed=cfg.seed)
         for n in test
     }  # fmt: skip
+    expert_dirs = {"math": Path(cfg.math_path), "code": Path(cfg.code_path)}
     return Setting(tok, load(cfg.base_path), experts, validation, test, eval_settings,
-                   Path(cfg.base_path))  # fmt: skip
+                   Path(cfg.base_path), expert_dirs=expert_dirs, merge_dir=work / "merges")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -421,6 +450,7 @@ class Runner:
         self.cfg, self.setting, self.out, self.sandbox = cfg, setting, out, sandbox
         self.results: dict[str, dict[str, Any]] = {}  # candidate → benchmark → record
         self.describe: dict[str, Any] = {}
+        self.best_expert: dict[str, Any] = {}  # benchmark → expert chosen on validation
 
     def run(
         self, candidate, benchmarks: dict[str, Benchmark], split: str = "test"
@@ -488,10 +518,54 @@ def _short_describe(candidate) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
 def merged_candidate(setting: Setting, method: str, name: str, cfg: StudyConfig, **kwargs):
-    model = merge_models(method, setting.base, [setting.experts["math"], setting.experts["code"]],
-                         seed=cfg.seed, **kwargs)  # fmt: skip
-    return ModelCandidate(model, setting.tokenizer, name=name)
+    """A weight merge of the math and code experts as a candidate (``kwargs``: params, weights).
+
+    Where the experts are checkpoint folders (``setting.expert_dirs``: the paper scale), the merge
+    is streamed tensor by tensor by ``mergelab.merge.checkpoint`` into a folder on disk and loaded
+    back with ``AutoModelForCausalLM``, so the merge itself never holds base and experts in memory;
+    the folder is deleted on exit unless ``cfg.keep_merges`` (a gemma-2-2b merge is ~5 GB, and a
+    rerun finds its generations in the evaluation cache anyway). Small in-memory experts (mini,
+    smollm2) are merged with ``merge_models``."""
+    if not setting.expert_dirs:
+        model = merge_models(method, setting.base, [setting.experts["math"], setting.experts["code"]],
+                             seed=cfg.seed, **kwargs)  # fmt: skip
+        yield ModelCandidate(model, setting.tokenizer, name=name)
+        return
+    from transformers import AutoModelForCausalLM
+
+    from mergelab.merge.checkpoint import merge_checkpoints
+
+    inputs = [
+        str(setting.base_dir),
+        str(setting.expert_dirs["math"]),
+        str(setting.expert_dirs["code"]),
+    ]
+    key = json.dumps([method, inputs, kwargs, cfg.seed], sort_keys=True, default=str)
+    folder = setting.merge_dir / f"{method}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if not (folder / MERGE_RECORD_NAME).exists():  # the engine writes it last, atomically
+        merge_checkpoints(method, setting.base_dir, [setting.expert_dirs["math"], setting.expert_dirs["code"]],
+                          output=folder, seed=cfg.seed, force=True, progress=sys.stderr.isatty(), **kwargs)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, cfg.dtype)).eval()
+    try:
+        yield ModelCandidate(model, setting.tokenizer, name=name)
+    finally:
+        del model
+        if not cfg.keep_merges:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_merge(runner: Runner, method: str, name: str, **kwargs) -> dict[str, Any]:
+    """Evaluate one weight merge on the test benchmarks (records per benchmark)."""
+    with merged_candidate(runner.setting, method, name, runner.cfg, **kwargs) as candidate:
+        return runner.run(candidate, runner.setting.test)
+
+
+def merge_validation_score(runner: Runner, method: str, name: str, **kwargs) -> float:
+    """Mean validation score of one weight merge (for choosing λ / density)."""
+    with merged_candidate(runner.setting, method, name, runner.cfg, **kwargs) as candidate:
+        return runner.validation_score(candidate)
 
 
 def build_and_evaluate(cfg: StudyConfig, setting: Setting, runner: Runner) -> dict[str, Any]:
@@ -501,6 +575,7 @@ def build_and_evaluate(cfg: StudyConfig, setting: Setting, runner: Runner) -> di
     runner.run(ModelCandidate(base, tok, name="base"), setting.test)
     for skill in ("math", "code"):
         runner.run(ModelCandidate(experts[skill], tok, name=f"{skill}_expert"), setting.test)
+    choices["best_expert"] = runner.best_expert = choose_best_expert(setting, runner)
     pair = [experts["math"], experts["code"]]
     names = ["math", "code"]
     runner.run(
@@ -516,21 +591,32 @@ def build_and_evaluate(cfg: StudyConfig, setting: Setting, runner: Runner) -> di
     runner.run(ComposedDecoder(base, pair, tok, [w, w], expert_names=names, name="composition_weighted"),
                setting.test)  # fmt: skip
 
-    val = {lam: runner.validation_score(merged_candidate(setting, "task_arithmetic", f"ta_l{lam}", cfg,
-                                                         params={"lambda_": lam}))
+    val = {lam: merge_validation_score(runner, "task_arithmetic", f"ta_l{lam}", params={"lambda_": lam})
            for lam in cfg.task_arithmetic_lambdas}  # fmt: skip
     lam = _argmax(val, prefer=1.0)
     choices["task_arithmetic_lambda"] = {"chosen": lam, "validation": val}
-    runner.run(merged_candidate(setting, "task_arithmetic", "task_arithmetic", cfg, params={"lambda_": lam}),
-               setting.test)  # fmt: skip
-    runner.run(merged_candidate(setting, "ties", "ties", cfg,
-                                params={"lambda_": 1.0, "density": cfg.ties_density}), setting.test)  # fmt: skip
-    runner.run(merged_candidate(setting, "dare_ties", "dare_ties", cfg,
-                                params={"lambda_": 1.0, "density": cfg.dare_density}), setting.test)  # fmt: skip
-    runner.run(merged_candidate(setting, "linear", "linear", cfg, weights=[0.5, 0.5]), setting.test)
-    choices["merge_params"] = {"ties": {"density": cfg.ties_density, "lambda": 1.0},
-                               "dare_ties": {"density": cfg.dare_density, "lambda": 1.0},
-                               "linear": {"weights": [0.5, 0.5]}}  # fmt: skip
+    run_merge(runner, "task_arithmetic", "task_arithmetic", params={"lambda_": lam})
+
+    # TIES: λ and density on validation; DARE-TIES: λ on validation (its density is fixed: the
+    # random drop makes a density grid mostly a seed lottery at this size).
+    val = {(lam, d): merge_validation_score(runner, "ties", f"ties_l{lam}_d{d}",
+                                            params={"lambda_": lam, "density": d})
+           for lam in cfg.ties_lambdas for d in cfg.ties_densities}  # fmt: skip
+    ties_lam, ties_d = _argmax(val, prefer=(1.0, 0.2))
+    choices["ties"] = {"chosen": {"lambda": ties_lam, "density": ties_d},
+                       "validation": {f"lambda={k[0]},density={k[1]}": v for k, v in val.items()}}  # fmt: skip
+    run_merge(runner, "ties", "ties", params={"lambda_": ties_lam, "density": ties_d})
+    val = {lam: merge_validation_score(runner, "dare_ties", f"dare_ties_l{lam}",
+                                       params={"lambda_": lam, "density": cfg.dare_density})
+           for lam in cfg.dare_lambdas}  # fmt: skip
+    dare_lam = _argmax(val, prefer=1.0)
+    choices["dare_ties"] = {"chosen": {"lambda": dare_lam, "density": cfg.dare_density},
+                            "validation": val}  # fmt: skip
+    run_merge(
+        runner, "dare_ties", "dare_ties", params={"lambda_": dare_lam, "density": cfg.dare_density}
+    )
+    run_merge(runner, "linear", "linear", weights=[0.5, 0.5])
+    choices["merge_params"] = {"linear": {"weights": [0.5, 0.5]}}
     if setting.lora_adapters:
         lora_candidates(cfg, setting, runner)
     return choices
@@ -559,19 +645,57 @@ def lora_candidates(cfg: StudyConfig, setting: Setting, runner: Runner) -> None:
     runner.run(ModelCandidate(merged, tok, name="lora_merge_task_arithmetic"), setting.test)
 
 
-def _argmax(scores: dict[float, float], prefer: float) -> float:
-    """Best validation score; ties go to the value closest to ``prefer`` (the paper's choice)."""
+def _argmax(scores: dict[Any, float], prefer: float | tuple[float, ...]) -> Any:
+    """Best validation score; ties go to the grid point closest to ``prefer`` (the paper's
+    choice; for a tuple of parameters, the smallest summed distance)."""
     best = max(scores.values())
-    return min((k for k, v in scores.items() if v == best), key=lambda k: abs(k - prefer))
+    target = prefer if isinstance(prefer, tuple) else (prefer,)
+
+    def distance(key) -> float:
+        key = key if isinstance(key, tuple) else (key,)
+        return sum(abs(a - b) for a, b in zip(key, target))
+
+    return min((k for k, v in scores.items() if v == best), key=distance)
 
 
-def paired_vs_best_expert(runner: Runner, cfg: StudyConfig) -> dict[str, Any]:
-    """Per benchmark: every candidate minus the best single expert (by test score), paired."""
+def choose_best_expert(setting: Setting, runner: Runner) -> dict[str, Any]:
+    """Per test benchmark, the single expert that scores best on its VALIDATION split (never on
+    test): the reference of the paired comparisons. A benchmark without its own validation split
+    uses the one named in ``setting.validation_of`` (e.g. HumanEval → synthetic code). Ties go to
+    the expert with the higher mean validation score over all benchmarks, then to "math"."""
+    tok = setting.tokenizer
+    names = ("math_expert", "code_expert")
+    val = {
+        c: runner.run(ModelCandidate(setting.experts[c.split("_")[0]], tok, name=c),
+                      setting.validation, split="validation")
+        for c in names
+    }  # fmt: skip
+    overall = {
+        c: sum(r["score"]["mean"] for r in recs.values()) / len(recs) for c, recs in val.items()
+    }
+    out = {}
+    for bench in setting.test:
+        vbench = setting.validation_of.get(bench, bench)
+        if vbench not in setting.validation:
+            raise ValueError(
+                f"benchmark {bench!r} has no validation split to choose the best expert on"
+            )
+        scores = {c: val[c][vbench]["score"]["mean"] for c in names}
+        chosen = max(names, key=lambda c: (scores[c], overall[c], c == "math_expert"))
+        out[bench] = {"chosen": chosen, "validation_split": vbench, "validation": scores,
+                      "mean_validation": overall}  # fmt: skip
+    return out
+
+
+def paired_vs_best_expert(
+    runner: Runner, cfg: StudyConfig, best_expert: dict[str, Any]
+) -> dict[str, Any]:
+    """Per benchmark: every candidate minus the best single expert (chosen on validation by
+    :func:`choose_best_expert`), paired on the shared test items."""
     out = {}
     benches = next(iter(runner.results.values())).keys()
     for bench in benches:
-        experts = [c for c in ("math_expert", "code_expert") if c in runner.results]
-        best = max(experts, key=lambda c: runner.results[c][bench]["score"]["mean"])
+        best = best_expert[bench]["chosen"]
         ref = _items(runner.results[best][bench])
         out[bench] = {"best_expert": best, "vs": {}}
         for cand, recs in runner.results.items():
@@ -703,7 +827,7 @@ def _coactivity_vs_outcome(
     res = runner.results
     if "composition" not in res or bench not in res["composition"]:
         return {}
-    best = max(("math_expert", "code_expert"), key=lambda c: res[c][bench]["score"]["mean"])
+    best = runner.best_expert[bench]["chosen"]
     comp, ref = res["composition"][bench]["per_item"], res[best][bench]["per_item"]
     groups: dict[str, list[float]] = {"wins": [], "ties": [], "loses": []}
     for item_id, c in coactive.items():
@@ -930,7 +1054,7 @@ def run_study(
         "choices": choices,
         "candidates": runner.results,
         "candidate_descriptions": runner.describe,
-        "paired_vs_best_expert": paired_vs_best_expert(runner, cfg),
+        "paired_vs_best_expert": paired_vs_best_expert(runner, cfg, choices["best_expert"]),
         "termination": termination,
         "diagnostics": diag,
         "runtime_seconds": {

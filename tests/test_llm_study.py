@@ -115,7 +115,8 @@ def test_tiny_training_reduces_loss():
 TINY = dict(hidden_size=32, num_layers=1, intermediate_size=64, pretrain_steps=4, expert_steps=2,
             lora_steps=2, lora_rank=2, n_train=40, n_validation=2, n_test=3, pretrain_docs=100,
             max_new_tokens=6, batch_size=4, composition_weights=(1.0, 1.5),
-            task_arithmetic_lambdas=(0.5, 1.0), bootstrap_samples=100, sandbox_workers=2,
+            task_arithmetic_lambdas=(0.5, 1.0), ties_lambdas=(0.5, 1.0), ties_densities=(0.2,),
+            dare_lambdas=(0.5, 1.0), bootstrap_samples=100, sandbox_workers=2,
             eos_policies=("plain", "base"))  # fmt: skip
 
 
@@ -145,9 +146,15 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     # Weights were chosen on validation, from the grid.
     assert results["choices"]["composition_weight"]["chosen"] in (1.0, 1.5)
     assert results["choices"]["task_arithmetic_lambda"]["chosen"] in (0.5, 1.0)
-    # Paired comparisons against the best single expert, on the shared items.
-    for cmp in results["paired_vs_best_expert"].values():
-        assert cmp["best_expert"] in ("math_expert", "code_expert")
+    assert results["choices"]["ties"]["chosen"]["lambda"] in (0.5, 1.0)
+    assert results["choices"]["dare_ties"]["chosen"]["lambda"] in (0.5, 1.0)
+    # Paired comparisons against the best single expert, chosen on VALIDATION, on shared items.
+    for bench, cmp in results["paired_vs_best_expert"].items():
+        choice = results["choices"]["best_expert"][bench]
+        assert cmp["best_expert"] == choice["chosen"]
+        assert choice["validation_split"] == bench
+        val = choice["validation"]
+        assert val[choice["chosen"]] == max(val.values())
         assert cmp["vs"]["composition"]["n_shared"] == 3
     # 2 vs 3 experts × EOS policies, and diagnostics per benchmark.
     rows = results["termination"]["rows"]
@@ -190,14 +197,27 @@ def _stand_in_models(folder: Path) -> dict[str, Path]:
                 }
             )
         paths[name] = folder / name
-        model.save_pretrained(paths[name])
+        model.save_pretrained(paths[name])  # safetensors: the only format transformers 5 writes
         tok.save_pretrained(paths[name])
     return paths
 
 
-def test_paper_configuration_end_to_end_on_stand_ins(tmp_path):
+def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
     study = _study()
     paths = _stand_in_models(tmp_path / "models")
+    assert all((p / "model.safetensors").exists() for p in paths.values())
+    # Full checkpoints are merged by the streamed safetensors engine, never in memory.
+    import mergelab.merge.checkpoint as checkpoint
+
+    streamed = []
+    engine = checkpoint.merge_checkpoints
+    monkeypatch.setattr(checkpoint, "merge_checkpoints",
+                        lambda *a, **k: streamed.append((a[0], k.get("params"))) or engine(*a, **k))  # fmt: skip
+
+    def in_memory(*args, **kwargs):
+        raise AssertionError("paper-scale merges must stream from disk")
+
+    monkeypatch.setattr(study, "merge_models", in_memory)
     out = tmp_path / "paper"
     argv = ["--scale", "paper", "--out", str(out), "--figures", str(tmp_path / "figs"), "--threads", "1",
             "--base-path", str(paths["base"]), "--math-path", str(paths["math"]),
@@ -206,9 +226,19 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path):
             "--humaneval-plus", str(FIXTURES / "humaneval_plus.jsonl"),
             "--mbpp-plus", str(FIXTURES / "mbpp_plus.jsonl"), "--max-new-tokens", "3",
             "--set", "dtype=float32", "--set", "bootstrap_samples=100", "--set", "diagnostics=false",
-            "--set", "composition_weights=[1.0]", "--set", "task_arithmetic_lambdas=[1.0]"]  # fmt: skip
+            "--set", "composition_weights=[1.0]", "--set", "task_arithmetic_lambdas=[1.0]",
+            "--set", "ties_lambdas=[1.0]", "--set", "ties_densities=[0.2]", "--set", "dare_lambdas=[1.0]",
+            "--set", "keep_merges=true"]  # fmt: skip
     assert study.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
+    # One streamed merge per distinct setting (the validation merge is reused for test), each a
+    # loadable safetensors folder with the engine's merge record.
+    assert sorted(m for m, _ in streamed) == ["dare_ties", "linear", "task_arithmetic", "ties"]
+    merges = sorted((out / "checkpoints" / "merges").iterdir())
+    assert len(merges) == 4
+    for folder in merges:
+        assert (folder / "mergelab_merge.json").exists() and (folder / "config.json").exists()
+        assert list(folder.glob("*.safetensors"))
     assert set(res["benchmarks"]) == {"gsm8k", "math", "humaneval_plus", "mbpp_plus"}
     # Validation (first item of each file) and test (the rest) never overlap.
     assert all(b["n_items"] == 2 for b in res["benchmarks"].values())
