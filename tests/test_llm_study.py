@@ -175,6 +175,15 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
         study.run_study(cfg, tmp_path / "out", None)
 
 
+def test_validation_choices_break_ties_towards_the_papers_defaults():
+    argmax = _study()._argmax
+    assert argmax({0.5: 0.1, 1.0: 0.1, 1.5: 0.0}, prefer=1.0) == 1.0
+    assert argmax({0.5: 0.2, 1.0: 0.1}, prefer=1.0) == 0.5
+    grid = {(0.5, 0.2): 0.2, (1.0, 0.5): 0.2, (1.0, 0.2): 0.2, (0.7, 0.2): 0.1}
+    assert argmax(grid, prefer=(1.0, 0.2)) == (1.0, 0.2)
+    assert argmax({**grid, (0.7, 0.2): 0.3}, prefer=(1.0, 0.2)) == (0.7, 0.2)
+
+
 def _stand_in_models(folder: Path) -> dict[str, Path]:
     """A tiny "gemma-2-2b" and two "fine-tuned experts" (base + small perturbations)."""
     tok = char_tokenizer()
