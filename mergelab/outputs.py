@@ -49,6 +49,7 @@ def atomic_output_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the folder normal permissions
     if out.exists():
         # Move the old output aside first so that a crash never leaves neither.
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -74,11 +75,11 @@ def atomic_output_file(output: str | os.PathLike, *, force: bool = True) -> Iter
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.chmod(tmp, _default_file_mode())  # mkstemp makes 0600; give the file normal permissions
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
     os.replace(tmp, out)
 
 
-def _default_file_mode() -> int:
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask

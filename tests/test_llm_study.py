@@ -6,8 +6,11 @@
   with its solution.
 * The whole mini pipeline runs on a tiny setting: train tiny experts for a few steps, build every
   candidate, evaluate on a handful of items, write results.json and figures.
-* The "paper" configuration runs end to end on tiny stand-in models and the local benchmark
-  fixture files (GSM8K, MATH, HumanEval+, MBPP+).
+* Every choice is made on validation: merge λ / density, composition weight, and the "best
+  single expert" that the paired comparisons are made against.
+* The "paper" configuration runs end to end on tiny stand-in checkpoint folders and the local
+  benchmark fixture files (GSM8K, MATH, HumanEval+, MBPP+), its weight merges streamed from disk
+  by the safetensors engine (never merged in memory).
 """
 
 from __future__ import annotations

@@ -74,3 +74,7 @@ def test_atomic_file_gets_normal_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    folder = tmp_path / "merged"
+    with atomic_output_dir(folder):
+        pass
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
