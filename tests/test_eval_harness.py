@@ -1,6 +1,7 @@
 """evaluate(): scoring through the harness, the resume cache, outputs, and a real candidate."""
 
 import json
+import string
 from dataclasses import replace
 from pathlib import Path
 
@@ -294,7 +295,7 @@ def test_cli_run_and_compare(tmp_path, capsys):
     from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
 
     torch.set_num_threads(1)
-    tok = char_tokenizer()
+    tok = char_tokenizer(string.printable)  # GSM8K text has capitals, digits, punctuation
     model_dir = tmp_path / "tiny"
     tiny_causal_lm(len(tok), seed=0).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

@@ -14,19 +14,14 @@ def char_tokenizer(alphabet: str | Sequence[str] = DEFAULT_ALPHABET):
     """A ``PreTrainedTokenizerFast`` with one token per character and ``<pad> <bos> <eos>``.
 
     Ids: 0 = ``<pad>``, 1 = ``<bos>``, 2 = ``<eos>``, then the alphabet in order. No BOS is
-    added when encoding (like GPT-2's tokenizer).
+    added when encoding (like GPT-2's tokenizer); a character outside the alphabet is an error.
     """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    from mergelab.char_tokenizer import char_tokenizer as build
 
-    specials = ["<pad>", "<bos>", "<eos>"]
-    chars = list(dict.fromkeys(alphabet))
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    # BPE with no merges = one token per character; Fuse joins them back without spaces.
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    return build(
+        list(dict.fromkeys(alphabet)),
+        {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"},
+        padding_side="right",
     )
 
 

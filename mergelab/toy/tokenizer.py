@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import string
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+from mergelab.char_tokenizer import char_tokenizer
 
 LETTERS = string.ascii_uppercase
 ALPHABET = " " + LETTERS  # the authors' 27 symbols
-SPECIALS = ("[PAD]", "[EOS]", "[SEP]")
 
 
 def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
@@ -31,18 +31,11 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
         raise ValueError(
             f"extra_chars must be single ASCII characters other than [ ], got {extra_chars!r}"
         )
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for c in chars:
-        vocab[c] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    # One token per character; Fuse joins them back without inserting spaces.
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="[PAD]", eos_token="[EOS]", sep_token="[SEP]"
+    return char_tokenizer(
+        chars,
+        {"pad_token": "[PAD]", "eos_token": "[EOS]", "sep_token": "[SEP]"},
+        padding_side="right",
     )
-    tok.padding_side = "right"
-    return tok
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
