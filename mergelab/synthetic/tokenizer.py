@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import string
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+from mergelab.char_tokenizer import char_tokenizer as build_char_tokenizer
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>"}
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is a word
-    tok.decoder = decoders.Fuse()  # join characters back without separators
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",  # decoder-only generation pads on the left
-    )
+    # Decoder-only generation pads on the left.
+    return build_char_tokenizer(CHARACTERS, SPECIAL_TOKENS, padding_side="left")
