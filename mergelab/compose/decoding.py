@@ -172,18 +172,24 @@ class RunnerCandidate:
             0 if self.composition.anchor is not None else None,
         )
 
-    def component_and_candidate_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Teacher-forced ``([B, T, V] per component, [B, T, V] candidate)`` log-probs."""
+    def _teacher_forced_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Every component's logits ``[B, T, V]`` on the whole (left-padded) sequence."""
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(self.device)
         with self.runner.session():
-            logits = self.runner.teacher_forced(
+            return self.runner.teacher_forced(
                 input_ids, attention_mask, positions_from_mask(attention_mask)
             )
+
+    def component_and_candidate_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Teacher-forced ``([B, T, V] per component, [B, T, V] candidate)`` log-probs."""
+        logits = self._teacher_forced_logits(input_ids, attention_mask)
         comps = [torch.log_softmax(z, dim=-1) for z in logits]
         return comps, self.compose(comps, normalised=True)
 
@@ -191,15 +197,7 @@ class RunnerCandidate:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Teacher-forced log-probs ``[B, T, V]`` float32; position t predicts token t + 1."""
-        input_ids = input_ids.to(self.device)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(self.device)
-        with self.runner.session():
-            logits = self.runner.teacher_forced(
-                input_ids, attention_mask, positions_from_mask(attention_mask)
-            )
-        return self.compose(logits)
+        return self.compose(self._teacher_forced_logits(input_ids, attention_mask))
 
     # ---------------------------------------------------------------- tokenisation
     def encode_prompt(self, prompt: str) -> list[int]:
