@@ -56,21 +56,14 @@ def task_batch(task: str, n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def tiny_llama(seed: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from mergelab.compose.tiny_models import tiny_causal_lm
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    model = tiny_causal_lm(
+        VOCAB, architecture="llama", hidden_size=64, num_layers=2, num_heads=4, seed=seed,
+        max_positions=SEQ_LEN, intermediate_size=128, num_key_value_heads=2,
+        tie_word_embeddings=False, pad_token_id=None,  # no padding row: every id is a digit
+    )  # fmt: skip
+    return model.train()  # the demo trains it
 
 
 def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ import pytest
 import torch
 import yaml
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from mergelab.cli import main
+from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge import merge_state_dicts
 from mergelab.merge.checkpoint import CheckpointFolder
 
@@ -18,17 +19,10 @@ torch.set_num_threads(1)
 
 
 def tiny_model(seed: int):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=48,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    return AutoModelForCausalLM.from_config(config).eval()
+    return tiny_causal_lm(
+        48, architecture="llama", hidden_size=16, num_layers=1, num_heads=2, seed=seed,
+        intermediate_size=32, num_key_value_heads=1, pad_token_id=None,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge import MergeInputError, merge_state_dicts
 from mergelab.merge.lora import load_lora_adapter, merge_lora_adapters
 
@@ -22,17 +23,10 @@ ADAPTERS = {
 
 
 def tiny_base():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    return AutoModelForCausalLM.from_config(config).eval()
+    return tiny_causal_lm(
+        64, architecture="llama", hidden_size=32, num_layers=2, num_heads=4, seed=0,
+        intermediate_size=64, num_key_value_heads=2, pad_token_id=None,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

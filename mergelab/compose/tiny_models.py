@@ -36,43 +36,41 @@ def tiny_causal_lm(
     seed: int = 0,
     eos_token_id: int = 2,
     initializer_range: float = 0.02,
+    **config_overrides,
 ):
     """A randomly initialised causal LM in eval mode (``architecture``: "gpt2" or "llama").
 
     A larger ``initializer_range`` (e.g. 0.3) gives peaked next-token distributions, which makes
-    greedy decoding less tie-prone in tests.
+    greedy decoding less tie-prone in tests. ``config_overrides`` go to the config as they are
+    (e.g. ``num_key_value_heads=1, intermediate_size=48`` for a grouped-query Llama).
     """
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        bos_token_id=1,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        initializer_range=initializer_range,
+    )
     if architecture == "gpt2":
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            n_positions=max_positions,
-            bos_token_id=1,
-            eos_token_id=eos_token_id,
-            pad_token_id=0,
-            initializer_range=initializer_range,
+        config_class, model_class = GPT2Config, GPT2LMHeadModel
+        sizes = dict(
+            n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions
         )
-        model = GPT2LMHeadModel(config)
     elif architecture == "llama":
-        config = LlamaConfig(
-            vocab_size=vocab_size,
+        config_class, model_class = LlamaConfig, LlamaForCausalLM
+        sizes = dict(
             hidden_size=hidden_size,
             intermediate_size=2 * hidden_size,
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_heads,
             max_position_embeddings=max_positions,
-            bos_token_id=1,
-            eos_token_id=eos_token_id,
-            pad_token_id=0,
-            initializer_range=initializer_range,
         )
-        model = LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown architecture {architecture!r}; use 'gpt2' or 'llama'")
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**common, **sizes, **config_overrides}))
+    model.config.architectures = [type(model).__name__]
     return model.eval()
