@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mergelab.compose.diagnostics import kl_divergence
+
 from .tasks import TaskFamily, all_contexts, task_targets
 
 
@@ -19,7 +21,7 @@ def per_context_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """KL(p ‖ q) in nats per row, for normalised log-probs ``[N, V]`` → ``[N]``."""
     if logp.shape != logq.shape:
         raise ValueError(f"log-prob shapes differ: {tuple(logp.shape)} vs {tuple(logq.shape)}")
-    return (logp.exp() * (logp - logq)).sum(-1)
+    return kl_divergence(logp, logq)
 
 
 def mean_kl(logp: torch.Tensor, logq: torch.Tensor) -> float:
