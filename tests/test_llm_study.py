@@ -178,6 +178,38 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
         study.run_study(cfg, tmp_path / "out", None)
 
 
+def test_checkpoints_are_reused_only_when_trained_from_the_same_recipe(tmp_path):
+    """Resume must never pick up weights trained from other data or settings."""
+    load_or_train = _study()._load_or_train
+    trained = []
+
+    class Saved:
+        def save_pretrained(self, folder):
+            (Path(folder) / "config.json").write_text("{}")
+
+    def train():
+        trained.append(1)
+        return Saved(), {"steps": 3}
+
+    folder = tmp_path / "expert"
+    _, log = load_or_train(folder, train, lambda p: p, {"data": "a", "steps": 3})
+    assert len(trained) == 1 and "resumed_from_checkpoint" not in log
+    _, log = load_or_train(folder, train, lambda p: p, {"data": "a", "steps": 3})
+    assert len(trained) == 1 and log["resumed_from_checkpoint"]
+    _, log = load_or_train(folder, train, lambda p: p, {"data": "b", "steps": 3})
+    assert len(trained) == 2 and log["recipe"] == {"data": "b", "steps": 3}
+
+
+def test_study_device_defaults_to_cuda_only_when_present():
+    study = _study()
+    auto = study.study_device(study.scale_config("mini"))
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert study.study_device(study.scale_config("mini", device="cpu")).type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            study.study_device(study.scale_config("mini", device="cuda"))
+
+
 def test_validation_choices_break_ties_towards_the_papers_defaults():
     argmax = _study()._argmax
     assert argmax({0.5: 0.1, 1.0: 0.1, 1.5: 0.0}, prefer=1.0) == 1.0

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import random
 
+from . import tasks
 from .tasks import CODE_TEMPLATES, FUNCTION_NAMES, NAMES, OBJECTS, STEPS, WORDS
 
 
 def _story_doc(rng: random.Random) -> str:
     name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
-    parts = [f"{name} has {rng.randint(2, 20)} {obj}."]
+    parts = [f"{name} has {rng.randint(*tasks.START)} {obj}."]
     for _ in range(rng.randint(1, 3)):
-        parts.append(f"Then {name} {rng.choice(STEPS)[0].format(k=rng.randint(1, 9))}.")
+        parts.append(f"Then {name} {rng.choice(STEPS)[0].format(k=rng.randint(*tasks.STEP))}.")
     if rng.random() < 0.3:
         parts.append(f"How many {obj} now?")
     return " ".join(parts)
@@ -36,10 +37,16 @@ def _equation_doc(rng: random.Random) -> str:
 def _code_doc(rng: random.Random) -> str:
     funcs = []
     for _ in range(rng.randint(1, 2)):
+        name = rng.choice(FUNCTION_NAMES)
+        if rng.random() < 0.3:  # a constant expression, without the words that describe it
+            terms = [str(rng.randint(*tasks.START))]
+            terms += [
+                f"{rng.choice('+-')} {rng.randint(*tasks.STEP)}" for _ in range(rng.randint(1, 2))
+            ]
+            funcs.append(f"def {name}():\n    return {' '.join(terms)}\n")
+            continue
         _, expr, _ = rng.choice(CODE_TEMPLATES)
-        funcs.append(
-            f"def {rng.choice(FUNCTION_NAMES)}(x):\n    return {expr.format(k=rng.randint(1, 9))}\n"
-        )
+        funcs.append(f"def {name}(x):\n    return {expr.format(k=rng.randint(1, 9))}\n")
     return "\n".join(funcs)
 
 

@@ -4,9 +4,12 @@ Four skills, each an item generator with a checkable answer:
 
 * ``math``  — arithmetic word problems with a worked solution ending in ``#### n`` (GSM8K style).
 * ``code``  — write a Python function body from its docstring; checked by executing tests
-  (HumanEval style).
+  (HumanEval style). Some docstrings describe ``x`` ("Return x times 3."), some a constant
+  expression in words ("Return 7 plus 6 minus 2." → ``return 7 + 6 - 2``).
 * ``mixed`` — a function whose docstring *is* a word problem: the body must turn the story into
-  arithmetic (the math skill) written as Python (the code skill). Neither expert is trained on it.
+  arithmetic (the math skill: which verb is which operator) written as Python (the code skill: a
+  zero-argument function returning the expression, numbers in order). Neither expert is trained
+  on it; each knows half of it, which is the situation logit composition is meant for.
 * ``count`` — count the words of a list (GSM8K-style answer); the third, unrelated skill for the
   3-expert experiment.
 
@@ -29,6 +32,10 @@ WORDS = [
     "ocean", "piano", "queen", "robot", "snake", "tiger", "uncle", "voice", "whale", "zebra",
 ]  # fmt: skip
 
+# Number ranges: a story's (and a constant expression's) start, and each step's amount.
+START = (2, 20)
+STEP = (1, 9)
+
 # One step of a story: (sentence template, python operator). The math skill is reading the verb.
 STEPS = [
     ("buys {k} more", "+"),
@@ -43,11 +50,11 @@ STEPS = [
 def _story(rng: random.Random, n_steps: int) -> tuple[str, str, list[tuple[str, int]], int]:
     """A word problem: (name, object, [(op, k), ...], start). Totals stay in 0..99."""
     name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
-    start = rng.randint(2, 20)
+    start = rng.randint(*START)
     total, ops = start, []
     for _ in range(n_steps):
         sentence, op = rng.choice(STEPS)
-        k = rng.randint(1, 9)
+        k = rng.randint(*STEP)
         if op == "-" and k > total:
             op, sentence = "+", "buys {k} more"
         total = total + k if op == "+" else total - k
@@ -92,10 +99,31 @@ CODE_TEMPLATES: list[tuple[str, str, Callable[[int, int], object]]] = [
 FUNCTION_NAMES = ["f", "g", "h", "calc", "value", "step", "apply", "rule", "compute", "func"]
 
 
+# Constant expressions in words: the operator words the code skill maps to Python. A story's
+# verbs ("buys 3 more", "gives away 2") are the math skill's; the mixed task needs both mappings.
+OPERATOR_WORDS = {"+": "plus", "-": "minus"}
+
+
 def code_item(rng: random.Random) -> dict:
+    """A function from its docstring: one of ``CODE_TEMPLATES`` in ``x`` (two thirds), or a
+    zero-argument function returning a constant expression spelled in words (one third)."""
+    name = rng.choice(FUNCTION_NAMES)
+    if rng.random() < 1 / 3:
+        start, ops = rng.randint(*START), []
+        total = start
+        for _ in range(rng.choice([1, 2])):
+            op, k = rng.choice("+-"), rng.randint(*STEP)
+            if op == "-" and k > total:
+                op = "+"
+            total = total + k if op == "+" else total - k
+            ops.append((op, k))
+        words = " ".join(f"{OPERATOR_WORDS[op]} {k}" for op, k in ops)
+        expr = " ".join([str(start)] + [f"{op} {k}" for op, k in ops])
+        prompt = f'def {name}():\n    """Return {start} {words}."""\n'
+        return {"task": "code", "prompt": prompt, "target": f"    return {expr}\n",
+                "tests": [f"assert {name}() == {total}"], "entry_point": name}  # fmt: skip
     doc, expr, fn = rng.choice(CODE_TEMPLATES)
     k = rng.randint(1, 9)
-    name = rng.choice(FUNCTION_NAMES)
     prompt = f'def {name}(x):\n    """{doc.format(k=k)}"""\n'
     target = f"    return {expr.format(k=k)}\n"
     xs = rng.sample(range(-5, 20), 3)

@@ -5,7 +5,8 @@
 * :func:`finetune` — supervised fine-tuning on (prompt, target) items, loss on the target and the
   final EOS only; full fine-tuning, or LoRA when ``lora`` is given (returns a PEFT model).
 
-All loops are seeded, CPU-friendly (AdamW, linear warmup then cosine decay) and show progress.
+All loops are seeded, CPU-friendly (AdamW, linear warmup then cosine decay) and show progress;
+batches go to the device of the model's parameters.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 def _train_loop(model, batches, *, steps: int, lr: float, desc: str, params=None) -> list[float]:
     params = [p for p in (params or model.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    device = params[0].device if params else torch.device("cpu")
     model.train()
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False, mininterval=2.0)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        input_ids, attention_mask, labels = next(batches)
+        input_ids, attention_mask, labels = (t.to(device) for t in next(batches))
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
