@@ -944,31 +944,34 @@ def plot(results_path: Path, figures: Path, prefix: str) -> list[Path]:
     if term.get("rows"):
         policies = sorted({r["eos_policy"] for r in term["rows"]}, key=list(EOS_POLICIES).index)
         tb = list(term["rows"][0]["benchmarks"])
+        own = [b for b in tb if b != term.get("third_expert")]  # the math + code sets
+
+        def mean(row, f, benches=tb) -> float:  # over the benchmarks where f is defined
+            vals = [f(row["benchmarks"][b]) for b in benches]
+            vals = [v for v in vals if v is not None and not math.isnan(v)]
+            return sum(vals) / len(vals) if vals else float("nan")
+
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-        for policy in policies:
+        for i, policy in enumerate(policies):
             rows = sorted(
                 (r for r in term["rows"] if r["eos_policy"] == policy), key=lambda r: r["n_experts"]
             )
             ks = [r["n_experts"] for r in rows]
-            mean = lambda r, f: sum(f(r["benchmarks"][b]) for b in tb) / len(tb)  # noqa: E731
-            axes[0].plot(
-                ks,
-                [mean(r, lambda x: x["termination"]["stop_rate"]) for r in rows],
-                "o-",
-                label=policy,
-            )
+            style = dict(color=f"C{i}", marker="o")
+            axes[0].plot(ks, [mean(r, lambda x: x["termination"]["stop_rate"]) for r in rows],
+                         label=policy, **style)  # fmt: skip
             axes[1].plot(
-                ks,
-                [mean(r, lambda x: x["cost"]["mean_new_tokens"]) for r in rows],
-                "o-",
-                label=policy,
+                ks, [mean(r, lambda x: x["cost"]["mean_new_tokens"]) for r in rows], **style
             )
-            axes[2].plot(
-                ks, [mean(r, lambda x: x["score"]["mean"]) for r in rows], "o-", label=policy
-            )
+            axes[2].plot(ks, [mean(r, lambda x: x["score"]["mean"], own) for r in rows], **style)
+            if len(own) < len(tb):
+                third = [b for b in tb if b not in own]
+                axes[2].plot(ks, [mean(r, lambda x: x["score"]["mean"], third) for r in rows],
+                             linestyle="--", **style)  # fmt: skip
             eos_end = lambda x: x["eos_prob"].get("at_reference_end", float("nan"))  # noqa: E731
-            axes[3].plot(ks, [mean(r, eos_end) for r in rows], "o-", label=policy)
-        titles = ("share stopped before the limit", "mean generated tokens", "mean score",
+            axes[3].plot(ks, [mean(r, eos_end) for r in rows], **style)
+        titles = ("share stopped before the limit", "mean generated tokens",
+                  "mean score: math + code sets (solid), third skill's set (dashed)",
                   "p(EOS) where the reference ends (teacher-forced)")  # fmt: skip
         for ax, t in zip(axes, titles):
             ax.set_xlabel("experts composed")
