@@ -2,7 +2,7 @@
 
 One recipe, three scales (``--scale``):
 
-* ``mini`` (default, CPU, about 15 min): a 0.67M-parameter Llama pretrained here on a synthetic
+* ``mini`` (default, CPU, about 17 min): a 0.67M-parameter Llama pretrained here on a synthetic
   mixed corpus; math, code (and a third, word-counting) experts fully fine-tuned from it, plus
   LoRA math/code experts; evaluated on held-out synthetic sets (GSM8K-style math, HumanEval-style
   code, and a *mixed* set — a function whose docstring is a word problem — that needs both).
