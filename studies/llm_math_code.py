@@ -274,12 +274,12 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
     device = study_device(cfg)
     load = lambda p: LlamaForCausalLM.from_pretrained(p).to(device).eval()  # noqa: E731
     log: dict[str, Any] = {}
+    docs = pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed)  # pretraining, replay, recipes
 
     def train_base():
         t0 = time.time()
         model = new_mini_model(tok, seed=cfg.seed, hidden_size=cfg.hidden_size,
                                num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size).to(device)  # fmt: skip
-        docs = pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed)
         losses = pretrain(model, tok, docs, steps=cfg.pretrain_steps, lr=cfg.pretrain_lr,
                           batch_size=cfg.batch_size, seed=cfg.seed)  # fmt: skip
         return model, {"loss_first": losses[0], "loss_last": _tail_mean(losses), "seconds": time.time() - t0,
@@ -288,7 +288,7 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
     base_recipe = {
         "model": [cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, len(tok)],
         "pretrain": [cfg.pretrain_steps, cfg.pretrain_lr, cfg.batch_size, cfg.seed],
-        "corpus": _fingerprint(pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed)),
+        "corpus": _fingerprint(docs),
     }
     base, log["base"] = _load_or_train(work / "base", train_base, load, base_recipe)
     tok.save_pretrained(work / "tokenizer")
@@ -299,9 +299,7 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
 
         def train_expert(skill=skill, i=i):
             t0 = time.time()
-            replay = (
-                pretraining_corpus(cfg.pretrain_docs, seed=cfg.seed) if cfg.expert_replay else ()
-            )
+            replay = docs if cfg.expert_replay else ()
             model, losses = finetune(copy.deepcopy(base), tok, train[skill], steps=cfg.expert_steps,
                                      lr=cfg.expert_lr, batch_size=cfg.batch_size, seed=cfg.seed + 1 + i,
                                      desc=f"{skill} expert", replay_documents=replay,
