@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-import torch
-
 from mergelab.cli import main
 from mergelab.demo import run_demo
 from mergelab.merge import list_merge_methods
-
-torch.set_num_threads(1)
 
 
 def test_demo_merges_with_every_method(tmp_path, capsys):

@@ -6,7 +6,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from mergelab.candidate import Generation, GenerationSettings
 from mergelab.eval import (
@@ -267,7 +266,6 @@ def test_with_a_real_model_candidate(tmp_path):
     compose = pytest.importorskip("mergelab.compose")
     from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
 
-    torch.set_num_threads(1)
     tok = char_tokenizer()
     model = tiny_causal_lm(len(tok), seed=0)
     cand = compose.ModelCandidate(model, tok, name="tiny-gpt2")
@@ -294,7 +292,6 @@ def test_cli_run_and_compare(tmp_path, capsys):
     from mergelab.cli import main
     from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
 
-    torch.set_num_threads(1)
     tok = char_tokenizer(string.printable)  # GSM8K text has capitals, digits, punctuation
     model_dir = tmp_path / "tiny"
     tiny_causal_lm(len(tok), seed=0).save_pretrained(model_dir)

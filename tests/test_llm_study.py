@@ -31,15 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The machine is shared: one intra-op thread avoids oversubscription (and is as fast here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _study():
     spec = importlib.util.spec_from_file_location(
         "llm_math_code", ROOT / "studies" / "llm_math_code.py"

@@ -26,8 +26,6 @@ from mergelab.merge.checkpoint import (
 )
 from mergelab.outputs import OutputExistsError
 
-torch.set_num_threads(1)
-
 
 def tiny_config(vocab: int = 64, tie: bool = False) -> LlamaConfig:
     config = LlamaConfig(

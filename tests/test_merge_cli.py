@@ -15,8 +15,6 @@ from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge import merge_state_dicts
 from mergelab.merge.checkpoint import CheckpointFolder
 
-torch.set_num_threads(1)
-
 
 def tiny_model(seed: int):
     return tiny_causal_lm(

@@ -13,8 +13,6 @@ from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge import MergeInputError, merge_state_dicts
 from mergelab.merge.lora import load_lora_adapter, merge_lora_adapters
 
-torch.set_num_threads(1)
-
 # Two adapters with different ranks, alphas and (partly) different target modules.
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

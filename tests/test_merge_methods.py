@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from mergelab.merge import MergeInputError, merge_models, merge_state_dicts, ops
 from mergelab.merge.validation import check_same_architecture, common_vocab_rows
 
-torch.set_num_threads(1)
-
 
 def kth_largest_by_sort(x: torch.Tensor, k: int) -> float:
     values = x.abs().float().reshape(-1).sort(descending=True).values

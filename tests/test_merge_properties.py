@@ -7,8 +7,6 @@ import torch
 
 from mergelab.merge import TensorContext, get_merge_method, list_merge_methods, merge_state_dicts
 
-torch.set_num_threads(1)
-
 BUILT_IN = [
     "breadcrumbs",
     "dare_linear",

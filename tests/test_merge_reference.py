@@ -39,7 +39,6 @@ from mergekit.merge_methods.generalized_task_arithmetic import (  # noqa: E402
 )
 from mergekit.sparsify import SparsificationMethod  # noqa: E402
 
-torch.set_num_threads(1)
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 

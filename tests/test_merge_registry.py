@@ -18,8 +18,6 @@ from mergelab.merge import (
 )
 from mergelab.merge.ops import task_vectors
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture
 def median_method():

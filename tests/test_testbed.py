@@ -41,14 +41,6 @@ ROUNDOFF = 1e-10
 V = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _logprobs_of_state_dict(model: torch.nn.Module, state_dict) -> torch.Tensor:
     model.load_state_dict(state_dict)
     return context_logprobs(model, V)
@@ -118,7 +110,6 @@ def _trained_family_and_counts(seed=0, n_sequences=1024):
 @pytest.fixture(scope="module")
 def trained_mlp():
     """A non-linear network (GELU MLP, depth 2) trained on the background task, and its data."""
-    torch.set_num_threads(1)
     family, base_counts, expert_counts = _trained_family_and_counts()
     base = build_model("mlp", V, depth=2, hidden=32, alpha=1.0, seed=0)
     fit_max_likelihood(base, all_contexts(V), base_counts, steps=150, lr=3e-2)

@@ -10,7 +10,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from mergelab.compose import ComposedDecoder, ModelCandidate
 from mergelab.toy import (
@@ -32,11 +31,6 @@ from mergelab.toy.tasks import SPAN_MARKERS, SpanExample, SpanSkillTask
 from mergelab.toy.train import finetune_full
 
 AB, CD = LetterMap.parse("A->B"), LetterMap.parse("C->D")
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------- pure parts (fast)
@@ -167,7 +161,6 @@ def test_generative_protocol_shared_init_composition_reaches_100_percent():
 @pytest.fixture(scope="module")
 def span_models():
     """Copy base over marked strings, then a shift<> and a mirror() expert fine-tuned from it."""
-    torch.set_num_threads(1)
     tok = build_char_tokenizer(SPAN_MARKERS)
     task = SpanSkillTask(n_letters=8, max_span=4)
     enc = AlignedTask(tok)
