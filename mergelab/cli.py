@@ -1,11 +1,21 @@
 """The `mergelab` command. Each subcommand lives beside the component it drives and registers
-itself through ``add_subcommand(subparsers)``; this file only lists them."""
+itself through ``add_subcommand(subparsers)``; this file only lists them, and turns exceptions
+into one line and an exit code (:mod:`mergelab.errors`): 2 for bad input, 1 for an environment
+fault or a bug, 130 when interrupted (143 on SIGTERM, which is handled like Ctrl-C). ``--debug`` (anywhere on the command line) or
+``MERGELAB_DEBUG=1`` also prints the traceback."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import threading
+import traceback
+
+from .errors import exit_code, may_be_a_bug, one_line, raise_terminated
 
 # module path -> each module defines add_subcommand(subparsers) that sets `func` on its parser.
 SUBCOMMAND_MODULES = [
@@ -15,12 +25,16 @@ SUBCOMMAND_MODULES = [
     "mergelab.demo",  # mergelab demo  (the README's main job)
 ]
 
+DEBUG_ENV = "MERGELAB_DEBUG"
+DEBUG_HELP = f"show the full traceback of an error (or set {DEBUG_ENV}=1)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mergelab",
         description="Weight-space merges and logit composition of language models, compared.",
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMAND_MODULES:
         try:
@@ -30,17 +44,68 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.add_subcommand(sub)
+    _add_debug_flag(sub)
     return parser
+
+
+def _add_debug_flag(subparsers: argparse._SubParsersAction) -> None:
+    """``--debug`` after a subcommand too (``mergelab merge ... --debug``), at every level."""
+    for parser in set(subparsers.choices.values()):
+        if "--debug" in parser._option_string_actions:  # the subcommand defines its own
+            continue
+        # SUPPRESS: a subcommand that was not given --debug leaves the top-level value alone.
+        parser.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP
+        )
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _add_debug_flag(action)
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """``mergelab merge``, or ``mergelab eval run`` for a nested subcommand."""
+    parts = ["mergelab", args.command]
+    nested = getattr(args, f"{args.command}_command", None)
+    if isinstance(nested, str):
+        parts.append(nested)
+    return " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    debug = args.debug or _debug_from_env()
+    # SIGTERM unwinds like Ctrl-C (outputs being written are removed), unless an application
+    # that calls main() has a handler of its own.
+    sigterm = None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            sigterm = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
-        print(f"mergelab {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        # Output piped into e.g. `head`, which stopped reading: nothing worth a message.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (Exception, KeyboardInterrupt) as exc:
+        if debug:
+            traceback.print_exc()
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"{_command_name(args)}: {one_line(exc)}", file=sys.stderr)
+        else:
+            hint = (
+                " (rerun with --debug for the traceback)" if may_be_a_bug(exc) and not debug else ""
+            )
+            print(f"{_command_name(args)}: error: {one_line(exc)}{hint}", file=sys.stderr)
+        return exit_code(exc)
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 if __name__ == "__main__":

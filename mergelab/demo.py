@@ -198,11 +198,26 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     # The models are tiny: more threads only add synchronisation (and contend on shared machines).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--output", help="also write the rows and the config as JSON here")
+    p.add_argument("--force", action="store_true", help="replace an earlier demo --output")
     p.set_defaults(func=main)
     return p
 
 
+def _is_demo_record(path: Path) -> bool:
+    """Whether ``path`` holds what ``mergelab demo --output`` writes (the only file it replaces)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and set(record) == {"config", "rows"}
+
+
 def main(args: argparse.Namespace) -> int:
+    from mergelab.outputs import atomic_output_file, check_output_file
+
+    output = dict(force=args.force, written_by_mergelab=_is_demo_record)
+    if args.output:
+        check_output_file(args.output, **output)  # refuse before any training
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -213,13 +228,11 @@ def main(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - start:.1f} s"
     )
     if args.output:
-        from mergelab.outputs import atomic_output_file
-
         record = {
             "config": {"seed": args.seed, "steps": args.steps, "method_setup": METHOD_SETUP},
             "rows": [asdict(r) for r in rows],
         }
-        with atomic_output_file(args.output) as tmp:
+        with atomic_output_file(args.output, **output) as tmp:
             tmp.write_text(json.dumps(record, indent=2) + "\n")
         print(f"results: {args.output}")
     return 0

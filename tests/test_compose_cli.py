@@ -72,3 +72,119 @@ def test_cli_lora_and_errors(checkpoints, tmp_path, capsys):
     assert main(base + ["--expert", str(paths["foreign"])]) == 2
     assert "shared tokenizer" in capsys.readouterr().err
     assert main(base + ["--expert", str(tmp_path / "missing")]) == 2
+
+
+def run_cli(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any tokenizer or model load fails the test: errors must come before them."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tokenizer or model was loaded")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_output_may_not_overwrite_an_input(checkpoints, tmp_path, capsys, no_model_loading):
+    """The issue's data loss: --out <base>/model.safetensors --force overwrote the base."""
+    paths, _ = checkpoints
+    weights = paths["base"] / "model.safetensors"
+    before = weights.read_bytes()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("ab\n")
+    common = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+              "--prompts-file", str(prompts), "--force"]  # fmt: skip
+    for out in [weights, paths["math"] / "gen.jsonl", prompts, paths["base"]]:
+        code, err = run_cli([*common, "--out", str(out)], capsys)
+        assert code == 2 and "overlaps input" in err and "Traceback" not in err
+    assert weights.read_bytes() == before and prompts.read_text() == "ab\n"
+
+
+def test_force_replaces_only_generations_mergelab_wrote(checkpoints, tmp_path, capsys):
+    paths, _ = checkpoints
+    out = tmp_path / "gen.jsonl"
+    out.write_text("my own notes, not generations\n")
+    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+            "--prompt", "ab", "--max-new-tokens", "2", "--out", str(out), "--force"]  # fmt: skip
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "not a file mergelab wrote" in err
+    assert out.read_text() == "my own notes, not generations\n"
+    out.unlink()
+    assert main(argv) == 0
+    assert main(argv) == 0  # a file this command wrote is replaced
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["ab"]
+
+
+def test_missing_base_is_named_before_the_tokenizer_is_loaded(
+    checkpoints, tmp_path, capsys, no_model_loading
+):
+    paths, _ = checkpoints
+    missing = tmp_path / "no-such-model"
+    code, err = run_cli(
+        ["compose", "--base", str(missing), "--expert", str(paths["math"]), "--prompt", "ab"],
+        capsys,
+    )
+    assert code == 2 and f"model folder {missing} not found" in err
+    assert "hub" not in err.lower() and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("p.jsonl", b'{"prompt": "ok"}\n{"prompt": oops}\n', r"p\.jsonl:2: not valid JSON"),
+        ("p.jsonl", b'{"prompt": "ok"}\n{"text": "no prompt"}\n', r"p\.jsonl:2: no 'prompt'"),
+        ("p.jsonl", b'{"prompt": 3}\n', r"p\.jsonl:1: a prompt must be a string"),
+        ("p.json", b'{"prompt": "x"}', r"p\.json: a \.json prompts file must hold a list"),
+        ("p.json", b"[1, 2]", r"p\.json: item 0: a prompt must be a string"),
+        ("p.json", b"[oops", r"p\.json: not valid JSON"),
+        ("p.txt", b"", r"p\.txt holds no prompts"),
+        ("p.jsonl", b"\n  \n", r"p\.jsonl holds no prompts"),
+        ("p.json", b"[]", r"p\.json holds no prompts"),
+        ("p.txt", "caf\u00e9 au lait\n".encode("latin-1"), r"p\.txt is not UTF-8 text \(byte 0xe9"),
+    ],
+)
+def test_prompts_file_errors_name_the_file_and_line(
+    checkpoints, tmp_path, capsys, no_model_loading, name, content, message
+):
+    import re
+
+    paths, _ = checkpoints
+    (tmp_path / name).write_bytes(content)
+    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+            "--prompts-file", str(tmp_path / name)]  # fmt: skip
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and re.search(message, err), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_prompts_file_is_read_as_json(tmp_path):
+    from mergelab.compose.cli import read_prompts
+
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(["2 + 2 =", {"prompt": "def f(x):"}]))
+    assert read_prompts(path) == ["2 + 2 =", "def f(x):"]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "a"}\n\n"b"\n')
+    assert read_prompts(lines) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--batch-size", "0"),
+     ("--max-new-tokens", "x")],
+)  # fmt: skip
+def test_counts_are_checked_by_the_argument_parser(checkpoints, capsys, flag, value):
+    paths, _ = checkpoints
+    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+            "--prompt", "ab", flag, value]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import torch
 
 from mergelab.compose import Composition, compose_logprobs
 from mergelab.compose.eos import EOS_POLICIES, apply_eos_policy
+from mergelab.compose.formula import Term
 
 V = 50
 
@@ -143,3 +144,42 @@ def test_eos_policies_normalise_and_set_eos(policy):
     keep = torch.arange(V) != 2
     ratio = (out[:, keep] - composed[:, keep]).exp()
     assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), atol=1e-5)
+
+
+NON_FINITE = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_non_finite_weights_are_refused_by_every_constructor(bad):
+    """A NaN/Inf weight would make every composed log-prob NaN: refused wherever it comes in."""
+    builders = [
+        lambda: Composition.weighted("b", ["x", "y"], [1.0, bad]),
+        lambda: Composition.classifier_free_guidance("b", "x", bad),
+        lambda: Composition.dexperts("b", "x", "anti", bad),
+        lambda: Composition.proxy_tuning("large", "tuned", "small", bad),
+        lambda: Composition.product_of_experts(["x", "y"], [bad, 1.0]),
+        lambda: Composition(anchor="b", terms=(Term(bad, "x", "b"),)),
+        lambda: Composition.from_dict({"anchor": "b", "terms": [{"weight": bad, "model": "x"}]}),
+        lambda: Composition.from_json('{"anchor": "b", "terms": [{"weight": NaN, "model": "x"}]}'),
+        lambda: compose_logprobs(_lp(2), [_lp(2)], [bad]),
+    ]
+    for build in builders:
+        with pytest.raises(ValueError, match="weight of term .* must be a finite number"):
+            build()
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        Composition.weighted("b", ["x"], temperature=bad)
+
+
+def test_weights_must_be_one_number_per_expert():
+    # A string is not a list of weights (it would be read one character per expert).
+    with pytest.raises(ValueError, match="one number per expert, got '12'"):
+        Composition.weighted("b", ["x", "y"], "12")
+    with pytest.raises(ValueError, match="one number per expert, got 0.5"):
+        Composition.product_of_experts(["x"], 0.5)
+    with pytest.raises(ValueError, match="weight of term 'x' must be a number, got True"):
+        Composition.weighted("b", ["x"], [True])
+    with pytest.raises(ValueError, match="term 0 needs a 'weight' and a 'model'"):
+        Composition.from_dict({"anchor": "b", "terms": [{"model": "x"}]})
+    # Numbers of any kind are read as floats.
+    c = Composition.weighted("b", ["x", "y"], torch.tensor([1.0, 0.5]))
+    assert [t.weight for t in c.terms] == [1.0, 0.5] and str(c) == "b + 1.0·(x − b) + 0.5·(y − b)"

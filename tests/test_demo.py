@@ -33,3 +33,18 @@ def test_demo_is_deterministic():
     a = run_demo(seed=1, steps=5)
     b = run_demo(seed=1, steps=5)
     assert [r.count_loss for r in a] == [r.count_loss for r in b]
+
+
+def test_demo_output_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
+    user_file = tmp_path / "notes.json"
+    user_file.write_text('{"mine": true}\n')
+    # refused before any training, with and without --force; the file is untouched
+    assert main(["demo", "--steps", "1", "--output", str(user_file)]) == 2
+    assert main(["demo", "--steps", "1", "--output", str(user_file), "--force"]) == 2
+    assert user_file.read_text() == '{"mine": true}\n'
+    assert "not a file mergelab wrote" in capsys.readouterr().err
+    # an earlier demo output is replaced with --force only
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--steps", "1", "--output", str(out)]) == 0
+    assert main(["demo", "--steps", "1", "--output", str(out)]) == 2
+    assert main(["demo", "--steps", "1", "--output", str(out), "--force"]) == 0

@@ -196,3 +196,78 @@ def test_chat_template_is_used_when_asked_and_available():
     assert build_prompt(he.items[0], he, PromptConfig(chat_template="auto"), None) == plain
     with pytest.raises(ValueError, match="no chat template"):
         build_prompt(he.items[0], he, PromptConfig(chat_template="always"), None)
+
+
+def test_gsm8k_integer_answer_is_the_final_answer_other_types_are_refused(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    records = [{"question": "2 + 70?", "answer": 72}, {"question": "q", "answer": "so #### 1,000"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    bench = load_gsm8k(data)
+    assert [it.answer for it in bench.items] == ["72", "1000"]
+    assert bench.items[0].solution is None
+    for bad, shown in [(7.5, "float 7.5"), (None, "NoneType null"), ([72], r"list \[72\]")]:
+        data.write_text(
+            json.dumps(records[1]) + "\n" + json.dumps({"question": "q", "answer": bad})
+        )
+        with pytest.raises(
+            BenchmarkFormatError, match=rf"gsm8k\.jsonl:2: field 'answer' .*{shown}"
+        ):
+            load_gsm8k(data)
+    data.write_text(json.dumps({"question": ["q"], "answer": "#### 1"}) + "\n")
+    with pytest.raises(
+        BenchmarkFormatError, match=r"gsm8k\.jsonl:1: field 'question' must be a string"
+    ):
+        load_gsm8k(data)
+
+
+def test_a_latin1_file_is_named_with_the_byte_offset(tmp_path):
+    good = json.dumps({"question": "q", "answer": "#### 1"}) + "\n"
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes((good + good.replace('"q"', '"café?"')).encode("latin-1"))
+    offset = len(good) + good.index('"q"') + len('"caf')
+    message = rf"latin1\.jsonl:2: not UTF-8 text: byte 0xe9 at byte offset {offset} in the file"
+    with pytest.raises(BenchmarkFormatError, match=message):
+        load_gsm8k(data)
+    gz = tmp_path / "latin1.jsonl.gz"
+    gz.write_bytes(gzip.compress(data.read_bytes()))
+    with pytest.raises(BenchmarkFormatError, match=rf"{offset} of the uncompressed data"):
+        load_gsm8k(gz)
+    as_json = tmp_path / "latin1.json"
+    as_json.write_bytes(f'[\n{good.strip()},\n{good.strip()}, "é"]'.encode("latin-1"))
+    with pytest.raises(BenchmarkFormatError, match=r"latin1\.json:3: not UTF-8 text: byte 0xe9"):
+        load_gsm8k(as_json)
+    # A UTF-8 byte-order mark is not an error.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + good.encode())
+    assert len(load_gsm8k(bom)) == 1
+
+
+def test_other_malformed_files_name_file_and_line(tmp_path):
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(BenchmarkFormatError, match=r"broken\.jsonl\.gz: not a readable gzip file"):
+        load_gsm8k(broken)
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("42")
+    with pytest.raises(BenchmarkFormatError, match=r"scalar\.json: expected a JSON list"):
+        load_gsm8k(scalar)
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text(json.dumps({"task_id": 1, "text": "t", "code": "x", "test_list": "assert f()"}))
+    with pytest.raises(
+        BenchmarkFormatError, match=r"mbpp\.jsonl:1: field 'test_list' must be a list"
+    ):
+        load_mbpp(mbpp)
+    math_file = tmp_path / "math.jsonl"
+    math_file.write_text(json.dumps({"problem": "p", "solution": "s", "answer": ["1"]}) + "\n")
+    with pytest.raises(BenchmarkFormatError, match=r"math\.jsonl:1: field 'answer' must be"):
+        load_math(math_file)
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_a_limit_below_one_is_refused_not_read_as_all(limit):
+    bench = load_humaneval()
+    with pytest.raises(ValueError, match="limit must be a whole number"):
+        load_humaneval(limit=limit)
+    with pytest.raises(ValueError, match="limit must be a whole number"):
+        bench.head(limit)
+    assert len(bench.head(2)) == 2 and len(bench.head(None)) == len(bench)

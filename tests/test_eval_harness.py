@@ -20,7 +20,7 @@ from mergelab.eval import (
     load_humaneval_plus,
     load_math,
 )
-from mergelab.outputs import OutputExistsError
+from mergelab.outputs import ForeignOutputError, OutputExistsError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 
@@ -311,3 +311,78 @@ def test_cli_run_and_compare(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "a - b = +0.0" in out and "on 3 shared items" in out
+
+
+def test_outputs_are_checked_before_anything_is_generated(tmp_path):
+    bench = _toy_math_benchmark(4)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "paper.tex").write_text("the user's file")
+    cand = FakeCandidate(_half_right(bench))
+    with pytest.raises(OutputExistsError, match="--force"):
+        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c", output_dir=out, progress=False)
+    with pytest.raises(ForeignOutputError, match="paper.tex"):
+        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c", output_dir=out, force=True,
+                 progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="overlaps input"):
+        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c",
+                 output_dir=tmp_path / "c" / "results", progress=False)  # fmt: skip
+    assert cand.seen == 0 and (out / "paper.tex").read_text() == "the user's file"
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5])
+def test_limit_must_be_at_least_one(tmp_path, limit):
+    bench = _toy_math_benchmark(4)
+    cand = FakeCandidate(_half_right(bench))
+    with pytest.raises(ValueError, match="limit must be a number of items"):
+        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path, limit=limit, progress=False)
+    assert cand.seen == 0
+
+
+@pytest.fixture
+def saved_tiny_model(tmp_path):
+    from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+
+    tok = char_tokenizer(string.printable)
+    model_dir = tmp_path / "tiny"
+    tiny_causal_lm(len(tok), seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return model_dir
+
+
+def test_cli_run_refuses_an_existing_out_before_loading_the_model(
+    saved_tiny_model, tmp_path, capsys, monkeypatch
+):
+    import transformers
+
+    from mergelab.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    common = ["eval", "run", "--model", str(saved_tiny_model), "--benchmark", "gsm8k",
+              "--data", str(FIXTURES / "gsm8k.jsonl"), "--cache-dir", str(tmp_path / "cache"),
+              "--out", str(out)]  # fmt: skip
+    assert main(common) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main([*common, "--force"]) == 2
+    assert "mergelab did not write: keep.txt" in capsys.readouterr().err
+    inside = [*common[:-1], str(saved_tiny_model / "results")]
+    assert main(inside) == 2
+    assert "overlaps input" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_cli_limit_below_one_is_refused(tmp_path, capsys, value):
+    from mergelab.cli import main
+
+    argv = ["eval", "run", "--model", str(tmp_path), "--benchmark", "gsm8k", "--limit", value]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "argument --limit" in capsys.readouterr().err

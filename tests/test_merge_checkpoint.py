@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from mergelab.merge.checkpoint import (
     merge_checkpoints,
     plan_checkpoint_merge,
 )
-from mergelab.outputs import OutputExistsError
+from mergelab.outputs import MARKER_NAME, ForeignOutputError, OutputExistsError
 
 
 def tiny_config(vocab: int = 64, tie: bool = False) -> LlamaConfig:
@@ -306,9 +308,16 @@ def test_existing_output_needs_force_and_output_inside_input_is_refused(ckpts, t
     (out / "keep.txt").write_text("user data")
     with pytest.raises(OutputExistsError):
         merge_checkpoints("linear", base, [e0, e1], output=out, progress=False)
-    assert (out / "keep.txt").read_text() == "user data"
+    # --force replaces only an empty folder or a previous mergelab output, never user files
+    with pytest.raises(ForeignOutputError, match=r"1 entry mergelab did not write: keep\.txt"):
+        merge_checkpoints("linear", base, [e0, e1], output=out, force=True, progress=False)
+    assert (out / "keep.txt").read_text() == "user data" and len(list(out.iterdir())) == 1
+    (out / "keep.txt").unlink()
     merge_checkpoints("linear", base, [e0, e1], output=out, force=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / INDEX_NAME).is_file()
+    assert (out / INDEX_NAME).is_file() and (out / MARKER_NAME).is_file()
+    merge_checkpoints("task_arithmetic", base, [e0, e1], output=out, force=True, progress=False)
+    assert json.loads((out / "mergelab_merge.json").read_text())["method"] == "task_arithmetic"
+    assert_nothing_left(tmp_path, ".merged")
     with pytest.raises(ValueError, match="overlaps input"):
         merge_checkpoints("linear", base, [e0, e1], output=e0 / "sub", progress=False)
 
@@ -398,3 +407,95 @@ def test_read_ahead_on_or_off_gives_the_same_merge(
     )
     got = stored_state_dict(out)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_merge_record_holds_absolute_input_paths(ckpts, tmp_path, monkeypatch):
+    (base, e0, e1), _ = ckpts
+    monkeypatch.chdir(base.parent)
+    out = merge_checkpoints(
+        "linear", "base", ["expert_0", "expert_1"], output=tmp_path / "o", progress=False
+    )
+    record = json.loads((out / "mergelab_merge.json").read_text())
+    assert record["base"] == str(base.resolve())
+    assert record["models"] == [str(e0.resolve()), str(e1.resolve())]
+    assert record["as_given"] == {"base": "base", "models": ["expert_0", "expert_1"]}
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["../expert_0/{shard}", "{abs_other}", "sub/../../expert_0/{shard}", "link/{shard}"],
+)
+def test_index_may_not_point_outside_the_model_folder(ckpts, tmp_path, entry):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    index_path = e1 / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    (e1 / "link").symlink_to(e0)  # a folder link that leads out of the model folder
+    bad = entry.format(shard=shard, abs_other=str(e0 / shard))
+    index["weight_map"][name] = bad
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MergeInputError, match=rf"{INDEX_NAME}: entry '{name}' .*outside"):
+        plan_checkpoint_merge("linear", base, [e0, e1])
+
+
+def test_index_shard_linked_out_of_the_folder_is_refused_except_hub_cache_blobs(ckpts, tmp_path):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    shard = sorted(e1.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    with pytest.raises(MergeInputError, match=rf"{shard.name}.* resolves to .*outside"):
+        plan_checkpoint_merge("linear", base, [e0, e1])
+    # The Hugging Face hub cache: snapshots/<rev>/ holds links to ../../blobs/<hash>.
+    repo = tmp_path / "models--x--y"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    shutil.copytree(e0, snapshot)
+    for f in snapshot.glob("model-*.safetensors"):
+        blob = repo / "blobs" / f"hash-{f.name}"
+        shutil.move(f, blob)
+        f.symlink_to(os.path.relpath(blob, f.parent))
+    plan_checkpoint_merge("linear", base, [snapshot]).close()
+
+
+@pytest.mark.parametrize("weight_map", [[["a", "b"]], "x", None])
+def test_index_weight_map_of_the_wrong_type_names_the_file(ckpts, tmp_path, weight_map):
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    (e1 / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(MergeInputError, match=rf"{e1 / INDEX_NAME}: 'weight_map' must map"):
+        plan_checkpoint_merge("linear", base, [e0, e1])
+    (e1 / INDEX_NAME).write_text("[1, 2]")
+    with pytest.raises(MergeInputError, match="'weight_map' must map"):
+        plan_checkpoint_merge("linear", base, [e0, e1])
+
+
+def test_disk_full_mid_merge_keeps_the_previous_output(ckpts, tmp_path, monkeypatch):
+    (base, e0, e1), _ = ckpts
+    out = merge_checkpoints("linear", base, [e0, e1], output=tmp_path / "o", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    from mergelab.merge import checkpoint
+
+    calls = []
+    real_write = checkpoint.ShardWriter.write
+
+    def write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, name, tensor)
+
+    monkeypatch.setattr(checkpoint.ShardWriter, "write", write)
+    with pytest.raises(OSError, match="could not write .*No space left") as info:
+        merge_checkpoints("task_arithmetic", base, [e0, e1], output=out, force=True, progress=False)
+    assert info.value.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_nothing_left(tmp_path, ".o.")
+
+
+@pytest.mark.parametrize("size", [0, -1, "0GB", "-5MB", "infGB", "nanMB", True, "lots"])
+def test_shard_sizes_must_be_positive_sizes(size):
+    from mergelab.merge.checkpoint import parse_size
+
+    with pytest.raises(ValueError, match="size"):
+        parse_size(size)
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1KiB") == 1024 and parse_size(7) == 7

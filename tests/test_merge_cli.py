@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -202,6 +205,8 @@ def test_lora_adapters_through_the_cli(models, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "SVD truncation" in text and "relative Frobenius error" in text
     assert (tmp_path / "ad" / "adapter_model.safetensors").is_file()
+    marker = json.loads((tmp_path / "ad" / "mergelab_output.json").read_text())
+    assert marker["kind"] == "lora-adapter" and "adapter_config.json" in marker["entries"]
     code = main(
         ["merge", "--method", "task_arithmetic", "--base", str(root / "base"), "--models", *paths]
         + ["--out", str(tmp_path / "full"), "--no-progress"]
@@ -214,3 +219,72 @@ def test_lora_adapters_through_the_cli(models, tmp_path, capsys):
         + ["--out", str(tmp_path / "mixed")]
     )
     assert code == 2 and "LoRA adapters" in capsys.readouterr().err
+
+
+def test_force_refuses_a_folder_of_unrelated_files(models, tmp_path, monkeypatch, capsys):
+    """The issue's data loss: `mergelab merge --out . --force` replaced a folder of user files."""
+    root, _ = models
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ["a.txt", "b.txt", "c.txt"]:
+        (work / name).write_text("user data")
+    argv = ["merge", "--method", "linear", "--models", str(root / "math"), str(root / "code")]
+    argv += ["--no-progress", "--force"]
+    assert main([*argv, "--out", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "3 entries mergelab did not write: a.txt, b.txt, c.txt" in err
+    assert "Traceback" not in err
+    assert main([*argv, "--out", str(work), "--dry-run"]) == 2  # the plan reports it too
+    monkeypatch.chdir(work)
+    assert main([*argv, "--out", "."]) == 2
+    assert "current folder" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == ["a.txt", "b.txt", "c.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_record_has_absolute_paths_from_relative_flags(models, tmp_path, monkeypatch):
+    root, _ = models
+    monkeypatch.chdir(root)
+    out = tmp_path / "out"
+    argv = ["merge", "--method", "task_arithmetic", "--base", "base", "--models", "math", "code"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    record = json.loads((out / "mergelab_merge.json").read_text())
+    assert record["base"] == str((root / "base").resolve())
+    assert record["models"] == [str((root / m).resolve()) for m in ["math", "code"]]
+    assert record["as_given"]["models"] == ["math", "code"]
+
+
+def test_index_with_a_list_weight_map_is_one_clear_error(models, tmp_path, capsys):
+    root, _ = models
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "math", bad)
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+    argv = ["merge", "--method", "linear", "--models", str(bad), str(root / "code")]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad / 'model.safetensors.index.json'}: 'weight_map' must map" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_disk_full_is_one_line_exit_1_and_the_old_output_stays(
+    models, tmp_path, monkeypatch, capsys
+):
+    root, _ = models
+    out = tmp_path / "out"
+    argv = ["merge", "--method", "linear", "--models", str(root / "math"), str(root / "code")]
+    argv += ["--out", str(out), "--no-progress", "--force"]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    from mergelab.merge import checkpoint
+
+    def full(self, name, tensor):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.ShardWriter, "write", full)
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mergelab merge: error: could not write") and "[ENOSPC]" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

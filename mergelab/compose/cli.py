@@ -6,8 +6,11 @@ r"""``mergelab compose``: decode from a logit composition of local checkpoints.
         --prompts-file prompts.jsonl --out generations.jsonl --eos-policy base
 
 Experts are model folders (or, with ``--lora``, PEFT adapter folders of the base). Prompts come
-from ``--prompt`` (repeatable) or ``--prompts-file`` (JSONL with a ``"prompt"`` field, or plain
-text with one prompt per line). Without ``--out`` the generations are printed.
+from ``--prompt`` (repeatable) or ``--prompts-file``: ``.jsonl`` (one object with a ``"prompt"``
+field per line), ``.json`` (a list of strings or of such objects) or plain text with one prompt per
+line, all UTF-8. Without ``--out`` the generations are printed. Every input is checked before a
+model is loaded; ``--out`` may not be, contain or sit inside an input, and ``--force`` replaces only
+a generations file that mergelab wrote (recognised by its records).
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or one prompt per line")
     p.add_argument("--out", help="write generations as JSONL here (atomically)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--force", action="store_true", help="replace an existing --out that mergelab wrote"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument(
         "--component-logprobs", action="store_true", help="also record every model's log-probs"
     )
@@ -62,20 +67,96 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number ≥ 1 (a count of tokens, items or prompts per batch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; a file that is not UTF-8 is an error naming the file and the byte."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{what} {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
 def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from ``.jsonl`` (objects with a "prompt" field), ``.json`` (a list of strings or
+    of such objects) or plain text (one per non-empty line). Errors name the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} not found")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
+    text = read_utf8(path, "prompts file")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
         prompts = []
-        for n, line in enumerate(lines, 1):
-            record = json.loads(line)
-            if "prompt" not in record:
-                raise ValueError(f"{path}:{n}: no 'prompt' field")
-            prompts.append(record["prompt"])
-        return prompts
-    return lines
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                prompts.append(_prompt_from(_json(line, f"{path}:{n}"), f"{path}:{n}"))
+    elif suffix == ".json":
+        records = _json(text, str(path))
+        if not isinstance(records, list):
+            raise ValueError(
+                f"{path}: a .json prompts file must hold a list of strings or of "
+                f'{{"prompt": ...}} objects, not a {type(records).__name__}'
+            )
+        prompts = [_prompt_from(r, f"{path}: item {i}") for i, r in enumerate(records)]
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+
+
+def _prompt_from(record, where: str) -> str:
+    prompt = record.get("prompt") if isinstance(record, dict) else record
+    if isinstance(record, dict) and "prompt" not in record:
+        raise ValueError(f"{where}: no 'prompt' field")
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: a prompt must be a string, not {type(prompt).__name__}")
+    return prompt
+
+
+def is_generations_file(path: Path) -> bool:
+    """True for a JSONL file this command wrote: every record has its fields."""
+    fields = {"candidate", "prompt", "text", "settings"}
+    try:
+        lines = [line for line in read_utf8(path, "file").splitlines() if line.strip()]
+        records = [json.loads(line) for line in lines]
+    except (OSError, ValueError):
+        return False
+    return bool(records) and all(isinstance(r, dict) and fields <= r.keys() for r in records)
+
+
+def check_inputs(args: argparse.Namespace) -> list[str]:
+    """Every input path exists (before any tokenizer or model is loaded); returns them."""
+    for path in [args.base, *args.expert]:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model folder {path} not found")
+    for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{what} {path} not found")
+    return [args.base, *args.expert, args.composition, args.prompts_file]
 
 
 def build_decoder(args: argparse.Namespace):
@@ -88,21 +169,25 @@ def build_decoder(args: argparse.Namespace):
     dtype = getattr(torch, args.dtype)
 
     def load_model(path: str):
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"model folder {path} not found")
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    check_inputs(args)
     names = args.expert_name or [f"expert{i + 1}" for i in range(len(args.expert))]
     if len(names) != len(args.expert):
         raise ValueError(f"{len(names)} --expert-name for {len(args.expert)} --expert")
     if args.weight is not None and len(args.weight) != len(args.expert):
         raise ValueError(f"{len(args.weight)} --weight for {len(args.expert)} --expert")
+    if args.weight is not None:
+        Composition.weighted("base", names, args.weight)  # refuses NaN/inf before any load
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
     composition = None
     if args.composition:
         if args.weight is not None:
             raise ValueError("pass either --weight or --composition")
-        composition = Composition.from_json(Path(args.composition).read_text())
+        path = Path(args.composition)
+        text = read_utf8(path, "composition file")
+        _json(text, str(path))  # a syntax error names the file
+        composition = Composition.from_json(text)
     # Experts that ship a tokenizer must ship the base's.
     expert_tokenizers = []
     for path in args.expert:
@@ -122,11 +207,13 @@ def build_decoder(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..outputs import atomic_output_file, check_output_path
+    from ..outputs import atomic_output_file, check_output_file
 
+    inputs = check_inputs(args)
     prompts = args.prompt if args.prompt else read_prompts(args.prompts_file)
+    output = dict(force=args.force, inputs=inputs, written_by_mergelab=is_generations_file)
     if args.out:
-        check_output_path(args.out, force=args.force)  # fail before loading any model
+        check_output_file(args.out, **output)  # fail before loading any model
     decoder = build_decoder(args)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
@@ -141,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
     )
     generations = decoder.generate(prompts, settings)
     if args.out:
-        with atomic_output_file(args.out, force=args.force) as tmp:
-            with open(tmp, "w") as f:
+        with atomic_output_file(args.out, **output) as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
                 for g in generations:
                     record = {
                         "candidate": decoder.name,

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,7 +64,13 @@ class Composition:
     components: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "terms", tuple(self.terms))
+        # Every way of building a composition (special cases, decoders, JSON, the CLI) ends here,
+        # so this is where a NaN/Inf weight is refused: it would turn every log-prob into NaN.
+        terms = tuple(
+            replace(t, weight=_finite(t.weight, f"weight of term {t.model!r}")) for t in self.terms
+        )
+        object.__setattr__(self, "terms", terms)
+        object.__setattr__(self, "temperature", _finite(self.temperature, "temperature"))
         if self.anchor is None and not self.terms:
             raise ValueError("a composition needs an anchor model or at least one term")
         if not (self.temperature > 0):
@@ -94,13 +101,12 @@ class Composition:
     ) -> Composition:
         """``base + Σ_i w_i·(expert_i − base)``; ``weights=None`` means all 1 (the paper)."""
         experts = list(experts)
-        if weights is None:
-            weights = [1.0] * len(experts)
+        weights = [1.0] * len(experts) if weights is None else _weight_list(weights)
         if len(weights) != len(experts):
             raise ValueError(f"{len(weights)} weights for {len(experts)} experts")
         if len(set(experts)) != len(experts) or base in experts:
             raise ValueError(f"component names must be distinct: base={base!r}, experts={experts}")
-        terms = tuple(Term(float(w), e, base) for w, e in zip(weights, experts))
+        terms = tuple(Term(w, e, base) for w, e in zip(weights, experts))
         return cls(anchor=base, terms=terms, temperature=temperature)
 
     @classmethod
@@ -116,14 +122,14 @@ class Composition:
     @classmethod
     def dexperts(cls, base: str, expert: str, anti_expert: str, alpha: float = 1.0) -> Composition:
         """DExperts (Liu et al. 2021): ``base + α·(expert − anti_expert)``."""
-        return cls(anchor=base, terms=(Term(float(alpha), expert, anti_expert),))
+        return cls(anchor=base, terms=(Term(alpha, expert, anti_expert),))
 
     @classmethod
     def proxy_tuning(
         cls, large_base: str, small_tuned: str, small_base: str, alpha: float = 1.0
     ) -> Composition:
         """Proxy-tuning / emulated fine-tuning (EFT): ``large + α·(small_tuned − small_base)``."""
-        return cls(anchor=large_base, terms=(Term(float(alpha), small_tuned, small_base),))
+        return cls(anchor=large_base, terms=(Term(alpha, small_tuned, small_base),))
 
     emulated_fine_tuning = proxy_tuning
 
@@ -133,10 +139,10 @@ class Composition:
     ) -> Composition:
         """``Σ_i w_i·log p_i`` renormalised: a product of experts with no base."""
         experts = list(experts)
-        weights = [1.0] * len(experts) if weights is None else list(weights)
+        weights = [1.0] * len(experts) if weights is None else _weight_list(weights)
         if len(weights) != len(experts):
             raise ValueError(f"{len(weights)} weights for {len(experts)} experts")
-        return cls(anchor=None, terms=tuple(Term(float(w), e) for w, e in zip(weights, experts)))
+        return cls(anchor=None, terms=tuple(Term(w, e) for w, e in zip(weights, experts)))
 
     # ---------------------------------------------------------------- reading it
     def coefficients(self) -> dict[str, float]:
@@ -175,10 +181,14 @@ class Composition:
         unknown = set(d) - {"anchor", "terms", "temperature", "formula"}
         if unknown:
             raise ValueError(f"unknown composition keys {sorted(unknown)}")
-        terms = tuple(
-            Term(float(t["weight"]), str(t["model"]), t.get("minus")) for t in d.get("terms", [])
+        terms = []
+        for i, t in enumerate(d.get("terms", [])):
+            if not isinstance(t, Mapping) or "weight" not in t or "model" not in t:
+                raise ValueError(f"composition term {i} needs a 'weight' and a 'model', got {t!r}")
+            terms.append(Term(t["weight"], str(t["model"]), t.get("minus")))
+        return cls(
+            anchor=d.get("anchor"), terms=tuple(terms), temperature=d.get("temperature", 1.0)
         )
-        return cls(anchor=d.get("anchor"), terms=terms, temperature=float(d.get("temperature", 1)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)
@@ -262,6 +272,26 @@ class Composition:
                 raise ValueError(f"composition {self} rules out every token at some position")
             scores = scores.masked_fill(ruled_out, float("-inf"))
         return scores
+
+
+def _finite(value: Any, what: str) -> float:
+    """``value`` as a finite float; NaN, ±inf, bools and non-numbers are refused by name."""
+    try:
+        if isinstance(value, bool):  # a bool is an int to Python, but not a weight
+            raise TypeError
+        number = float(value)  # numbers, numeric strings, numpy scalars, 0-d tensors
+    except (TypeError, ValueError):
+        raise ValueError(f"composition {what} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"composition {what} must be a finite number, got {value!r}")
+    return number
+
+
+def _weight_list(weights: Any) -> list[Any]:
+    """One weight per expert; a string or a single number is not a list of weights."""
+    if isinstance(weights, (str, bytes, numbers.Number)) or not isinstance(weights, Iterable):
+        raise ValueError(f"weights must be a list with one number per expert, got {weights!r}")
+    return list(weights)
 
 
 def compose_logprobs(

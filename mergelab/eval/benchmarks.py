@@ -29,22 +29,27 @@ comparison), ``"math"`` (``\\boxed{}`` answer, normalised and symbolic equivalen
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
 import math
 import os
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergelab.errors import UserInputError
+
 TASKS = ("gsm8k", "math", "code")
 
 
-class BenchmarkFormatError(ValueError):
-    """A benchmark file has a malformed line or a record without a required field."""
+class BenchmarkFormatError(UserInputError):
+    """A benchmark file is not UTF-8, has a malformed line, or a record without a required field
+    or with a field of the wrong type. The message starts with ``file:line:``."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ class Benchmark:
         """The first ``limit`` items (all when ``None``)."""
         if limit is None:
             return self
-        return Benchmark(self.name, self.task, self.items[:limit], self.source)
+        return Benchmark(self.name, self.task, self.items[: check_limit(limit)], self.source)
 
     def fingerprint(self) -> str:
         """sha256 of the items' content: two benchmarks with the same items share caches."""
@@ -191,38 +196,68 @@ def _canonical(obj: Any) -> Any:
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) for a .jsonl / .jsonl.gz file, or (index+1, record) for a .json
-    list. Malformed lines raise :class:`BenchmarkFormatError` naming the file and line."""
+    list. A file that is not UTF-8 (named with the byte's offset), a malformed line or a corrupt
+    gzip file raise :class:`BenchmarkFormatError` naming the file and line."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"benchmark file not found: {path}")
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        if path.name.endswith((".json", ".json.gz")):
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise BenchmarkFormatError(
-                    f"{path}:{exc.lineno}: invalid JSON: {exc.msg}"
-                ) from None
-            if isinstance(data, dict):  # one problem per file (MATH's layout)
-                data = [data]
-            for i, rec in enumerate(data):
+    compressed = path.name.endswith(".gz")
+    opener = gzip.open if compressed else open
+    try:
+        with opener(path, "rb") as f:
+            if path.name.endswith((".json", ".json.gz")):
+                yield from _json_list_records(path, _decode(f.read(), path, 1, 0, compressed))
+                return
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
+                line = _decode(raw, path, lineno, offset, compressed)
+                offset += len(raw)
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise BenchmarkFormatError(
+                        f"{path}:{lineno}: malformed JSON line ({exc.msg} at column {exc.colno})"
+                    ) from None
                 if not isinstance(rec, dict):
-                    raise BenchmarkFormatError(f"{path}: record {i + 1} is not a JSON object")
-                yield i + 1, rec
-            return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BenchmarkFormatError(
-                    f"{path}:{lineno}: malformed JSON line ({exc.msg} at column {exc.colno})"
-                ) from None
-            if not isinstance(rec, dict):
-                raise BenchmarkFormatError(f"{path}:{lineno}: expected a JSON object per line")
-            yield lineno, rec
+                    raise BenchmarkFormatError(f"{path}:{lineno}: expected a JSON object per line")
+                yield lineno, rec
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise BenchmarkFormatError(f"{path}: not a readable gzip file ({exc})") from None
+
+
+def _decode(raw: bytes, path: Path, lineno: int, offset: int, compressed: bool) -> str:
+    """UTF-8 text of ``raw`` (line ``lineno``, at byte ``offset`` of the file); a byte-order mark
+    at the start of the file is dropped. Non-UTF-8 bytes (e.g. a latin-1 file) name where."""
+    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+        offset = len(codecs.BOM_UTF8)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = lineno + raw.count(b"\n", 0, exc.start)
+        where = "of the uncompressed data" if compressed else "in the file"
+        raise BenchmarkFormatError(
+            f"{path}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte offset "
+            f"{offset + exc.start} {where}; convert the file to UTF-8 (e.g. iconv -f latin1 "
+            "-t utf-8)"
+        ) from None
+
+
+def _json_list_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchmarkFormatError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if isinstance(data, dict):  # one problem per file (MATH's layout)
+        data = [data]
+    if not isinstance(data, list):
+        raise BenchmarkFormatError(f"{path}: expected a JSON list of records or one record")
+    for i, rec in enumerate(data):
+        if not isinstance(rec, dict):
+            raise BenchmarkFormatError(f"{path}: record {i + 1} is not a JSON object")
+        yield i + 1, rec
 
 
 def _require(rec: dict, fields: Sequence[str], path: Path | str, lineno: int) -> None:
@@ -233,10 +268,72 @@ def _require(rec: dict, fields: Sequence[str], path: Path | str, lineno: int) ->
         )
 
 
+def _text(rec: dict, name: str, path: Path | str, lineno: int, default: Any = ...) -> str:
+    """Field ``name`` of a record, which must be a string (or absent/null when a default is
+    given)."""
+    if rec.get(name) is None and default is not ...:
+        return default
+    value = rec[name]
+    if not isinstance(value, str):
+        raise BenchmarkFormatError(
+            f"{path}:{lineno}: field {name!r} must be a string, got {type(value).__name__} "
+            f"{_short(value)}"
+        )
+    return value
+
+
+def _text_list(
+    rec: dict, name: str, path: Path | str, lineno: int, default: Any = ...
+) -> list[str]:
+    """Field ``name``: a list of strings (or absent/null when a default is given)."""
+    if rec.get(name) is None and default is not ...:
+        return default
+    value = rec[name]
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise BenchmarkFormatError(
+            f"{path}:{lineno}: field {name!r} must be a list of strings, got {_short(value)}"
+        )
+    return value
+
+
+def _inputs(rec: dict, name: str, path: Path | str, lineno: int) -> list:
+    value = rec[name]
+    if not isinstance(value, list):
+        raise BenchmarkFormatError(
+            f"{path}:{lineno}: field {name!r} must be a list of argument lists, got "
+            f"{type(value).__name__} {_short(value)}"
+        )
+    return value
+
+
+def _atol(rec: dict, path: Path | str, lineno: int) -> float:
+    value = rec.get("atol") or 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise BenchmarkFormatError(
+            f"{path}:{lineno}: field 'atol' must be a non-negative number, got {_short(value)}"
+        )
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_limit(limit: int | None) -> int | None:
+    """``limit`` items: ``None`` (all) or an integer ≥ 1; 0 or -1 are refused, not read as "all"
+    or as "all but the last"."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a whole number ≥ 1 (or None for all items), got {limit!r}")
+    return limit
+
+
 def _finish(name: str, task: str, items: list[Item], path: Path | str, limit: int | None):
     if not items:
         raise BenchmarkFormatError(f"{path}: no records found")
-    return Benchmark(name, task, items[: limit if limit else None], str(path))
+    return Benchmark(name, task, items[: check_limit(limit)], str(path))
 
 
 # ---------------------------------------------------------------- code benchmarks
@@ -259,17 +356,19 @@ def load_humaneval(path: str | os.PathLike | None = None, limit: int | None = No
     items = []
     for lineno, rec in read_records(path):
         _require(rec, ("task_id", "prompt", "entry_point", "test"), path, lineno)
+        prompt = _text(rec, "prompt", path, lineno)
+        solution = _text(rec, "canonical_solution", path, lineno, default=None)
         tests = CodeTests(
-            entry_point=rec["entry_point"],
+            entry_point=_text(rec, "entry_point", path, lineno),
             prompt_is_code=True,
-            check=rec["test"],
-            canonical_solution=rec["prompt"] + rec.get("canonical_solution", ""),
+            check=_text(rec, "test", path, lineno),
+            canonical_solution=prompt + (solution or ""),
         )
         items.append(
             Item(
-                rec["task_id"],
-                rec["prompt"],
-                solution=rec.get("canonical_solution"),
+                str(rec["task_id"]),
+                prompt,
+                solution=solution,
                 tests=tests,
                 meta={"line": lineno},
             )
@@ -299,19 +398,21 @@ def load_humaneval_plus(
     items = []
     for lineno, rec in read_records(path):
         _require(rec, fields, path, lineno)
+        prompt = _text(rec, "prompt", path, lineno)
+        solution = _text(rec, "canonical_solution", path, lineno)
         tests = CodeTests(
-            entry_point=rec["entry_point"],
+            entry_point=_text(rec, "entry_point", path, lineno),
             prompt_is_code=True,
-            base_inputs=rec["base_input"],
-            plus_inputs=rec["plus_input"],
-            atol=float(rec.get("atol") or 0.0),
-            canonical_solution=rec["prompt"] + rec["canonical_solution"],
+            base_inputs=_inputs(rec, "base_input", path, lineno),
+            plus_inputs=_inputs(rec, "plus_input", path, lineno),
+            atol=_atol(rec, path, lineno),
+            canonical_solution=prompt + solution,
         )
         items.append(
             Item(
-                rec["task_id"],
-                rec["prompt"],
-                solution=rec["canonical_solution"],
+                str(rec["task_id"]),
+                prompt,
+                solution=solution,
                 tests=tests,
                 meta={"line": lineno, "contract": rec.get("contract", "")},
             )
@@ -350,21 +451,24 @@ def load_mbpp(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
         _require(rec, ("task_id", "code", "test_list"), path, lineno)
         if "text" not in rec and "prompt" not in rec:
             raise BenchmarkFormatError(f"{path}:{lineno}: record has neither 'text' nor 'prompt'")
-        text = rec.get("text", rec.get("prompt"))
-        asserts = tuple(rec["test_list"])
-        setup = rec.get("test_setup_code", "") or "\n".join(rec.get("test_imports", []) or [])
+        text = _text(rec, "text" if "text" in rec else "prompt", path, lineno)
+        code = _text(rec, "code", path, lineno)
+        asserts = tuple(_text_list(rec, "test_list", path, lineno))
+        setup = _text(rec, "test_setup_code", path, lineno, default="") or "\n".join(
+            _text_list(rec, "test_imports", path, lineno, default=[])
+        )
         tests = CodeTests(
-            entry_point=_entry_point_from(asserts, rec["code"]),
+            entry_point=_entry_point_from(asserts, code),
             prompt_is_code=False,
             asserts=asserts,
             setup=setup,
-            canonical_solution=rec["code"],
+            canonical_solution=code,
         )
         items.append(
             Item(
                 f"Mbpp/{rec['task_id']}",
                 mbpp_prompt(text, asserts),
-                solution=rec["code"],
+                solution=code,
                 tests=tests,
                 meta={"line": lineno, "text": text},
             )
@@ -428,20 +532,28 @@ def load_mbpp_plus(path: str | os.PathLike | None = None, limit: int | None = No
     items = []
     for lineno, rec in read_records(path):
         _require(rec, fields, path, lineno)
-        task_id = rec["task_id"]
+        task_id = str(rec["task_id"])
+        solution = _text(rec, "canonical_solution", path, lineno)
+        try:
+            base_inputs = mbpp_plus_inputs(task_id, _inputs(rec, "base_input", path, lineno))
+            plus_inputs = mbpp_plus_inputs(task_id, _inputs(rec, "plus_input", path, lineno))
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:
+            raise BenchmarkFormatError(
+                f"{path}:{lineno}: inputs of {task_id} do not have MBPP+'s layout ({exc})"
+            ) from None
         tests = CodeTests(
-            entry_point=rec["entry_point"],
+            entry_point=_text(rec, "entry_point", path, lineno),
             prompt_is_code=False,
-            base_inputs=mbpp_plus_inputs(task_id, rec["base_input"]),
-            plus_inputs=mbpp_plus_inputs(task_id, rec["plus_input"]),
-            atol=float(rec.get("atol") or 0.0),
-            canonical_solution=rec["canonical_solution"],
+            base_inputs=base_inputs,
+            plus_inputs=plus_inputs,
+            atol=_atol(rec, path, lineno),
+            canonical_solution=solution,
         )
         items.append(
             Item(
                 task_id,
-                rec["prompt"],
-                solution=rec["canonical_solution"],
+                _text(rec, "prompt", path, lineno),
+                solution=solution,
                 tests=tests,
                 meta={"line": lineno, "assertion": rec.get("assertion", "")},
             )
@@ -460,21 +572,37 @@ def gsm8k_reference(answer_text: str) -> str:
 
 
 def load_gsm8k(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
-    """GSM8K jsonl: ``question`` and ``answer`` (worked solution ending ``#### <number>``)."""
+    """GSM8K jsonl: ``question`` and ``answer`` (worked solution ending ``#### <number>``).
+
+    An ``answer`` that is a JSON integer (``"answer": 72``) is taken as the final answer itself
+    (the record then has no worked solution): GSM8K's final answers are integers, so this cannot
+    be misread. Any other non-string answer (a float, a list, null) is refused, naming the file,
+    line and field.
+    """
     path = Path(path)
     items = []
     for lineno, rec in read_records(path):
         _require(rec, ("question", "answer"), path, lineno)
-        try:
-            ref = gsm8k_reference(rec["answer"])
-        except ValueError as exc:
-            raise BenchmarkFormatError(f"{path}:{lineno}: {exc}") from None
+        question = _text(rec, "question", path, lineno)
+        answer = rec["answer"]
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            ref, solution = str(answer), None
+        elif isinstance(answer, str):
+            try:
+                ref, solution = gsm8k_reference(answer), answer
+            except ValueError as exc:
+                raise BenchmarkFormatError(f"{path}:{lineno}: {exc}") from None
+        else:
+            raise BenchmarkFormatError(
+                f"{path}:{lineno}: field 'answer' must be a worked solution ending "
+                f"'#### <number>' or an integer, got {type(answer).__name__} {_short(answer)}"
+            )
         items.append(
             Item(
                 str(rec.get("id", f"gsm8k/{len(items)}")),
-                rec["question"],
+                question,
                 answer=ref,
-                solution=rec["answer"],
+                solution=solution,
                 meta={"line": lineno},
             )
         )
@@ -502,18 +630,24 @@ def load_math(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
     items = []
     for f, lineno, rec, rel in records:
         _require(rec, ("problem", "solution"), f, lineno)
+        problem, solution = _text(rec, "problem", f, lineno), _text(rec, "solution", f, lineno)
         answer = rec.get("answer")
+        if isinstance(answer, (bool, list, dict)):
+            raise BenchmarkFormatError(
+                f"{f}:{lineno}: field 'answer' must be a string or a number, got "
+                f"{type(answer).__name__} {_short(answer)}"
+            )
         if answer is None:
-            answer = last_boxed_content(rec["solution"])
+            answer = last_boxed_content(solution)
             if answer is None:
                 raise BenchmarkFormatError(f"{f}:{lineno}: solution has no \\boxed{{}} answer")
         item_id = rec.get("unique_id") or rec.get("id") or rel or f"math/{len(items)}"
         items.append(
             Item(
                 str(item_id),
-                rec["problem"],
+                problem,
                 answer=str(answer),
-                solution=rec["solution"],
+                solution=solution,
                 meta={"level": rec.get("level"), "type": rec.get("type"), "line": lineno},
             )
         )

@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from mergelab.compose.cli import positive_int
+
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -32,18 +34,22 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     run.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     run.add_argument("--name", help="row label (default: the folder name)")
     _benchmark_args(run)
-    run.add_argument("--max-new-tokens", type=int, default=512)
-    run.add_argument("--batch-size", type=int, default=8)
+    run.add_argument("--max-new-tokens", type=positive_int, default=512)
+    run.add_argument("--batch-size", type=positive_int, default=8)
     run.add_argument("--n-shots", type=int, help="few-shot examples (default: the protocol's)")
     run.add_argument("--chat-template", choices=["never", "auto", "always"], default="never")
     run.add_argument("--strict", action="store_true", help="GSM8K: strict '####' extraction")
     run.add_argument("--timeout", type=float, default=10.0, help="seconds per test program")
-    run.add_argument("--workers", type=int, help="parallel test programs (default: all cores)")
+    run.add_argument(
+        "--workers", type=positive_int, help="parallel test programs (default: all cores)"
+    )
     run.add_argument("--cache-dir", default="results/eval_cache")
     run.add_argument(
         "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
     )
-    run.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    run.add_argument(
+        "--force", action="store_true", help="replace an existing --out folder mergelab wrote"
+    )
     run.add_argument("--seed", type=int, default=0)
     run.set_defaults(func=_run)
 
@@ -57,7 +63,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 
     canon = sub.add_parser("canonical", help="run reference solutions through the sandbox")
     _benchmark_args(canon)
-    canon.add_argument("--workers", type=int)
+    canon.add_argument("--workers", type=positive_int)
     canon.add_argument("--timeout", type=float, default=10.0)
     canon.set_defaults(func=_canonical)
     return p
@@ -70,7 +76,7 @@ def _benchmark_args(p: argparse.ArgumentParser) -> None:
         help="humaneval, humaneval+, mbpp, mbpp+, gsm8k or math",
     )
     p.add_argument("--data", help="local data file (or MATH folder); HumanEval is bundled")
-    p.add_argument("--limit", type=int, help="only the first N items")
+    p.add_argument("--limit", type=positive_int, help="only the first N items (default: all)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -83,11 +89,16 @@ def _run(args: argparse.Namespace) -> int:
     from mergelab.eval.harness import EvalSettings, evaluate
     from mergelab.eval.prompts import PromptConfig
     from mergelab.eval.sandbox import SandboxLimits
+    from mergelab.outputs import check_output_path
 
-    bench = load_benchmark(args.benchmark, args.data)
     model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder not found: {model_dir}")
+    for folder in [args.model, args.tokenizer]:
+        if folder is not None and not Path(folder).is_dir():
+            raise FileNotFoundError(f"model folder {folder} not found")
+    if args.output:  # before any model is loaded or any item generated
+        inputs = [args.model, args.tokenizer, args.data, args.cache_dir]
+        check_output_path(args.output, force=args.force, inputs=inputs)
+    bench = load_benchmark(args.benchmark, args.data)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     torch.manual_seed(args.seed)

@@ -8,8 +8,18 @@ Generations are cached on disk under ``cache_dir/<benchmark>-<key>/generations.j
 the key hashes ``candidate.describe()``, the benchmark's content and every setting that changes
 what is generated (prompt, decoding, number of samples). Each batch is appended and fsynced as
 soon as it is generated, so a crash or Ctrl-C loses at most one batch and a rerun generates only
-what is missing. Scoring (extraction, sandboxed execution) is redone from the cached text on
-every call; results are written as ``items.jsonl`` + ``summary.json``, each atomically.
+what is missing. A record that is not a complete generation (a line torn by a crash, ``null``, an
+object without ``text``) is dropped with a :class:`CacheRecordWarning` naming the file and line,
+and regenerated.
+
+Runs on one cache share it: every read-decide-append step holds an ``flock`` on
+``generations.jsonl.lock``, and each run claims the batch it is generating in
+``generations.claims.json`` (with its pid and host), so two runs split the missing items between
+them instead of both generating all of them; a claim of a process that has died is ignored.
+
+Scoring (extraction, sandboxed execution) is redone from the cached text on every call; results
+are written as ``items.jsonl`` + ``summary.json``, each atomically. An ``output_dir`` is checked
+(exists without ``force``, not a mergelab output, overlaps the cache) before anything is generated.
 """
 
 from __future__ import annotations
@@ -19,6 +29,10 @@ import json
 import os
 import re
 import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,9 +47,28 @@ from mergelab.eval.sandbox import Sandbox, SandboxLimits
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k, solution_code
 from mergelab.eval.scoring_math import gsm8k_correct, math_correct
 from mergelab.eval.stats import bootstrap_ci
-from mergelab.outputs import atomic_output_dir, atomic_output_file
+from mergelab.outputs import (
+    atomic_output_dir,
+    atomic_output_file,
+    check_output_path,
+    owner_is_gone,
+    owner_record,
+)
+
+try:  # POSIX; elsewhere runs on one cache are not coordinated
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 CACHE_FORMAT = 1
+# A run with nothing left to claim looks again this often for items other runs are generating.
+CLAIM_POLL_SECONDS = 0.5
+# A claim by a process on another host (whose liveness we cannot see) lapses after this long.
+FOREIGN_CLAIM_SECONDS = 3600.0
+
+
+class CacheRecordWarning(UserWarning):
+    """A generation-cache record was dropped (it will be regenerated)."""
 
 
 @dataclass(frozen=True)
@@ -126,18 +159,51 @@ def cache_key(candidate: Candidate, benchmark: Benchmark, settings: EvalSettings
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _read_cache(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+def _record_problem(rec: Any) -> str | None:
+    """Why ``rec`` is not a complete cache record (None if it is one)."""
+    if not isinstance(rec, dict):
+        return f"a {type(rec).__name__}, not an object"
+    for key, kind in (("item_id", str), ("text", str), ("finish_reason", str)):
+        if not isinstance(rec.get(key), kind):
+            return f"no string {key!r}"
+    sample = rec.get("sample")
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        return "no sample number"
+    return None
+
+
+def _read_cache(path: Path, warn: bool = True) -> tuple[dict[tuple[str, int], dict], int]:
+    """Valid records by (item_id, sample), later ones winning, and the number of bad lines.
+
+    A last line without its newline is one being written (or cut by a crash): skipped silently.
+    Any other line that is not a complete record is dropped with a warning naming file and line.
+    """
     done: dict[tuple[str, int], dict[str, Any]] = {}
+    bad = 0
     if not path.exists():
-        return done
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash mid-write: that batch is regenerated
-            done[(rec["item_id"], rec["sample"])] = rec
-    return done
+        return done, bad
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip() or (n == len(lines) and not data.endswith(b"\n")):
+            continue
+        try:
+            rec = json.loads(raw)
+            problem = _record_problem(rec)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            problem = "not valid JSON"
+        if problem is not None:
+            bad += 1
+            if warn:
+                warnings.warn(
+                    f"{path}:{n}: dropped a cache record that is not a complete generation "
+                    f"({problem}); it will be regenerated",
+                    CacheRecordWarning,
+                    stacklevel=3,
+                )
+            continue
+        done[(rec["item_id"], rec["sample"])] = rec
+    return done, bad
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -150,6 +216,67 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+@contextmanager
+def _cache_lock(cache_file: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on ``<cache>.lock`` (released by the OS if the process dies)."""
+    if fcntl is None:
+        yield
+        return
+    with open(cache_file.with_name(cache_file.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _repair_cache(cache_file: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """Read the cache, warning about bad records; if there are any, rewrite it (atomically, under
+    the lock) with the valid records only, so later runs neither warn again nor trip on them."""
+    done, bad = _read_cache(cache_file)
+    if bad:
+        with _cache_lock(cache_file):
+            done, bad = _read_cache(cache_file, warn=False)
+            if bad:
+                with atomic_output_file(cache_file) as tmp:
+                    tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    return done
+
+
+def _claims_file(cache_file: Path) -> Path:
+    return cache_file.with_name(cache_file.stem + ".claims.json")
+
+
+def _live_claims(cache_file: Path, done, own: str) -> list[dict[str, Any]]:
+    """Other runs' claims that still matter: owner alive, and some claimed item not yet done."""
+    try:
+        claims = json.loads(_claims_file(cache_file).read_text())
+    except (OSError, ValueError):
+        return []
+    live = []
+    for claim in claims if isinstance(claims, list) else []:
+        if not isinstance(claim, dict) or claim.get("token") == own:
+            continue
+        owner = claim.get("owner")
+        if not isinstance(owner, dict):
+            continue
+        foreign = owner.get("host") != owner_record()["host"]
+        since = claim.get("time")
+        age = time.time() - since if isinstance(since, (int, float)) else float("inf")
+        lapsed = foreign and age > FOREIGN_CLAIM_SECONDS
+        if owner_is_gone(owner) or lapsed:
+            continue
+        jobs = [tuple(j) for j in claim.get("jobs", []) if isinstance(j, list) and len(j) == 2]
+        if any(j not in done for j in jobs):
+            live.append({**claim, "jobs": [list(j) for j in jobs]})
+    return live
+
+
+def _write_claims(cache_file: Path, claims: list[dict[str, Any]]) -> None:
+    with atomic_output_file(_claims_file(cache_file)) as tmp:
+        tmp.write_text(json.dumps(claims))
+
+
 def _generate_missing(
     candidate: Candidate,
     jobs: list[tuple[str, int, str]],
@@ -158,37 +285,82 @@ def _generate_missing(
     cache_file: Path,
     progress: bool,
     desc: str,
-) -> None:
-    """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache."""
+) -> int:
+    """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache;
+    returns how many this call generated.
+
+    Under the cache lock each round re-reads the cache, skips what is done or claimed by another
+    live run, claims the next batch, and later appends it. With nothing left to claim it waits
+    for the other runs' batches (or for their death, which frees their claims).
+    """
     batch = max(1, gen_settings.batch_size)
-    _drop_torn_tail(cache_file)
+    token = uuid.uuid4().hex
+    wanted = {(item_id, s): (item_id, s, p) for item_id, s, p in jobs}
     bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
-    with open(cache_file, "a", encoding="utf-8") as f:
-        for start in range(0, len(jobs), batch):
-            chunk = jobs[start : start + batch]
-            by_sample: dict[int, list[tuple[str, int, str]]] = {}
-            for job in chunk:
-                by_sample.setdefault(job[1], []).append(job)
-            lines = []
-            for sample, group in sorted(by_sample.items()):
-                seed = None if gen_settings.seed is None else gen_settings.seed + sample
-                if gen_settings.do_sample and seed is None:
-                    seed = settings.seed + sample
-                gens = candidate.generate(
-                    [p for _, _, p in group], replace(gen_settings, seed=seed)
-                )
-                if len(gens) != len(group):
-                    raise RuntimeError(
-                        f"candidate {candidate.name!r} returned {len(gens)} generations "
-                        f"for {len(group)} prompts"
-                    )
-                for (item_id, s, prompt), gen in zip(group, gens):
-                    lines.append(_cache_record(item_id, s, prompt, gen))
-            f.write("".join(json.dumps(rec) + "\n" for rec in lines))
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(chunk))
-    bar.close()
+    made, waited = 0, False
+    try:
+        while True:
+            with _cache_lock(cache_file):
+                done, _ = _read_cache(cache_file, warn=False)
+                claims = _live_claims(cache_file, done, token)
+                claimed = {tuple(j) for c in claims for j in c["jobs"]}
+                missing = [job for key, job in wanted.items() if key not in done]
+                chunk = [job for job in missing if job[:2] not in claimed][:batch]
+                if chunk:
+                    mine = {"token": token, "owner": owner_record(), "time": time.time(),
+                            "jobs": [list(job[:2]) for job in chunk]}  # fmt: skip
+                    claims.append(mine)
+                _write_claims(cache_file, claims)
+            bar.update(len(jobs) - len(missing) - bar.n)
+            if not missing:
+                break
+            if not chunk:
+                if not waited and progress:
+                    owners = sorted({f"pid {c['owner'].get('pid')}" for c in claims})
+                    tqdm.write(f"waiting for items another run is generating ({', '.join(owners)})")
+                waited = True
+                time.sleep(CLAIM_POLL_SECONDS)
+                continue
+            lines = _generate_batch(candidate, chunk, settings, gen_settings)
+            with _cache_lock(cache_file):
+                _drop_torn_tail(cache_file)
+                with open(cache_file, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(rec) + "\n" for rec in lines))
+                    f.flush()
+                    os.fsync(f.fileno())
+            made += len(chunk)
+    finally:
+        bar.close()
+        with _cache_lock(cache_file):  # give back a claim this run did not fulfil
+            done, _ = _read_cache(cache_file, warn=False)
+            _write_claims(cache_file, _live_claims(cache_file, done, token))
+    return made
+
+
+def _generate_batch(
+    candidate: Candidate,
+    chunk: list[tuple[str, int, str]],
+    settings: EvalSettings,
+    gen_settings: GenerationSettings,
+) -> list[dict[str, Any]]:
+    """Cache records for one batch of jobs (grouped by sample: each sample has its own seed)."""
+    by_sample: dict[int, list[tuple[str, int, str]]] = {}
+    for job in chunk:
+        by_sample.setdefault(job[1], []).append(job)
+    lines = []
+    for sample, group in sorted(by_sample.items()):
+        seed = None if gen_settings.seed is None else gen_settings.seed + sample
+        if gen_settings.do_sample and seed is None:
+            seed = settings.seed + sample
+        gens = candidate.generate([p for _, _, p in group], replace(gen_settings, seed=seed))
+        if len(gens) != len(group):
+            raise RuntimeError(
+                f"candidate {candidate.name!r} returned {len(gens)} generations "
+                f"for {len(group)} prompts"
+            )
+        for (item_id, s, prompt), gen in zip(group, gens):
+            lines.append(_cache_record(item_id, s, prompt, gen))
+    return lines
 
 
 def _cache_record(item_id: str, sample: int, prompt: str, gen: Generation) -> dict[str, Any]:
@@ -223,6 +395,11 @@ def evaluate(
     ``sandbox`` to reuse worker processes across calls.
     """
     settings = settings or EvalSettings()
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit must be a number of items ≥ 1 (None for all), got {limit!r}")
+    if output_dir is not None:  # refused before anything is generated
+        source = [benchmark.source] if os.path.exists(benchmark.source) else []
+        check_output_path(output_dir, force=force, inputs=[cache_dir, *source])
     key = cache_key(candidate, benchmark, settings)
     bench = benchmark.head(limit)
     run_dir = Path(cache_dir) / f"{_slug(benchmark.name)}-{key[:16]}"
@@ -249,7 +426,7 @@ def evaluate(
     }
 
     cache_file = run_dir / "generations.jsonl"
-    done = _read_cache(cache_file)
+    done = _repair_cache(cache_file)
     jobs = [
         (it.item_id, s, prompts[it.item_id])
         for s in range(settings.n_samples)
@@ -257,10 +434,13 @@ def evaluate(
         if (it.item_id, s) not in done
     ]
     t0 = time.time()
+    generated = 0
     if jobs:
         desc = f"{candidate.name} · {bench.name}"
-        _generate_missing(candidate, jobs, settings, gen_settings, cache_file, progress, desc)
-        done = _read_cache(cache_file)
+        generated = _generate_missing(
+            candidate, jobs, settings, gen_settings, cache_file, progress, desc
+        )
+        done, _ = _read_cache(cache_file, warn=False)
     generation_seconds = time.time() - t0
 
     samples = {
@@ -290,7 +470,7 @@ def evaluate(
         },
         **extra,
         "generation_seconds_this_call": generation_seconds,
-        "generated_this_call": len(jobs),
+        "generated_this_call": generated,
     }
     out = _write_results(run_dir, output_dir, force, summary, items)
     return EvalResult(summary, items, run_dir, out, primary)
@@ -380,6 +560,6 @@ def _write_results(run_dir, output_dir, force, summary, items) -> Path:
         out.mkdir(exist_ok=True)
         write(out)
         return out
-    with atomic_output_dir(output_dir, force=force) as tmp:
+    with atomic_output_dir(output_dir, force=force, kind="eval") as tmp:
         write(tmp)
     return Path(output_dir)

@@ -25,9 +25,12 @@ How memory stays bounded by a few tensors, not by the model:
   ``make_iter()`` that streams the inputs again, as often as they need.
 
 Everything is validated before anything is written: the same architecture, tensor names, shapes
-and dtypes in every model, every shard present and readable (a truncated shard is named). NaN/Inf
-are checked per tensor while streaming; the merge writes into a temporary folder that is moved
-into place only when complete, so an error or an interrupt leaves no folder that looks finished.
+and dtypes in every model, every shard present and readable (a truncated shard is named), every
+shard an index names inside its model folder. NaN/Inf are checked per tensor while streaming; the
+merge writes into a temporary folder that is moved into place only when complete (see
+:mod:`mergelab.outputs`), so an error, Ctrl-C or SIGTERM leaves no folder that looks finished and
+``--force`` never replaces a folder mergelab did not write. ``mergelab_merge.json`` records the
+inputs' absolute paths (and the paths as given).
 
 Embedding rows that differ only by vocabulary padding (``vocab_padding``):
 
@@ -70,6 +73,7 @@ from .validation import (
     VOCAB_PADDING_RULES,
     MergeInputError,
     check_same_architecture,
+    check_same_dtype,
     common_vocab_rows,
 )
 
@@ -119,21 +123,30 @@ TIED_PAIRS = (
 
 def parse_size(size: int | str) -> int:
     """``5GB``, ``500MB``, ``2GiB``, ``1000`` (bytes) -> bytes. Decimal units as transformers."""
+    if isinstance(size, bool):
+        raise ValueError(f"cannot read size {size!r}; use e.g. 5GB, 500MB or a byte count")
     if isinstance(size, int):
-        return size
-    text = str(size).strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    if text.endswith("B"):
-        text = text[:-1]
-    try:
-        return int(float(text))
-    except ValueError:
-        raise ValueError(
-            f"cannot read size {size!r}; use e.g. 5GB, 500MB or a byte count"
-        ) from None
+        nbytes = size
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+        factor = 1
+        for unit, unit_factor in units.items():
+            if text.endswith(unit):
+                text, factor = text[: -len(unit)], unit_factor
+                break
+        else:
+            text = text.removesuffix("B")
+        try:
+            value = float(text) * factor
+            nbytes = int(value)
+        except (ValueError, OverflowError):
+            raise ValueError(
+                f"cannot read size {size!r}; use e.g. 5GB, 500MB or a byte count"
+            ) from None
+    if nbytes <= 0:
+        raise ValueError(f"size {size!r} must be positive (e.g. 5GB, 500MB or a byte count)")
+    return nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,12 +207,18 @@ class CheckpointFolder:
         index = self.path / INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+                data = json.loads(index.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise MergeInputError(f"{index}: unreadable index ({exc})") from None
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict):
+                found = "missing" if weight_map is None else type(weight_map).__name__
+                raise MergeInputError(
+                    f"{index}: 'weight_map' must map tensor names to shard files ({found})"
+                )
             shards: dict[Path, list[str]] = {}
             for name, file in weight_map.items():
-                shards.setdefault(self.path / file, []).append(name)
+                shards.setdefault(self._confined_shard(index, name, file), []).append(name)
             for shard in shards:
                 if not shard.is_file():
                     raise MergeInputError(
@@ -216,6 +235,29 @@ class CheckpointFolder:
                 "re-save it with save_pretrained(..., safe_serialization=True)"
             )
         raise MergeInputError(f"{self.label} {self.path} has no {SINGLE_NAME} or {INDEX_NAME}")
+
+    def _confined_shard(self, index: Path, name: str, file: Any) -> Path:
+        """The shard an index entry names, refused unless it lies in this folder: a plain relative
+        path, no "..", no link leading out (except a Hugging Face cache snapshot's links to its
+        repository's ``blobs/``)."""
+        where = f"{index}: entry {name!r} -> {file!r}"
+        if not isinstance(file, str) or not file:
+            raise MergeInputError(f"{where}: a shard must be a file name")
+        rel = Path(file)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise MergeInputError(f"{where} points outside the model folder {self.path}")
+        shard = self.path / rel
+        if shard.exists():
+            root = self.path.resolve()
+            target = shard.resolve()
+            blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+            inside = root in target.parents
+            cached = blobs is not None and blobs in target.parents and shard.parent == self.path
+            if not (inside or cached):
+                raise MergeInputError(
+                    f"{where} resolves to {target}, outside the model folder {self.path}"
+                )
+        return shard
 
     def _read_shard_header(self, shard: Path, expected: list[str] | None) -> None:
         header, data_start = read_safetensors_header(shard)
@@ -476,8 +518,12 @@ class CheckpointMergePlan:
             "method": self.method.name,
             "params": self.params,
             "per_model_params": self.per_model,
-            "base": str(self.base.path) if self.base is not None else None,
-            "models": [str(e.path) for e in self.experts],
+            "base": str(self.base.path.resolve()) if self.base is not None else None,
+            "models": [str(e.path.resolve()) for e in self.experts],
+            "as_given": {  # the paths as typed (relative ones to the merge's working folder)
+                "base": str(self.base.path) if self.base is not None else None,
+                "models": [str(e.path) for e in self.experts],
+            },
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "seed": self.seed,
             "vocab_padding": self.vocab_padding,
@@ -707,12 +753,8 @@ def plan_checkpoint_merge(
     for name in names:
         ref = template.tensors[name]
         infos = [other.info(name) for other in others]
-        for other, info in zip(others, infos):
-            if info.dtype != ref.dtype:
-                raise MergeInputError(
-                    f"tensor {name!r} is {info.dtype} in {other.label} ({other.path}) but "
-                    f"{ref.dtype} in {template.label}; convert the models to one dtype first"
-                )
+        # one dtype rule for every engine (the in-memory one calls the same function)
+        check_same_dtype(name, [ref.dtype] + [i.dtype for i in infos], labels)
         # equal shapes, or rows to merge under the vocabulary padding rule (shared with the
         # in-memory engine), or an error naming the tensor and every model's shape
         rows = common_vocab_rows(
@@ -764,7 +806,7 @@ def run_checkpoint_merge(
         inputs.append(plan.base.path)
     shard_bytes = parse_size(shard_size)
     m = plan.method
-    with atomic_output_dir(output, force=force, inputs=inputs) as tmp:
+    with atomic_output_dir(output, force=force, inputs=inputs, kind="merge") as tmp:
         # Whole-model statistics first (e.g. a global top-k threshold); may stream many passes.
         plan.stats = m.compute_stats({**plan.params, **plan.per_model}, plan.iter_inputs)
         write_sharded(

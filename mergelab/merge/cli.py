@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from mergelab.errors import Terminated
 from mergelab.outputs import check_output_path
 
 from .checkpoint import DEFAULT_SHARD_SIZE, merge_checkpoints, plan_checkpoint_merge
-from .config import MergeConfig, ModelSpec, load_merge_config, parse_dtype, validate_config
+from .config import (
+    DuplicateKeyError,
+    MergeConfig,
+    ModelSpec,
+    load_merge_config,
+    load_yaml,
+    parse_dtype,
+    validate_config,
+)
 from .lora import is_lora_adapter, merge_lora_adapters, plan_lora_merge
 from .registry import get_merge_method, list_merge_methods
 from .validation import MergeInputError
@@ -72,17 +81,25 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.add_argument("--rank", type=int, help="LoRA adapter output: rank (SVD truncation)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan only")
-    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output: an empty folder or one mergelab wrote, nothing else",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="dry run: list every tensor")
     p.set_defaults(func=run)
     return p
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(key: str, text: str) -> Any:
+    """A ``--param`` value read as YAML (numbers, lists, mappings); text that is not YAML stays
+    text, but a mapping that gives one key twice is refused as in a config file."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml(text, f"--param {key}")
+    except ValueError as exc:
+        if isinstance(exc.__context__, DuplicateKeyError):
+            raise
         return text
 
 
@@ -129,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--param takes KEY=VALUE, got {item!r}")
-        config.params[key.strip()] = _parse_value(value)
+        config.params[key.strip()] = _parse_value(key.strip(), value)
     validate_config(config)
     if not config.output and not args.dry_run:
         raise ValueError("--out is required (or 'output' in the config)")
@@ -145,6 +162,18 @@ def _human(nbytes: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except Terminated as exc:  # SIGTERM while writing: the work folder is already removed
+        print(
+            f"mergelab merge: interrupted ({signal.Signals(exc.signum).name}); the incomplete "
+            "output was removed and nothing at the output path was changed",
+            file=sys.stderr,
+        )
+        return 128 + exc.signum
+
+
+def _run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     global_params, per_model = config.split_params()
     paths = [spec.path for spec in config.models]
@@ -165,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if all(lora):
         return _run_lora(args, config, paths, common)
     if args.dry_run and config.output:  # an output that would be refused is part of the plan
-        check_output_path(config.output, force=args.force, inputs=[config.base or "", *paths])
+        check_output_path(config.output, force=args.force, inputs=[config.base, *paths])
     if args.dry_run:
         plan = plan_checkpoint_merge(
             config.method,

@@ -309,9 +309,13 @@ class LoraMergePlan:
             "method": merge.method.name,
             "params": merge.params,
             "per_model_params": merge.per_model,
-            "adapters": [str(a.path) for a in merge.adapters],
+            "adapters": [str(a.path.resolve()) for a in merge.adapters],
             "ranks": [a.max_rank for a in merge.adapters],
-            "base": str(self.base.path) if self.base is not None else None,
+            "base": str(self.base.path.resolve()) if self.base is not None else None,
+            "as_given": {  # the paths as typed (relative ones to the merge's working folder)
+                "adapters": [str(a.path) for a in merge.adapters],
+                "base": str(self.base.path) if self.base is not None else None,
+            },
             "compute_dtype": str(merge.dtype).removeprefix("torch."),
             "seed": merge.seed,
             "n_modules": len(merge.modules),
@@ -380,7 +384,7 @@ def _write_full(
         return merged.to(t.dtype)
 
     try:
-        with atomic_output_dir(output, force=force, inputs=inputs) as tmp:
+        with atomic_output_dir(output, force=force, inputs=inputs, kind="merge") as tmp:
             write_sharded(
                 tmp,
                 tensors,
@@ -463,7 +467,8 @@ def _write_adapter(
         rank_pattern={},
         alpha_pattern={},
     )
-    with atomic_output_dir(output, force=force, inputs=inputs) as tmp:
+    kind = "lora-adapter"
+    with atomic_output_dir(output, force=force, inputs=inputs, kind=kind) as tmp:
         config.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         record = {

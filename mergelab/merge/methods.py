@@ -16,9 +16,10 @@ import torch
 
 from . import ops
 from .ops import DareRescale, DivideBy, MajoritySign
-from .registry import TensorContext, merge_method
+from .registry import Interval, TensorContext, merge_method
 
-_DENSITY_RANGE = {"density": (0.0, 1.0)}
+# density 0 would keep nothing (the merge would be the base): a positive fraction is required.
+_DENSITY_RANGE = {"density": Interval(0.0, 1.0, low_open=True)}
 
 
 def _weighted_sum(
@@ -89,7 +90,12 @@ def _add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> tor
     return delta.add_(base)
 
 
-@merge_method("linear", per_model=("weight",), needs_base=False)
+def _check_linear(params: dict[str, Any]) -> None:
+    if params["normalize"] and sum(params["weight"]) == 0:
+        raise ValueError("merge method 'linear': weights sum to zero, cannot normalise")
+
+
+@merge_method("linear", per_model=("weight",), needs_base=False, check=_check_linear)
 def linear(
     base: torch.Tensor | None,
     experts: list[torch.Tensor],
@@ -108,19 +114,37 @@ def linear(
     return _combine(None, experts, weight, normalize=normalize)
 
 
-@merge_method("slerp", per_model=(), needs_base=False)
+def _check_slerp(params: dict[str, Any]) -> None:
+    t = params["t"]
+    if not 0 <= t <= 1 and not params["extrapolate"]:
+        raise ValueError(
+            f"merge method 'slerp': t={t:g} is outside [0, 1] (t = 0 gives the first model, "
+            "t = 1 the second); pass extrapolate=true to go beyond them on purpose"
+        )
+
+
+@merge_method(
+    "slerp",
+    per_model=(),
+    needs_base=False,
+    ranges={"dot_threshold": Interval(0.0, 1.0, high_open=True)},
+    check=_check_slerp,
+)
 def slerp(
     base: torch.Tensor | None,
     experts: list[torch.Tensor],
     *,
     t: float = 0.5,
     dot_threshold: float = 0.9995,
+    extrapolate: bool = False,
     ctx: TensorContext,
 ) -> torch.Tensor:
     """Spherical interpolation of two models per tensor: t = 0 gives the first, t = 1 the second.
 
     The two models are (base, expert) as in mergekit, or (expert 0, expert 1) without a base.
-    Falls back to linear interpolation when |cos θ| > ``dot_threshold`` (0.9995, mergekit's).
+    Falls back to linear interpolation when |cos θ| > ``dot_threshold`` (0.9995, mergekit's; must
+    lie in [0, 1)). ``t`` must lie in [0, 1] unless ``extrapolate=True`` (mergekit does not check):
+    then the same formula continues along the great circle beyond either model.
     """
     if base is not None and len(experts) == 1:
         return ops.slerp(t, base, experts[0], dot_threshold=dot_threshold)
@@ -219,7 +243,7 @@ def _elect_merge(
     "ties",
     per_model=("weight", "density"),
     per_model_defaults={"density": 0.2},
-    per_model_ranges=_DENSITY_RANGE,
+    ranges=_DENSITY_RANGE,
     prepare=_ties_prepare,
     needs_prepare=lambda p: p["trim_scope"] == "model" and any(d < 1 for d in p["density"]),
 )
@@ -295,7 +319,7 @@ def _dare_drop(
     "dare_linear",
     per_model=("weight", "density"),
     per_model_defaults={"density": 0.1},
-    per_model_ranges=_DENSITY_RANGE,
+    ranges=_DENSITY_RANGE,
 )
 def dare_linear(
     base: torch.Tensor,
@@ -326,7 +350,7 @@ def dare_linear(
     "dare_ties",
     per_model=("weight", "density"),
     per_model_defaults={"density": 0.1},
-    per_model_ranges=_DENSITY_RANGE,
+    ranges=_DENSITY_RANGE,
 )
 def dare_ties(
     base: torch.Tensor,
@@ -364,7 +388,7 @@ def dare_ties(
     "breadcrumbs",
     per_model=("weight", "density", "gamma"),
     per_model_defaults={"density": 0.9, "gamma": 0.01},
-    per_model_ranges={**_DENSITY_RANGE, "gamma": (0.0, 1.0)},
+    ranges={**_DENSITY_RANGE, "gamma": Interval(0.0, 1.0)},
 )
 def breadcrumbs(
     base: torch.Tensor,

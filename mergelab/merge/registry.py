@@ -21,8 +21,11 @@ engines in :mod:`mergelab.merge.state_dict`, :mod:`mergelab.merge.checkpoint` an
 :mod:`mergelab.merge.lora`, never by the method. The input tensors may be the caller's own
 parameters: a method must not modify them in place (it may modify what it allocates).
 
-A global parameter annotated ``Literal["a", "b"]`` is checked against those choices when the
-parameters are resolved, before any tensor is touched; ``per_model_ranges`` bounds per-model ones.
+Parameters are checked when they are resolved, before any tensor is touched: a global parameter
+annotated ``Literal["a", "b"]`` against those choices, a number parameter for being a finite
+number (a numeric string such as ``"0.5"`` from a config file is read as that number), every
+number against its :class:`Interval` in ``ranges``, and all of them together by an optional
+``check(params)`` hook for rules that involve several parameters.
 
 Whole-model statistics (e.g. TIES' global top-k threshold) come from an optional first pass:
 ``prepare(params, make_iter) -> dict`` where ``params`` holds the resolved global parameters and
@@ -40,8 +43,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
+import numbers
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +62,52 @@ class UnknownMergeMethodError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Allowed values of a number parameter, e.g. ``Interval(0, 1, low_open=True)`` is (0, 1]."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        left = "(" if self.low_open else "["
+        right = ")" if self.high_open else "]"
+        return f"{left}{self.low:g}, {self.high:g}{right}"
+
+
+def to_number(value: Any, name: str, *, integer: bool = False) -> float | int:
+    """``value`` as a finite float (an int when ``integer``); a numeric string (``"0.5"``, as a
+    YAML or TOML file may give it) is read as that number. ``name`` is named in every error."""
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool):  # bool is an int in Python, but `weight: true` is a mistake
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if integer and isinstance(value, numbers.Integral):
+        return int(value)
+    try:  # numbers, numeric strings, numpy scalars, one-element tensors
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if integer:
+        if number != int(number):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(number)
+    return number
+
+
+def _shown(key: str) -> str:
+    """The name a user writes: ``lambda`` for the Python keyword-safe ``lambda_``."""
+    return "lambda" if key == "lambda_" else key
 
 
 @dataclass
@@ -90,8 +141,10 @@ class MergeMethod:
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None
     # Allowed values of global parameters annotated ``Literal[...]``.
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    # Inclusive bounds of per-model parameters, e.g. {"density": (0.0, 1.0)}.
-    per_model_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Allowed values of number parameters (global or per-model), e.g. {"density": (0, 1]}.
+    ranges: dict[str, Interval] = field(default_factory=dict)
+    # Rules over several parameters: check(resolved params and per-model lists) raises ValueError.
+    check: Callable[[dict[str, Any]], None] | None = None
 
     def resolve(
         self,
@@ -101,8 +154,10 @@ class MergeMethod:
     ) -> tuple[dict[str, Any], dict[str, list[float]]]:
         """Fill defaults and validate names and values; returns (global params, per-model lists).
 
-        A per-model parameter may be given once in ``params`` (a scalar is broadcast to every
-        expert, e.g. ``density=0.2``); the config spelling ``lambda`` is accepted for ``lambda_``.
+        A per-model parameter may be given once in ``params`` (a number, or a numeric string, is
+        broadcast to every expert, e.g. ``density=0.2``) or as one value per expert; the config
+        spelling ``lambda`` is accepted for ``lambda_``. Errors name the parameter (and the model,
+        counted from 0, for a per-model value).
         """
         params = dict(params or {})
         per_model_params = dict(per_model_params or {})
@@ -110,6 +165,8 @@ class MergeMethod:
             if key in self.per_model:
                 per_model_params.setdefault(key, params.pop(key))
         if "lambda" in params:  # config files may say lambda; Python can't
+            if "lambda_" in params:
+                raise ValueError(f"merge method {self.name!r}: give lambda or lambda_, not both")
             params["lambda_"] = params.pop("lambda")
         unknown = set(params) - set(self.global_defaults)
         if unknown:
@@ -123,13 +180,13 @@ class MergeMethod:
                 f"merge method {self.name!r} has no per-model parameter(s) {sorted(unknown)}; "
                 f"per-model parameters: {list(self.per_model)}"
             )
-        resolved = {**self.global_defaults, **params}
+        resolved = dict(self.global_defaults)
         for key, value in params.items():
-            _check_type(self.name, key, value, self.global_defaults[key])
+            resolved[key] = self._global_value(key, value)
         for key, allowed in self.choices.items():
             if resolved[key] not in allowed:
                 raise ValueError(
-                    f"merge method {self.name!r}: {key}={resolved[key]!r} is not one of "
+                    f"merge method {self.name!r}: {_shown(key)}={resolved[key]!r} is not one of "
                     f"{', '.join(repr(a) for a in allowed)}"
                 )
         lists: dict[str, list[float]] = {}
@@ -137,21 +194,58 @@ class MergeMethod:
             value = per_model_params.get(key, self.per_model_defaults.get(key))
             if value is None:
                 raise ValueError(f"merge method {self.name!r} needs per-model parameter {key!r}")
-            if isinstance(value, (int, float)):
-                value = [float(value)] * n_experts
-            value = [float(v) for v in value]
-            if len(value) != n_experts:
-                raise ValueError(
-                    f"merge method {self.name!r}: {key!r} has {len(value)} values for {n_experts} experts"
-                )
-            low, high = self.per_model_ranges.get(key, (-float("inf"), float("inf")))
-            bad = [v for v in value if not low <= v <= high]
-            if bad:
-                raise ValueError(
-                    f"merge method {self.name!r}: {key!r} must lie in [{low}, {high}], got {bad}"
-                )
-            lists[key] = value
+            lists[key] = self._per_model_values(key, value, n_experts)
+        if self.check is not None:
+            self.check({**resolved, **lists})
         return resolved, lists
+
+    def _global_value(self, key: str, value: Any) -> Any:
+        """A global parameter must have its default's kind: bool, number or string (None:
+        anything); a number may be given as a numeric string."""
+        default = self.global_defaults[key]
+        name = f"merge method {self.name!r}: {_shown(key)}"
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} should be true or false like its default")
+            return value
+        if isinstance(default, (int, float)):
+            number = to_number(value, name, integer=isinstance(default, int))
+            self._check_range(key, number, name)
+            return number
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ValueError(f"{name}={value!r} should be a string like its default {default!r}")
+        return value
+
+    def _per_model_values(self, key: str, value: Any, n_experts: int) -> list[float]:
+        """One finite number per expert, from one value (broadcast) or a list of them."""
+        name = f"merge method {self.name!r}: {key}"
+        scalar = isinstance(value, (str, bytes, numbers.Number)) or getattr(value, "ndim", 1) == 0
+        if isinstance(value, Mapping):
+            raise ValueError(f"{name} must be a number or a list of numbers, got {value!r}")
+        if scalar:
+            number = to_number(value, name)
+            self._check_range(key, number, name)
+            return [number] * n_experts
+        try:
+            values = list(value)
+        except TypeError:
+            raise ValueError(
+                f"{name} must be a number or a list of numbers, got {value!r}"
+            ) from None
+        if len(values) != n_experts:
+            raise ValueError(f"{name} has {len(values)} values for {n_experts} experts")
+        out = []
+        for i, v in enumerate(values):
+            label = f"{name} of model {i}"
+            number = to_number(v, label)
+            self._check_range(key, number, label)
+            out.append(number)
+        return out
+
+    def _check_range(self, key: str, number: float, name: str) -> None:
+        interval = self.ranges.get(key)
+        if interval is not None and number not in interval:
+            raise ValueError(f"{name} must lie in {interval}, got {number:g}")
 
     def compute_stats(
         self, params: dict[str, Any], make_iter: Callable[[], TensorTriples]
@@ -191,23 +285,6 @@ class MergeMethod:
 _REGISTRY: dict[str, MergeMethod] = {}
 
 
-def _check_type(method: str, key: str, value: Any, default: Any) -> None:
-    """A global parameter must have its default's kind: bool, number or string (None: anything)."""
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, (int, float)):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    else:
-        ok = True
-    if not ok:
-        raise ValueError(
-            f"merge method {method!r}: {key}={value!r} should be a {type(default).__name__} "
-            f"like its default {default!r}"
-        )
-
-
 def _literal_choices(fn: Callable[..., Any], names: list[str]) -> dict[str, tuple[Any, ...]]:
     """Choices of the parameters annotated ``Literal[...]`` (directly or via an alias)."""
     try:
@@ -226,7 +303,8 @@ def merge_method(
     *,
     per_model: tuple[str, ...] = ("weight",),
     per_model_defaults: dict[str, float] | None = None,
-    per_model_ranges: dict[str, tuple[float, float]] | None = None,
+    ranges: dict[str, Interval | tuple[float, float]] | None = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
     needs_base: bool = True,
     prepare: PrepareFn | None = None,
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
@@ -235,7 +313,9 @@ def merge_method(
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
 
     ``per_model_defaults`` gives defaults for per-model parameters (``weight`` defaults to 1.0);
-    ``per_model_ranges`` their inclusive bounds; ``prepare``/``needs_prepare`` a whole-model
+    ``ranges`` the allowed values of number parameters, global or per-model (an
+    :class:`Interval`, or ``(low, high)`` for a closed one); ``check(params)`` a rule over several
+    resolved parameters that raises ``ValueError``; ``prepare``/``needs_prepare`` a whole-model
     first pass (module docstring). The decorated function is returned unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
@@ -262,6 +342,9 @@ def merge_method(
                 raise TypeError(
                     f"{fn.__name__}: per-model parameter {key!r} is not in the signature"
                 )
+        for key in ranges or {}:
+            if key not in per_model and key not in global_defaults:
+                raise TypeError(f"{fn.__name__}: range given for unknown parameter {key!r}")
         _REGISTRY[method_name] = MergeMethod(
             name=method_name,
             fn=fn,
@@ -273,7 +356,11 @@ def merge_method(
             prepare=prepare,
             needs_prepare=needs_prepare,
             choices=_literal_choices(fn, list(global_defaults)),
-            per_model_ranges=dict(per_model_ranges or {}),
+            ranges={
+                key: r if isinstance(r, Interval) else Interval(*r)
+                for key, r in (ranges or {}).items()
+            },
+            check=check,
         )
         return fn
 

@@ -37,6 +37,10 @@ def merge_state_dicts(
     need whole-model statistics (TIES with ``trim_scope="model"``) get them from a first pass over
     the same tensors. ``vocab_padding``: see :mod:`mergelab.merge.validation`. ``seed`` seeds the
     per-tensor generators of random methods (DARE). The inputs are never modified.
+
+    The inputs are checked as ``mergelab merge`` checks checkpoints (same rules, from
+    :mod:`mergelab.merge.validation`): the same tensor names, one dtype per tensor across all
+    models (convert first: ``model.to(torch.bfloat16)``), equal shapes, no NaN/Inf.
     """
     m = get_merge_method(method) if isinstance(method, str) else method
     if not experts:

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from mergelab.errors import UserInputError
+
 VocabPadding = Literal["error", "truncate"]
 VOCAB_PADDING_RULES: tuple[str, ...] = ("error", "truncate")
 
@@ -53,8 +55,9 @@ STRUCTURAL_CONFIG_KEYS: tuple[str, ...] = (
 )
 
 
-class MergeInputError(ValueError):
-    """Inputs that cannot be merged (mismatched tensors, shapes, NaN/Inf, unreadable files)."""
+class MergeInputError(UserInputError):
+    """Inputs that cannot be merged (mismatched tensors, shapes, dtypes, NaN/Inf, unreadable
+    files). A ``ValueError``; the ``mergelab`` command exits 2 with its message."""
 
 
 def _check_rule(vocab_padding: str) -> None:
@@ -87,6 +90,21 @@ def check_keys(
                 f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"extra tensors {extra[:5]}{'...' if len(extra) > 5 else ''} "
                 "(different architectures?)"
+            )
+
+
+def check_same_dtype(name: str, dtypes: Sequence[torch.dtype], labels: Sequence[str]) -> None:
+    """One tensor must have one dtype in every model (reference first), whatever the engine.
+
+    The rule is strict on purpose: a bf16 expert merged into an fp32 base would silently be
+    stored in fp32 (or the reverse lose precision), and which model's dtype wins would depend on
+    which model is the reference. Convert the models to one dtype first.
+    """
+    for label, dtype in zip(labels[1:], dtypes[1:]):
+        if dtype != dtypes[0]:
+            raise MergeInputError(
+                f"tensor {name!r} is {dtype} in {label} but {dtypes[0]} in {labels[0]}; "
+                "convert the models to one dtype first"
             )
 
 
@@ -169,12 +187,14 @@ def check_tensors_compatible(
     check_finite: bool = True,
     vocab_padding: VocabPadding = "error",
 ) -> dict[str, int]:
-    """Check in-memory state dicts against the reference; returns ``{name: rows}`` for the
-    tensors merged on their first ``rows`` rows under ``vocab_padding="truncate"``."""
+    """Check in-memory state dicts against the reference (names, dtypes, shapes, NaN/Inf: the
+    rules of the checkpoint engine); returns ``{name: rows}`` for the tensors merged on their
+    first ``rows`` rows under ``vocab_padding="truncate"``."""
     labels = [base_label] + [f"expert {i}" for i in range(len(others))]
     check_keys(list(reference), [list(sd) for sd in others], labels[1:], reference_label=base_label)
     rows: dict[str, int] = {}
     for name, ref in reference.items():
+        check_same_dtype(name, [ref.dtype] + [sd[name].dtype for sd in others], labels)
         shapes = [ref.shape] + [sd[name].shape for sd in others]
         common = common_vocab_rows(name, shapes, labels, vocab_padding)
         if common is not None:

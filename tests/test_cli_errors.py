@@ -1,0 +1,254 @@
+"""`mergelab` exit codes and error lines: 2 and one line for bad input, 1 and one line for an
+environment fault (or a bug, pointing to --debug), 130 when interrupted; --debug and
+MERGELAB_DEBUG=1 show the traceback."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import mergelab.merge.checkpoint as checkpoint
+from mergelab.cli import main
+from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A base and two experts (tiny GPT-2 with a character tokenizer) saved as folders."""
+    root = tmp_path_factory.mktemp("models")
+    tok = char_tokenizer()
+    for seed, name in enumerate(["base", "math", "code"]):
+        tiny_causal_lm(len(tok), hidden_size=16, num_layers=1, seed=seed).save_pretrained(
+            root / name
+        )
+        tok.save_pretrained(root / name)
+    return root
+
+
+def run(argv, capsys):
+    """(exit code, stderr) of ``mergelab *argv``."""
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(err: str, prefix: str):
+    """One error line, the last thing on stderr (libraries may print progress bars before it)."""
+    lines = [line for line in err.strip().splitlines() if line.startswith("mergelab")]
+    assert len(lines) == 1 and err.strip().endswith(lines[0]), err
+    assert lines[0].startswith(prefix), err
+    assert "Traceback" not in err
+
+
+def write_config(path, text_or_dict):
+    text = text_or_dict if isinstance(text_or_dict, str) else yaml.safe_dump(text_or_dict)
+    path.write_text(text)
+    return path
+
+
+def merge_argv(models, out, *extra):
+    return ["merge", "--method", "linear", "--models", models / "math", models / "code",
+            "--out", out, "--no-progress", *extra]  # fmt: skip
+
+
+# ---------------------------------------------------------------- bad input: exit 2
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("method: linear\nseed: 1\nmodels: [{m}/math]\nseed: 2\n", "duplicate key 'seed'"),
+        ("method: linear\nmodels: [{m}/math]\nseed: x\n", "seed must be an integer, got 'x'"),
+        ("method: linear\nmodels: [{m}/math\nseed: 1\n", "merge.yaml:3:5: invalid YAML"),
+        ("method: linear\nmodels: [{m}/math]\nshard_size: 0\n", "shard_size must be a positive"),
+        (
+            "method: slerp\nmodels: [{m}/math, {m}/code]\nparameters: {{t: 1.5}}\n",
+            r"t=1.5 is outside [0, 1]",
+        ),
+        (
+            "method: ties\nbase: {m}/base\nmodels: [{m}/math]\nparameters: {{density: 0.5x}}\n",
+            "density must be a number, got '0.5x'",
+        ),
+    ],
+)
+def test_bad_merge_configs_exit_2_with_one_line(models, tmp_path, capsys, config, message):
+    path = write_config(tmp_path / "merge.yaml", config.format(m=models))
+    code, err = run(["merge", "--config", path, "--out", tmp_path / "out"], capsys)
+    assert code == 2
+    assert_one_line(err, "mergelab merge: error: ")
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_flags_exit_2(models, tmp_path, capsys):
+    code, err = run(merge_argv(models, tmp_path / "out", "--shard-size=-5MB"), capsys)
+    assert code == 2 and "shard_size must be a positive size" in err
+    code, err = run(merge_argv(models, tmp_path / "out", "--param", "weight=[1, x]"), capsys)
+    assert code == 2 and "weight of model 1 must be a number, got 'x'" in err
+    assert_one_line(err, "mergelab merge: error: ")
+
+
+def test_string_parameters_are_numbers_on_the_command_line(models, tmp_path, capsys):
+    """--param 'weight="12"' used to give two experts the weights [1.0, 2.0]."""
+    out = tmp_path / "out"
+    code, _ = run(
+        merge_argv(models, out, "--param", 'weight="12"', "--param", "normalize=false"), capsys
+    )
+    assert code == 0
+    record = json.loads((out / "mergelab_merge.json").read_text())
+    assert record["per_model_params"]["weight"] == [12.0, 12.0]
+    config = {
+        "method": "ties",
+        "base": str(models / "base"),
+        "models": [
+            {"model": str(models / "math"), "parameters": {"density": "0.5"}},
+            str(models / "code"),
+        ],  # fmt: skip
+        "parameters": {"density": "0.25", "lambda": "0.5"},
+        "output": str(tmp_path / "ties"),
+    }
+    path = write_config(tmp_path / "ties.yaml", config)
+    code, _ = run(["merge", "--config", path, "--no-progress"], capsys)
+    assert code == 0
+    record = json.loads((tmp_path / "ties" / "mergelab_merge.json").read_text())
+    assert record["per_model_params"]["density"] == [0.5, 0.25]
+    assert record["params"]["lambda_"] == 0.5
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_compose_refuses_a_non_finite_weight(models, tmp_path, capsys, weight):
+    argv = ["compose", "--base", models / "base", "--expert", models / "math", "--prompt", "ab",
+            "--max-new-tokens", "2", f"--weight={weight}"]  # fmt: skip
+    code, err = run(argv, capsys)
+    assert code == 2
+    assert_one_line(err, "mergelab compose: error: ")
+    assert "weight of term 'expert1' must be a finite number" in err
+
+
+def test_compose_refuses_a_non_finite_weight_before_loading_anything(models, capsys, monkeypatch):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the weights were checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    argv = ["compose", "--base", models / "base", "--expert", models / "math", "--prompt", "ab",
+            "--weight=nan"]  # fmt: skip
+    code, err = run(argv, capsys)
+    assert code == 2 and "must be a finite number" in err
+
+
+def test_eval_data_errors_exit_2_naming_the_file(models, tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_bytes('{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"))
+    argv = ["eval", "run", "--model", models / "base", "--benchmark", "gsm8k", "--data", data,
+            "--out", tmp_path / "res", "--cache-dir", tmp_path / "cache"]  # fmt: skip
+    code, err = run(argv, capsys)
+    assert code == 2
+    assert_one_line(err, "mergelab eval run: error: ")
+    assert f"{data}:1: not UTF-8 text: byte 0xe9 at byte offset 17" in err
+    code, err = run(["eval", "compare", tmp_path / "nope", tmp_path / "nope2"], capsys)
+    assert code == 2
+    assert_one_line(err, "mergelab eval compare: error: ")
+
+
+# ---------------------------------------------------------------- environment faults: exit 1
+
+
+@pytest.mark.parametrize(
+    ("errnum", "name"),
+    [(errno.ENOSPC, "ENOSPC"), (errno.EROFS, "EROFS"), (errno.EACCES, "EACCES")],
+)
+def test_an_os_error_while_writing_exits_1_with_one_line(
+    models, tmp_path, capsys, monkeypatch, errnum, name
+):
+    def fail(folder, *args, **kwargs):
+        raise OSError(errnum, os.strerror(errnum), str(folder / "model-00001.safetensors"))
+
+    monkeypatch.setattr(checkpoint, "write_sharded", fail)
+    out = tmp_path / "out"
+    code, err = run(merge_argv(models, out), capsys)
+    assert code == 1
+    assert_one_line(err, "mergelab merge: error: ")
+    assert os.strerror(errnum) in err and f"[{name}]" in err and "--debug" not in err
+    assert str(out) in err  # the path: the output, or the file that failed inside it
+    assert not out.exists()
+
+    # --debug, before or after the subcommand, or MERGELAB_DEBUG=1: the traceback, same exit code
+    for argv in (["--debug", *merge_argv(models, out)], [*merge_argv(models, out), "--debug"]):
+        code, err = run(argv, capsys)
+        assert code == 1 and "Traceback" in err and "in fail" in err
+        assert err.strip().splitlines()[-1].startswith("mergelab merge: error: ")
+    monkeypatch.setenv("MERGELAB_DEBUG", "1")
+    code, err = run(merge_argv(models, out), capsys)
+    assert code == 1 and "Traceback" in err
+
+
+def test_interrupt_exits_130_and_a_bug_exits_1_pointing_to_debug(
+    models, tmp_path, capsys, monkeypatch
+):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "write_sharded", interrupt)
+    code, err = run(merge_argv(models, tmp_path / "out"), capsys)
+    assert code == 130
+    assert_one_line(err, "mergelab merge: interrupted")
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("unexpected state")
+
+    monkeypatch.setattr(checkpoint, "write_sharded", bug)
+    code, err = run(merge_argv(models, tmp_path / "out"), capsys)
+    assert code == 1
+    assert_one_line(err, "mergelab merge: error: RuntimeError: unexpected state")
+    assert err.strip().endswith("(rerun with --debug for the traceback)")
+
+
+def test_the_installed_command_prints_one_line(models, tmp_path):
+    """The real entry point, in a fresh process: no traceback reaches the terminal."""
+    path = write_config(
+        tmp_path / "merge.yaml", f"method: linear\nmodels: [{models}/math]\nseed: x\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("MERGELAB_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergelab.cli", "merge", "--config", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "mergelab merge: error: merge config: seed must be an integer, got 'x'"
+    )
+
+
+def test_error_lines_for_each_kind_of_exception():
+    from mergelab.errors import exit_code, one_line
+
+    assert exit_code(FileNotFoundError("x")) == 2 and exit_code(IsADirectoryError("x")) == 2
+    assert exit_code(PermissionError(errno.EACCES, "Permission denied", "/out")) == 1
+    assert one_line(PermissionError(errno.EACCES, "Permission denied", "/out")) == (
+        "Permission denied [EACCES]: /out"
+    )
+    assert (
+        exit_code(yaml.YAMLError("bad")) == 2 and exit_code(json.JSONDecodeError("m", "d", 0)) == 2
+    )
+    assert (
+        exit_code(MemoryError()) == 1
+        and exit_code(torch.OutOfMemoryError("CUDA out of memory")) == 1
+    )
+    assert (
+        one_line(KeyError("unknown benchmark 'x'; known: [...]"))
+        == "unknown benchmark 'x'; known: [...]"
+    )
+    assert one_line(KeyError("seed")) == "KeyError: 'seed'"  # a bare lookup may be a bug
+    assert one_line(ValueError("two\nlines")) == "two lines"
+    assert exit_code(RuntimeError("?")) == 1 and exit_code(KeyboardInterrupt()) == 130
