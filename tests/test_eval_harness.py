@@ -139,8 +139,23 @@ def test_code_scoring_base_and_plus(tmp_path):
         scores["HumanEval/2"] == scores["HumanEval/32"] == {"pass@1_base": 1.0, "pass@1_plus": 1.0}
     )
     assert res.items[0]["samples"][0]["plus"]["status"] == "failed"
+    # the default sandbox isolates with namespaces, and the summary records what was in force
+    assert res.summary["settings"]["isolation"] == "namespaces"
     isolation = res.summary["sandbox_isolation"]
-    assert "netns" in isolation or "socket-guard" in isolation
+    assert {"netns", "pidns", "mountns"} <= set(isolation) and "weak" not in isolation
+
+
+def test_weak_isolation_only_when_asked_and_recorded(tmp_path):
+    bench = load_humaneval_plus(FIXTURES / "humaneval_plus.jsonl")
+    canned = {it.prompt[-200:]: it.solution for it in bench.items}
+    settings = replace(SETTINGS, isolation="weak")
+    res = evaluate(FakeCandidate(canned), bench, settings, cache_dir=tmp_path, progress=False)
+    assert res.score() == 1.0
+    assert res.summary["settings"]["isolation"] == "weak"
+    assert "weak" in res.summary["sandbox_isolation"]
+    assert "netns" not in res.summary["sandbox_isolation"]
+    with pytest.raises(ValueError, match="isolation"):
+        EvalSettings(isolation="none")
 
 
 def test_resumed_evaluation_equals_uninterrupted(tmp_path):

@@ -1,54 +1,49 @@
-"""The sandbox runs real HumanEval correctly and contains hostile programs.
+"""The sandbox runs real HumanEval correctly, judges outcomes itself, and refuses to run without
+namespaces unless weak isolation is asked for.
 
-Containment tests need what the default sandbox uses: root (to drop to a sandbox uid) and
-Linux namespaces; they are skipped, saying so, where those are unavailable.
+Containment of hostile programs (network, writes, secrets, bombs, kills, forged results) is
+tested as root and as an unprivileged user in ``test_sandbox_hostile.py``. Here the functional
+tests use the default isolation, or weak isolation where the kernel refuses namespaces.
 """
 
+import errno
 import os
-import socket
+import signal
+import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
+from mergelab.eval import sandbox as sandbox_module
 from mergelab.eval.benchmarks import load_humaneval
-from mergelab.eval.sandbox import BASE_UID, Sandbox, SandboxLimits
+from mergelab.eval.sandbox import (
+    BASE_UID,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+    _Worker,
+)
 from mergelab.eval.scoring_code import build_test_programs
 
 
 def _namespaces_work() -> bool:
-    if os.geteuid() != 0:
+    try:
+        Sandbox(workers=1).close()
+        return True
+    except SandboxUnavailableError:
         return False
-    with Sandbox(workers=1) as sb:
-        return "netns" in sb.run("pass").isolation
 
 
-STRICT = _namespaces_work()
-needs_strict = pytest.mark.skipif(not STRICT, reason="needs root and Linux namespaces")
+NAMESPACES = _namespaces_work()
+needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="the kernel refuses namespaces")
 
 
 @pytest.fixture(scope="module")
 def sandbox():
     limits = SandboxLimits(timeout_s=5.0, memory_bytes=512 << 20, max_processes=16)
-    with Sandbox(workers=2, limits=limits) as sb:
+    with Sandbox(workers=2, limits=limits, isolation="namespaces" if NAMESPACES else "weak") as sb:
         yield sb
-
-
-def _sandbox_processes() -> list[int]:
-    """Pids of live processes running under a sandbox uid."""
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text()
-        except OSError:
-            continue
-        uid_line = next((ln for ln in text.splitlines() if ln.startswith("Uid:")), "")
-        state = next((ln for ln in text.splitlines() if ln.startswith("State:")), "")
-        fields = uid_line.split()
-        if len(fields) > 1 and int(fields[1]) >= BASE_UID and "Z" not in state:
-            pids.append(int(status.parent.name))
-    return pids
 
 
 def test_humaneval_canonical_solutions_pass_164_of_164(sandbox):
@@ -88,18 +83,31 @@ def test_statuses_and_error_text(sandbox):
     results = sandbox.run_many(
         [
             "print('hello')\nassert 2 + 2 == 4",
-            "assert 2 + 2 == 5, 'arithmetic is broken'",
+            "import sys\nprint('to stderr', file=sys.stderr)\nassert 2 + 2 == 5, 'arithmetic is broken'",
             "def f(:\n    pass",
             "raise ValueError('boom')",
             "import sys\nsys.exit(0)",
+            "import os\nos._exit(0)",
+            "import ctypes\nctypes.string_at(0)",  # a real segmentation fault
         ]
     )
-    assert [r.status for r in results] == ["passed", "failed", "crashed", "crashed", "crashed"]
+    statuses = [r.status for r in results]
+    assert statuses == ["passed", "failed", "crashed", "crashed", "crashed", "crashed", "crashed"]
     assert results[0].stdout == "hello\n"
     assert "arithmetic is broken" in results[1].error
+    assert results[1].stderr == "to stderr\n"  # the program's stderr, without the traceback
     assert "SyntaxError" in results[2].error
     assert "ValueError: boom" in results[3].error
-    assert "exit" in results[4].error  # exiting early is not a pass
+    assert "exit(0)" in results[4].error  # exiting early is not a pass
+    assert "exited early with code 0" in results[5].error
+    assert "SIGSEGV" in results[6].error and results[6].exit_signal == signal.SIGSEGV
+
+
+def test_error_text_survives_a_flood_of_output(sandbox):
+    prog = "import sys\nsys.stderr.write('x' * 300000)\nassert False, 'the real reason'"
+    res = sandbox.run(prog, SandboxLimits(max_output_bytes=1000))
+    assert res.status == "failed" and "the real reason" in res.error
+    assert res.stderr == "x" * 1000
 
 
 def test_infinite_loop_times_out(sandbox):
@@ -125,136 +133,189 @@ def test_memory_bomb_is_stopped(sandbox):
     assert res.seconds < 5
 
 
-@needs_strict
-def test_fork_bomb_is_contained_and_cleaned_up(sandbox):
-    bomb = "import os\nwhile True:\n    os.fork()"
-    t0 = time.monotonic()
-    res = sandbox.run(bomb, SandboxLimits(timeout_s=3.0, max_processes=16))
-    assert res.status in ("crashed", "timed_out")
-    assert time.monotonic() - t0 < 6
-    # Daemons left behind by a program that exits are killed with its pid namespace.
-    daemons = (
-        "import os, time\n"
-        "for _ in range(5):\n"
-        "    if os.fork() == 0:\n"
-        "        os.setsid()\n"
-        "        time.sleep(600)\n"
-    )
-    assert sandbox.run(daemons).status == "passed"
-    time.sleep(0.2)
-    assert _sandbox_processes() == []
-    assert sandbox.run("assert True").status == "passed"  # the workers survived
+# --- The outcome is the launcher's judgement -------------------------------------------------
 
 
-@needs_strict
-def test_writes_outside_scratch_dir_do_not_land(sandbox, tmp_path):
-    tag = uuid.uuid4().hex
-    open_dir = tmp_path / "world-writable"
-    open_dir.mkdir()
-    open_dir.chmod(0o777)
-    repo_root = Path(__file__).resolve().parents[1]
-    targets = [
-        f"/tmp/mergelab-escape-{tag}",
-        f"/var/tmp/mergelab-escape-{tag}",
-        f"/dev/shm/mergelab-escape-{tag}",
-        str(open_dir / f"escape-{tag}"),
-        str(repo_root / f"escape-{tag}"),
-    ]
-    prog = (
-        "import os\n"
-        f"for path in {targets!r}:\n"
-        "    try:\n"
-        "        with open(path, 'w') as f:\n"
-        "            f.write('escaped')\n"
-        "        print('wrote', path)\n"
-        "    except OSError as e:\n"
-        "        print('refused', path, type(e).__name__)\n"
-        "open('inside.txt', 'w').write('fine')  # the scratch dir is writable\n"
-        "print('cwd', os.getcwd())\n"
-    )
-    res = sandbox.run(prog)
-    assert res.status == "passed", res.error
-    for path in targets:
-        assert not os.path.exists(path), f"{path} was written on the host"
-    cwd = res.stdout.split("cwd ")[-1].strip()
-    assert not os.path.exists(os.path.join(cwd, "inside.txt"))  # scratch is gone
+def _raw_job(program: str, **extra) -> dict:
+    """A worker job as Sandbox builds it, plus test-only keys (fixed exit codes)."""
+    limits = SandboxLimits(timeout_s=10.0, memory_bytes=512 << 20)
+    mode = "namespaces" if NAMESPACES else "weak"
+    return {"program": program, "mode": mode, **limits.to_job(), **extra}
 
 
-@needs_strict
-def test_network_is_unreachable(sandbox):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    prog = (
-        "import socket\n"
-        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        "s.sendall(b'exfiltrated')\n"
-    )
-    res = sandbox.run(prog)
+@pytest.fixture()
+def worker():
+    w = _Worker(0, BASE_UID + 65536 * 4095)
+    yield w
+    w.close()
+
+
+def test_only_the_per_job_pass_code_passes(worker):
+    codes = {"exit_codes": [251, 252, 253]}  # passed, failed, crashed (random per job otherwise)
+    assert worker.run(_raw_job("import os\nos._exit(251)", **codes))["status"] == "passed"
+    assert worker.run(_raw_job("import os\nos._exit(252)", **codes))["status"] == "failed"
+    assert worker.run(_raw_job("import os\nos._exit(250)", **codes))["status"] == "crashed"
+    assert worker.run(_raw_job("pass", **codes))["status"] == "passed"
+    assert worker.run(_raw_job("import os\nos._exit(251)"))["status"] == "crashed"
+
+
+def test_pass_code_is_not_reachable_from_python(worker):
+    """Everything a program can look up from its frames (locals, globals, closures, defaults,
+    containers) holds the failed code but not the pass code."""
+    prog = """
+import sys, types
+def scan(obj, path, depth, target, found, seen):
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if type(obj) is int:
+        if obj == target:
+            found.append(path)
+        return
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            scan(v, f"{path}[{k!r}]", depth - 1, target, found, seen)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(list(obj)):
+            scan(v, f"{path}[{i}]", depth - 1, target, found, seen)
+    elif isinstance(obj, types.FunctionType):
+        for i, cell in enumerate(obj.__closure__ or ()):
+            scan(cell.cell_contents, f"{path}.closure[{i}]", depth - 1, target, found, seen)
+        scan(obj.__defaults__, f"{path}.defaults", depth - 1, target, found, seen)
+    elif isinstance(obj, types.ModuleType) and depth > 1:
+        scan(vars(obj), f"{path}.vars", 1, target, found, seen)
+def search(target):
+    found, seen = [], set()
+    f = sys._getframe(1)  # the program's frame, then the sandbox's
+    while f is not None:
+        scan(f.f_locals, f"{f.f_code.co_name}.locals", 5, target, found, seen)
+        scan(f.f_globals, f"{f.f_code.co_name}.globals", 2, target, found, seen)
+        f = f.f_back
+    scan(sys.modules.get("__main__"), "__main__", 2, target, found, seen)
+    return found
+print("pass code:", search(251))
+print("fail code:", search(252))
+"""
+    res = worker.run(_raw_job(prog, exit_codes=[251, 252, 253]))
+    assert res["status"] == "passed", res["error"]
+    lines = dict(line.split(": ", 1) for line in res["stdout"].splitlines())
+    assert lines["pass code"] == "[]"
+    assert "_program.locals['failed']" in lines["fail code"]  # the scan does find codes
+
+
+def test_a_killed_launcher_is_a_crash_never_a_pass(worker):
+    prog = "import time\ntime.sleep(2)\nassert True"
+    worker.start()
+    killed = []
+
+    def kill_launcher():
+        deadline = time.monotonic() + 5
+        children = Path(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children")
+        while not killed and time.monotonic() < deadline:
+            pids = children.read_text().split()
+            if pids:
+                os.kill(int(pids[0]), signal.SIGKILL)
+                killed.append(int(pids[0]))
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_launcher)
+    killer.start()
+    res = worker.run(_raw_job(prog))
+    killer.join()
+    assert killed, "no launcher found"
+    assert res["status"] == "crashed" and "launcher died" in res["error"]
+    assert worker.run(_raw_job("assert True"))["status"] == "passed"  # the worker carries on
+
+
+@needs_namespaces
+def test_read_only_tree_without_mount_setattr(worker):
+    """Kernels before 5.12 have no mount_setattr: every mount is remounted read-only instead."""
+    prog = """
+import errno
+for path in ("/etc/probe", "/usr/probe", "/probe"):
     try:
-        with pytest.raises(socket.timeout):
-            server.accept()
-    finally:
-        server.close()
-    assert res.status == "crashed"
-    assert "OSError" in res.error or "ConnectionRefusedError" in res.error
+        open(path, "w")
+        raise AssertionError(path)
+    except OSError as exc:
+        assert exc.errno == errno.EROFS, (path, exc)
+open("/tmp/ok", "w").write("tmp stays writable")
+open("ok", "w").write("scratch too")
+"""
+    res = worker.run(_raw_job(prog, readonly_method="remount"))
+    assert res["status"] == "passed", res["error"]
+    assert "readonly-root" in res["isolation"]
 
 
-@needs_strict
-def test_killing_the_parent_is_not_obeyed(sandbox):
-    worker_pids = [w.proc.pid for w in sandbox._all if w.proc is not None]
-    targets = [os.getpid(), *worker_pids]
-    prog = (
-        "import os, signal\n"
-        "outcomes = []\n"
-        f"for pid in [os.getppid(), *{targets!r}]:\n"
-        "    try:\n"
-        "        os.kill(pid, signal.SIGKILL)\n"
-        "        outcomes.append('sent')\n"
-        "    except OSError as e:\n"
-        "        outcomes.append(type(e).__name__)\n"
-        "print(outcomes)\n"
-    )
-    res = sandbox.run(prog)
-    assert res.status == "passed"
-    # Every worker is still alive and still runs programs.
-    assert all(w.proc.poll() is None for w in sandbox._all if w.proc is not None)
-    assert sandbox.run_many(["assert 1"] * 4) and sandbox.run("assert 1").passed
+# --- Modes, refusal, weak isolation ----------------------------------------------------------
 
 
-def test_environment_secrets_are_not_visible(monkeypatch):
-    secret = "s3cret-" + uuid.uuid4().hex
-    monkeypatch.setenv("MERGELAB_FAKE_API_KEY", secret)
-    prog = (
-        "import os\n"
-        "seen = repr(dict(os.environ))\n"
-        f"for path in ['/proc/self/environ', '/proc/1/environ', '/proc/{os.getpid()}/environ',\n"
-        "             f'/proc/{os.getppid()}/environ']:\n"
-        "    try:\n"
-        "        seen += open(path, 'rb').read().decode('latin-1')\n"
-        "    except OSError:\n"
-        "        pass\n"
-        f"assert {secret!r} not in seen, 'secret leaked'\n"
-        "assert 'MERGELAB_FAKE_API_KEY' not in seen\n"
-    )
-    with Sandbox(workers=1) as sb:  # started after the secret was set
-        res = sb.run(prog)
-    assert res.status == "passed", res.error
-
-
-def test_basic_isolation_fallback_still_scores(tmp_path):
-    with Sandbox(workers=1, isolation="basic", limits=SandboxLimits(timeout_s=2)) as sb:
+@pytest.mark.parametrize("name", ["weak", "basic"])
+def test_weak_isolation_only_when_asked_for(name):
+    with Sandbox(workers=1, isolation=name, limits=SandboxLimits(timeout_s=5)) as sb:
         ok, bad, net = sb.run_many(
             ["assert sum([1, 2]) == 3", "assert 0", "import socket\nsocket.socket()"]
         )
     assert (ok.status, bad.status, net.status) == ("passed", "failed", "crashed")
-    assert "socket-guard" in ok.isolation and "netns" not in ok.isolation
+    assert {"weak", "socket-guard"} <= set(ok.isolation) and "netns" not in ok.isolation
+
+
+@needs_namespaces
+def test_default_and_strict_use_namespaces():
+    for name in ("namespaces", "strict"):
+        with Sandbox(workers=1, isolation=name) as sb:
+            res = sb.run("assert True")
+        assert res.passed and {"netns", "pidns", "readonly-root"} <= set(res.isolation)
+        assert "weak" not in res.isolation
 
 
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="isolation"):
         Sandbox(isolation="none")
-    with Sandbox(workers=1) as sb, pytest.raises(TypeError, match="source text"):
+    with pytest.raises(ValueError, match="no longer falls back"):
+        Sandbox(isolation="auto")
+    with Sandbox(workers=1, isolation="weak") as sb, pytest.raises(TypeError, match="source text"):
         sb.run(b"print(1)")
+
+
+def _setup_failure(step, err):
+    return {"status": "crashed", "setup_error": {"step": step, "errno": err}}
+
+
+@pytest.mark.parametrize(
+    ("step", "err", "sysctls", "expected"),
+    [
+        ("unshare(user, net namespaces)", errno.ENOSPC, {}, "user.max_user_namespaces=15000"),
+        (
+            "unshare(user, net namespaces)",
+            errno.EPERM,
+            {"kernel.unprivileged_userns_clone": "0"},
+            "kernel.unprivileged_userns_clone=1",
+        ),
+        (
+            "tmpfs on /tmp",
+            errno.EPERM,
+            {"kernel.apparmor_restrict_unprivileged_userns": "1"},
+            "apparmor_restrict_unprivileged_userns=0",
+        ),
+        ("unshare(user, net namespaces)", errno.EINVAL, {}, "CONFIG_USER_NS"),
+    ],
+)
+def test_refusal_says_what_is_missing_and_how_to_enable_it(
+    monkeypatch, step, err, sysctls, expected
+):
+    monkeypatch.setattr(sandbox_module, "_read_sysctl", sysctls.get)
+    monkeypatch.setattr(sandbox_module, "_seccomp_filtered", lambda: False)
+    message = sandbox_module._refusal_message(_setup_failure(step, err))
+    assert step in message and os.strerror(err) in message
+    assert expected in message
+    assert "isolation='weak'" in message
+
+
+def test_refusal_is_raised_at_creation(monkeypatch):
+    def refuse(self, job):
+        return _setup_failure("unshare(user, net namespaces)", errno.EPERM)
+
+    monkeypatch.setattr(_Worker, "run", refuse)
+    with pytest.raises(SandboxUnavailableError, match="cannot isolate programs"):
+        Sandbox(workers=1)
+    Sandbox(workers=1, isolation="weak").close()  # weak mode does not probe

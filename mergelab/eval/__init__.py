@@ -23,7 +23,13 @@ from mergelab.eval.benchmarks import (
 )
 from mergelab.eval.harness import EvalResult, EvalSettings, cache_key, evaluate
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
-from mergelab.eval.sandbox import ExecutionResult, Sandbox, SandboxLimits, run_programs
+from mergelab.eval.sandbox import (
+    ExecutionResult,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+    run_programs,
+)
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k
 from mergelab.eval.scoring_math import (
     extract_gsm8k,
@@ -46,6 +52,7 @@ __all__ = [
     "PromptConfig",
     "Sandbox",
     "SandboxLimits",
+    "SandboxUnavailableError",
     "bootstrap_ci",
     "build_prompt",
     "build_test_programs",

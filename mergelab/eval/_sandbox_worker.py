@@ -3,25 +3,83 @@
 Started by :class:`mergelab.eval.sandbox.Sandbox` with an empty environment and nothing of the
 harness in memory. It reads jobs from its stdin and, per job, forks twice:
 
-    worker ──fork──> launcher (root; new net/mount/pid/ipc/uts namespaces, private tmpfs)
-                        └──fork──> program (pid 1 of the new pid namespace; rlimits, unprivileged
-                                   uid, cwd = fresh scratch dir, clean env) → exec(program)
+    worker ──fork──> launcher ──fork──> program
+    reads the        enters new           pid 1 of the new pid namespace: private /proc, fds
+    launcher's       namespaces, builds   0/1/2 only, rlimits, no capabilities, no_new_privs,
+    report and the   the filesystem       clean environment → exec(source)
+    program's        view, waits, judges
+    stdout/stderr    the exit status
 
 Forking a warm interpreter costs ~1 ms instead of ~100 ms for a fresh one, which is why this is a
-fork server rather than one ``python`` subprocess per program. When the program process (pid 1
-of its namespace) exits or is killed, the kernel kills everything it started, so no fork bomb or
-daemon outlives its job; the launcher's death takes the program down via PDEATHSIG.
+fork server rather than one ``python`` subprocess per program. When the program (pid 1 of its
+namespace) ends or is killed, the kernel kills everything it started. Like any pid 1, it ignores
+signals it has no handler for when they come from inside its namespace (``os.kill(os.getpid(),
+SIGTERM)`` does nothing; a real fault such as SIGSEGV still kills it).
+
+Namespaces ("namespaces" mode; one code path, two ways to hold the privilege it needs):
+
+* as root, the launcher unshares net, pid, mount, ipc and uts namespaces with root's own
+  privileges; the program then drops to a uid/gid of its own per worker slot (owning no files);
+* as any other user, the same five plus a user namespace that maps the caller's uid and gid to
+  themselves (one id each, setgroups denied): the launcher holds capabilities only inside it,
+  enough to mount; user.max_user_namespaces is 0 inside it, so the program cannot make a nested
+  one to get capabilities back. The program keeps the caller's uid, so the filesystem is made
+  read-only. (Root's programs may create user namespaces where the host lets any user do so;
+  the mounts they would copy are locked read-only and cannot be unmounted.)
+
+Either way the program sees: no network (a new network namespace has only a down loopback); only
+its own processes (/proc is a new proc of its pid namespace, or an empty tmpfs where the kernel
+refuses that); every mount read-only except one size-limited tmpfs holding /tmp, /var/tmp,
+/dev/shm and /run, whose /tmp/scratch is its working directory; the caller's home directory and
+any directory other users cannot enter that holds the Python installation replaced by an empty
+tmpfs holding a read-only bind of the Python installation only; the host's path-based Unix sockets
+(D-Bus, Docker, ...) covered by /dev/null; no capabilities (bounding, ambient, effective,
+permitted all empty) and no_new_privs, so no setuid binary or file capability can give any back.
+rlimits cap CPU time, address space, file size, open files and processes (RLIMIT_NPROC counts per
+user namespace, so each job has a budget of its own; as root, per worker slot's uid). "weak"
+mode, only when asked for, skips the namespaces: rlimits, a scratch dir under the real /tmp, a
+Python-level socket block, and for root the per-slot uid.
+
+The outcome is derived from what the launcher observes, never from what the program says. No
+channel the program can reach carries one: every inherited descriptor is closed but 0
+(/dev/null), 1 and 2 (output pipes, read as output only); the launcher's report pipe exists only
+in the launcher and the worker, which live outside the program's pid namespace (it cannot name
+them to signal, trace or kill them, and its /proc lists neither them nor their pipes) and are not
+dumpable (same-uid processes cannot open their /proc/PID/fd or memory); a dead launcher is
+"crashed"; no file is read back. What the launcher judges is the program's exit status against
+three distinct exit codes drawn at random per job for "passed", "failed" and "crashed". The
+wrapper exits with the pass code only after ``exec`` of the source returned normally;
+``sys.exit``, ``os._exit``, ``exec`` of another binary, a signal or any other code is "crashed".
+While the program runs the pass code is in no variable, container or attribute it could look up
+(it sits on the value stack of the frame that calls ``exec``; the launcher's copy is emptied in
+the program's process). What remains: code that reads its own raw memory (ctypes,
+/proc/self/mem) and knows CPython's frame layout could find it; a blind guess wins with
+probability 1/253; and a program can still tamper with its own tests in-process (a solution
+returning an object whose ``__eq__`` is always true, or skipping an assert with
+``sys.settrace``): that is the benchmark's tests' business, not a forged report.
+
+Not covered: there is no seccomp filter (kernel bugs reachable from an unprivileged process, or
+from inside a user namespace, are in scope); files the program's uid may read stay readable
+outside the hidden directories; RLIMIT_AS caps each process, not the job (max_processes x
+memory_bytes in all); kernel keyrings are not isolated. In weak mode, a program of a non-root
+caller runs as the caller: it can read and write the caller's files, reach the network through
+ctypes or a subprocess, and signal or trace the caller's other processes (the harness included).
 
 Protocol on stdin/stdout: 4-byte big-endian length + UTF-8 JSON, one request then one reply.
 Stdlib only: this file runs as a script and must not import mergelab.
 """
 
 # Modules that test programs commonly import, loaded once here so each forked program gets them
-# for free.
+# for free (base64 and pickle: mergelab's own EvalPlus test programs decode their inputs with
+# them). In weak mode as root with Python installed under a folder the sandbox uid cannot enter,
+# these are the only modules a program can import.
+import base64  # noqa: F401
 import bisect  # noqa: F401
+import builtins
 import collections  # noqa: F401
 import copy  # noqa: F401
 import ctypes
+import errno
 import fractions  # noqa: F401
 import functools  # noqa: F401
 import hashlib  # noqa: F401
@@ -30,15 +88,21 @@ import itertools  # noqa: F401
 import json
 import math  # noqa: F401
 import os
-import random  # noqa: F401
+import pickle  # noqa: F401
+import pwd
+import random
 import re  # noqa: F401
 import resource
+import select
 import selectors
+import shutil
 import signal
-import socket  # noqa: F401 - also needed by the socket guard of the fallback mode
+import socket  # noqa: F401 - also needed by the socket guard of the weak mode
+import stat
 import string  # noqa: F401
 import struct
 import sys
+import tempfile
 import time
 import traceback
 import typing  # noqa: F401
@@ -46,24 +110,52 @@ import typing  # noqa: F401
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
-MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 8, 4096, 8192, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-# Directories any user may write to on a normal Linux system: each gets a private, size-limited
-# tmpfs inside the sandbox, so a write there never reaches the real one.
-WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls >= 424 are shared)
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# The one tmpfs the program may write: /tmp itself, and these bound to directories in it, so all
+# of them share one size budget and a write there never reaches the real one.
+PRIVATE_DIRS = {"/var/tmp": "var-tmp", "/dev/shm": "dev-shm", "/run": "run"}
+# Never covered, nor any directory above them: the sandbox needs these mount points.
+NEEDED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/proc", "/sys", "/dev")
+SCRATCH = "/tmp/scratch"
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Written to stderr before the failure text, so the worker can split the text off.
+ERROR_MARK = b"\n\x1e[mergelab-sandbox: error]\x1e\n"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_libc.capget.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
 
-def _check(ret, what):
+class SetupError(Exception):
+    """A step of building the sandbox failed; the job is not run (half a sandbox is no sandbox)."""
+
+    def __init__(self, step, err):
+        super().__init__(f"{step}: {os.strerror(err)}")
+        self.step, self.errno = step, err
+
+
+def _check(ret, step):
     if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise SetupError(step, ctypes.get_errno())
+
+
+def _mount(source, target, fstype, flags, data, step):
+    enc = [s.encode() if isinstance(s, str) else s for s in (source, target, fstype, data)]
+    _check(_libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), step)
 
 
 def _read_exact(fd, n):
@@ -82,58 +174,344 @@ def _write_all(fd, data):
         view = view[os.write(fd, view) :]
 
 
-def _private_mounts(job):
-    """Launcher side, after unshare: private tmpfs over the world-writable dirs."""
-    # Make every mount private so our tmpfs mounts never propagate to the host.
-    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-    opts = f"size={int(job['tmpfs_bytes'])},mode=1777".encode()
-    for d in WORLD_WRITABLE_DIRS:
-        if os.path.isdir(d) and not os.path.islink(d):
-            _check(_libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), d)
-    _expose_python(HIDDEN_PYTHON_ROOTS)
-    scratch = "/tmp/scratch"  # inside the private tmpfs: gone when the namespace dies
-    os.mkdir(scratch, 0o700)
-    return scratch
+# ---------------------------------------------------------------------------------------------
+# Launcher: namespaces and the filesystem view
 
 
-def _hidden_python_roots():
-    """Python install dirs (prefixes) below a directory other users cannot enter (e.g. a pyenv
-    under /root, mode 0700). Returns {that directory: [install dirs below it]}."""
-    roots = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
-    hidden = {}
-    for root in roots:
+def _enter_namespaces(job):
+    """Unshare, map ids (non-root), build the filesystem view. Returns (scratch, isolation)."""
+    root = os.geteuid() == 0
+    uid, gid = os.geteuid(), os.getegid()
+    sockets = _host_unix_sockets()  # read while still in the host's network namespace
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    isolation = []
+    if not root:
+        flags |= CLONE_NEWUSER
+        # Our own /proc/self/uid_map must be ours to write (the worker is not dumpable).
+        _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    names = ("user, " if not root else "") + "net, pid, mount, ipc, uts"
+    _check(_libc.unshare(flags), f"unshare({names} namespaces)")
+    if not root:
+        writes = (
+            ("/proc/self/setgroups", "deny"),
+            ("/proc/self/uid_map", f"{uid} {uid} 1"),
+            ("/proc/self/gid_map", f"{gid} {gid} 1"),
+            # No user namespace inside this one: the program cannot get capabilities back, even
+            # over namespaces of its own (much of the kernel's attack surface needs them).
+            ("/proc/sys/user/max_user_namespaces", "0"),
+        )
+        for path, text in writes:
+            try:
+                _write_file(path, text)
+            except OSError as exc:
+                raise SetupError(f"write {path}", exc.errno) from None
+        _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        isolation += ["userns", "no-nested-userns"]
+    isolation += ["netns", "pidns", "mountns", "ipcns", "utsns"]
+    _libc.sethostname(b"sandbox", 7)
+    isolation += _build_filesystem(job, sockets)
+    if root:
+        os.chown(SCRATCH, job["uid"], job["gid"])
+    isolation += ["private-proc", "unprivileged-uid" if root else "caller-uid"]
+    return SCRATCH, isolation
+
+
+def _write_file(path, text):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _build_filesystem(job, sockets):
+    """Inside the new mount namespace: hide, make read-only, then add the private tmpfs."""
+    _mount("none", "/", None, MS_REC | MS_PRIVATE, None, "make mounts private")
+    tags = ["private-home"] if HOME_HIDDEN else []
+    for hidden, exposed in HIDDEN_DIRS.items():
+        _cover_dir(hidden, exposed)
+    _cover_sockets(sockets, [*PRIVATE_DIRS, "/tmp", *HIDDEN_DIRS])
+    _make_readonly(job.get("readonly_method", "mount_setattr"))
+    _private_tmp(job["tmpfs_bytes"])
+    return tags + ["readonly-root", "private-tmp", "private-run", "host-sockets-hidden"]
+
+
+def _cover_dir(hidden, exposed):
+    """Cover ``hidden`` with an empty tmpfs holding read-only binds of ``exposed`` (the Python
+    installation), so the program can import the standard library and site-packages and sees
+    nothing else there. The binds become read-only with the rest of the tree."""
+    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in exposed]  # before covering
+    try:
+        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", hidden)
+        for path, fd in zip(exposed, fds):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind {path}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _host_unix_sockets():
+    """Paths of the host's bound Unix sockets (abstract ones are per network namespace)."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    fields = (line.split(None, 7) for line in lines)
+    return sorted({f[7] for f in fields if len(f) == 8 and f[7].startswith("/")})
+
+
+def _cover_sockets(paths, private):
+    """A path-based socket outside the private dirs stays connectable through a read-only mount
+    and from another network namespace (e.g. the session D-Bus, docker.sock): cover each one."""
+    for path in paths:
+        real = os.path.realpath(path)
+        if any(real == d or real.startswith(d + "/") for d in private):
+            continue
+        try:
+            if not stat.S_ISSOCK(os.lstat(real).st_mode):
+                continue
+        except OSError:
+            continue  # bound in another mount namespace, or gone
+        _mount("/dev/null", real, None, MS_BIND, None, f"cover socket {real}")
+
+
+def _make_readonly(method):
+    """Every mount in our namespace read-only (the private tmpfs is mounted afterwards)."""
+    if method == "mount_setattr":
+        attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, 0, 0)
+        ret = _libc.syscall(
+            ctypes.c_long(SYS_MOUNT_SETATTR),
+            ctypes.c_int(AT_FDCWD),
+            ctypes.c_char_p(b"/"),
+            ctypes.c_uint(AT_RECURSIVE),
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        )
+        if ret == 0:
+            return
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:  # kernels before 5.12 lack it: remount one by one instead
+            raise SetupError("mount_setattr(/, read-only, recursive)", err)
+    _remount_each_readonly()
+
+
+def _remount_each_readonly():
+    # A remount inside a user namespace must restate the flags the mount was locked with.
+    keep = {
+        os.ST_NOSUID: MS_NOSUID,
+        os.ST_NODEV: MS_NODEV,
+        os.ST_NOEXEC: MS_NOEXEC,
+        os.ST_NOATIME: MS_NOATIME,
+        os.ST_NODIRATIME: MS_NODIRATIME,
+        os.ST_RELATIME: MS_RELATIME,
+    }
+    with open("/proc/self/mountinfo") as f:
+        points = [_unescape(line.split()[4]) for line in f]
+    for point in sorted(set(points), key=len):
+        try:
+            st_flags = os.statvfs(point).f_flag
+        except OSError:
+            continue  # covered by a later mount
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        flags |= sum(ms for st, ms in keep.items() if st_flags & st)
+        _mount(None, point, None, flags, None, f"remount {point} read-only")
+
+
+def _unescape(field):
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _private_tmp(size):
+    opts = f"size={int(size)},mode=1777"
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts, "tmpfs on /tmp")
+    for target, name in PRIVATE_DIRS.items():
+        if os.path.isdir(target) and not os.path.islink(target):
+            src = f"/tmp/.sandbox/{name}"
+            os.makedirs(src)
+            os.chmod(src, 0o1777)
+            _mount(src, target, None, MS_BIND, None, f"private {target}")
+            if target == "/run":
+                os.mkdir("/run/lock")
+                os.chmod("/run/lock", 0o1777)
+    os.mkdir(SCRATCH, 0o700)
+
+
+def _weak_setup(job):
+    scratch = tempfile.mkdtemp(prefix="mergelab-sandbox-")
+    isolation = ["weak", "socket-guard"]
+    if os.geteuid() == 0:
+        os.chown(scratch, job["uid"], job["gid"])
+        isolation.append("unprivileged-uid")
+    else:
+        isolation.append("caller-uid")
+    return scratch, isolation
+
+
+def _hidden_dirs():
+    """{directory to cover with an empty tmpfs: [Python install dirs to expose inside it]}, and
+    whether the caller's home is among them.
+
+    The caller's home (a non-root program runs as the caller and needs nothing from there: keys,
+    tokens, shell history), and any directory other users cannot enter that holds the Python
+    installation (e.g. a pyenv under /root, mode 0700: root's programs run as another uid)."""
+    exposed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    exposed = [p for p in exposed if not any(p.startswith(q + "/") for q in exposed)]
+    homes = [os.environ.get("HOME", "")]
+    try:
+        homes.append(pwd.getpwuid(os.geteuid()).pw_dir)
+    except KeyError:
+        pass
+    homes = sorted({os.path.realpath(h) for h in homes if h and os.path.isdir(h)})
+    candidates = set(homes)
+    for root in exposed:
         parts = root.split(os.sep)
         for i in range(2, len(parts)):
             ancestor = os.sep.join(parts[:i])
             if not os.stat(ancestor).st_mode & 0o001:
-                hidden.setdefault(ancestor, []).append(root)
+                candidates.add(ancestor)
                 break
-    return hidden
+
+    def inside(a, b):  # a == b or a below b
+        return a == b or a.startswith(b.rstrip("/") + "/")
+
+    keep = {}
+    for c in sorted(candidates, key=len):
+        if c == "/" or any(inside(n, c) or inside(c, n) for n in NEEDED_DIRS):
+            continue  # would hide a mount point the sandbox needs, or is private anyway
+        if any(inside(c, e) for e in exposed) or any(inside(c, k) for k in keep):
+            continue
+        keep[c] = [e for e in exposed if inside(e, c)]
+    home_hidden = bool(homes) and all(any(inside(h, k) for k in keep) for h in homes)
+    return keep, home_hidden
 
 
-def _expose_python(hidden):
-    """Inside the mount namespace: cover each hidden directory with an empty tmpfs holding only
-    read-only binds of the Python install, so the unprivileged program can import the standard
-    library and site-packages, and sees nothing else there (e.g. the rest of /root)."""
-    for n, (ancestor, roots) in enumerate(hidden.items()):
-        staged = []
-        for k, root in enumerate(roots):
-            stage = f"/tmp/.stage-{n}-{k}"
-            os.mkdir(stage)
-            _check(_libc.mount(root.encode(), stage.encode(), None, MS_BIND | MS_REC, None), root)
-            staged.append((stage, root))
-        _check(
-            _libc.mount(
-                b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"
-            ),
-            ancestor,
-        )
-        for stage, root in staged:
-            os.makedirs(root, mode=0o755, exist_ok=True)
-            _check(_libc.mount(stage.encode(), root.encode(), None, MS_MOVE, None), f"move {root}")
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-            _check(_libc.mount(None, root.encode(), None, flags, None), f"read-only {root}")
-            os.rmdir(stage)
+# ---------------------------------------------------------------------------------------------
+# Program process
+
+
+def _program(job, scratch, w_out, w_err, codes, isolation):
+    """Set up the process, run the source, exit with the code for what happened. Never returns.
+
+    ``codes`` is the launcher's [passed, failed, crashed] list: emptied here first, so that the
+    pass code is not left in a frame the program can walk to (the launcher's)."""
+    failed, crashed = codes[1], codes[2]
+    pending = [codes[0]]
+    codes.clear()
+    try:
+        _enter_program_sandbox(job, scratch, w_out, w_err, isolation)
+    except BaseException as exc:  # noqa: BLE001 - never run the program in half a sandbox
+        _exit_with(crashed, f"sandbox set-up failed: {exc!r}")
+    try:
+        code = compile(job["program"], "program.py", "exec")
+    except BaseException as exc:  # noqa: BLE001 - a SyntaxError is the program's crash
+        _exit_with(crashed, _short_traceback(exc))
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        _exec_to_end(code, namespace, pending)
+    except AssertionError as exc:
+        _exit_with(failed, _short_traceback(exc))
+    except SystemExit as exc:
+        _exit_with(crashed, f"program called exit({exc.code!r}) before finishing")
+    except BaseException as exc:  # noqa: BLE001 - the whole point is to catch everything
+        _exit_with(crashed, _short_traceback(exc))
+    _exit_with(crashed, "sandbox error: program neither finished nor raised")
+
+
+def _exec_to_end(code, namespace, pending):
+    # The pass code leaves `pending` for this frame's value stack before the program starts;
+    # while it runs, no name, container or attribute reachable from Python holds it.
+    _ran_to_end(pending.pop(), exec(code, namespace))
+
+
+def _ran_to_end(pass_code, _):
+    _flush_stdio()
+    os._exit(pass_code)
+
+
+def _exit_with(code, text):
+    try:
+        _flush_stdio()
+        _write_all(2, ERROR_MARK + text.encode("utf-8", "replace"))
+    except BaseException:  # noqa: BLE001 - the exit code is what counts
+        pass
+    finally:
+        os._exit(code)
+
+
+def _flush_stdio():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def _enter_program_sandbox(job, scratch, w_out, w_err, isolation):
+    # Descriptors first, so that whatever fails below is reported on stderr: 0 = /dev/null,
+    # 1/2 = the output pipes, nothing else (the launcher's report pipe above all).
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(w_out, 1)
+    os.dup2(w_err, 2)
+    os.closerange(3, 2**31 - 1)
+    if "pidns" in isolation:
+        _mount_private_proc()
+    os.chdir(scratch)
+    os.setpgid(0, 0)  # own process group, so the weak mode can kill it as a whole
+    cpu = max(1, int(job["cpu_s"] + 0.999))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    _limit(resource.RLIMIT_AS, job["memory_bytes"])
+    _limit(resource.RLIMIT_FSIZE, job["max_file_bytes"])
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_NOFILE, 256)
+    _drop_privileges(job, weak="weak" in isolation)
+    if "weak" in isolation and "caller-uid" in isolation:
+        # RLIMIT_NPROC counts every process of the uid: leave room for the caller's own.
+        _limit(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + job["max_processes"])
+    else:
+        # With a user namespace, the count is per namespace: this job's processes only.
+        _limit(resource.RLIMIT_NPROC, job["max_processes"])
+    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self files, as usual
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # last: credential changes clear it
+    os.environ.clear()
+    os.environ.update({"PATH": CLEAN_PATH, "HOME": scratch, "LANG": "C.UTF-8"})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "socket-guard" in isolation:
+        _block_sockets()
+    sys.argv = ["program.py"]
+    sys.stdin = os.fdopen(0, "r", closefd=False)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _mount_private_proc():
+    """A /proc of the program's own pid namespace: host processes are not even listed. Where
+    the kernel refuses a new proc (e.g. a container that masks parts of the host's), an empty
+    read-only tmpfs hides the host's /proc instead."""
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if _libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0:
+        _mount("tmpfs", "/proc", "tmpfs", flags | MS_RDONLY, "size=4k,mode=0555", "hide /proc")
+
+
+def _drop_privileges(job, weak):
+    """No capabilities in any set, and for root a uid/gid of the worker slot's own."""
+    for cap in range(CAP_LAST + 1):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and not weak:
+            raise SetupError(f"drop capability {cap} from the bounding set", ctypes.get_errno())
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(job["gid"])
+        os.setuid(job["uid"])
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset(0)")
+    _check(_libc.capget(ctypes.byref(header), ctypes.byref(data)), "capget")
+    if any(data):
+        raise SetupError("capabilities still held", errno.EPERM)
 
 
 def _limit(res, value):
@@ -141,85 +519,28 @@ def _limit(res, value):
     resource.setrlimit(res, (value, value))
 
 
-def _run_program(job, scratch, w_out, w_err, w_res, drop_uid, isolated_net, own_pidns):
-    """Program process: apply limits, drop privileges, run the program, report, exit."""
-    extra_isolation = []
-    try:
-        if own_pidns:
-            # A /proc of our own pid namespace: host processes (their command lines, their
-            # environments) are not even listed.
-            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-            if _libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0:
-                extra_isolation.append("private-proc")
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(w_out, 1)
-        os.dup2(w_err, 2)
-        # Close everything else the worker had open (its protocol pipes above all).
-        os.closerange(3, w_res)
-        os.closerange(w_res + 1, 1 << 16)
-        os.chdir(scratch)
-        os.setpgid(0, 0)  # own process group, so the launcher can kill it as a whole
-        cpu = max(1, int(job["cpu_s"] + 0.999))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        _limit(resource.RLIMIT_AS, job["memory_bytes"])
-        _limit(resource.RLIMIT_FSIZE, job["max_file_bytes"])
-        _limit(resource.RLIMIT_CORE, 0)
-        _limit(resource.RLIMIT_NOFILE, 256)
-        if drop_uid:
-            os.setgroups([])
-            os.setgid(job["gid"])
-            os.setuid(job["uid"])
-        # Per-uid process limit: only meaningful once we are not root (root ignores it), and
-        # each worker slot has its own uid so parallel jobs do not share the budget.
-        _limit(resource.RLIMIT_NPROC, job["max_processes"])
-        # After setuid: a credential change clears PDEATHSIG.
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        os.environ.clear()
-        os.environ.update({"PATH": CLEAN_PATH, "HOME": scratch, "LANG": "C.UTF-8"})
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if not isolated_net:
-            _block_sockets()
-        sys.argv = ["program.py"]
-        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        sys.stdin = os.fdopen(0, "r", closefd=False)
-    except BaseException as exc:  # noqa: BLE001 - report set-up failures, never run the program
-        msg = {"pid": os.getpid(), "outcome": "crashed", "error": f"sandbox set-up failed: {exc!r}"}
-        _write_all(w_res, (json.dumps(msg) + "\n").encode())
-        os._exit(0)
-
-    outcome, error = "passed", ""
-    try:
-        code = compile(job["program"], "program.py", "exec")
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-    except AssertionError as exc:
-        outcome, error = "failed", _short_traceback(exc)
-    except SystemExit as exc:
-        outcome = "crashed"
-        error = f"program called exit({exc.code!r}) before finishing"
-    except BaseException as exc:  # noqa: BLE001 - the whole point is to catch everything
-        outcome, error = "crashed", _short_traceback(exc)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # noqa: BLE001
-        pass
-    msg = {"pid": os.getpid(), "outcome": outcome, "error": error, "isolation": extra_isolation}
-    _write_all(w_res, (json.dumps(msg) + "\n").encode())
-    os._exit(0)
+def _tasks_of(uid):
+    n = 0
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return n
 
 
 def _short_traceback(exc, limit=4000):
-    """The traceback from the program's frames on (this file's frame is skipped)."""
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    """The traceback from the program's frames on (this file's frames are skipped)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     return text[-limit:]
 
 
 def _block_sockets():
-    """Fallback when no network namespace is available: no socket can be created."""
+    """Weak mode only: no socket from the socket module (ctypes and subprocesses still can)."""
 
     def refuse(*args, **kwargs):
         raise PermissionError("network access is disabled in the sandbox")
@@ -229,75 +550,95 @@ def _block_sockets():
     socket.socketpair = refuse
 
 
-def _launcher(job, w_out, w_err, w_res):
+# ---------------------------------------------------------------------------------------------
+# Launcher: fork, wait, judge
+
+
+def _exit_codes(job):
+    """[passed, failed, crashed]: distinct, random per job, never 0, 1 or 2."""
+    fixed = job.pop("exit_codes", None)  # tests only
+    return list(fixed) if fixed else random.SystemRandom().sample(range(3, 256), 3)
+
+
+def _launcher(job, w_out, w_err):
+    """Enter the sandbox, run the program in it, judge how it ended. Returns the report."""
     os.setsid()
-    isolation = []
-    scratch = None
-    is_root = os.geteuid() == 0
-    if job["namespaces"] and is_root:
-        flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-        if _libc.unshare(flags) == 0:
-            # Past this point a failure fails the job: half a sandbox is not a fallback.
-            scratch = _private_mounts(job)
-            isolation += ["netns", "pidns", "mountns", "private-tmp"]
-        elif job["namespaces"] == "require":
-            raise OSError(ctypes.get_errno(), "unshare failed and isolation='strict'")
-        else:
-            isolation.append(f"no-namespaces({os.strerror(ctypes.get_errno())})")
-    if scratch is None:
-        import tempfile
-
-        scratch = tempfile.mkdtemp(prefix="mergelab-sandbox-")
-    drop_uid = is_root
-    if drop_uid:
-        os.chown(scratch, job["uid"], job["gid"])
-        isolation.append("unprivileged-uid")
-    isolated_net = "netns" in isolation
-    if not isolated_net:
-        isolation.append("socket-guard")
-
+    codes = _exit_codes(job)
+    if job["mode"] == "weak":
+        scratch, isolation = _weak_setup(job)
+    else:
+        scratch, isolation = _enter_namespaces(job)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the credential change
+    isolation += ["no-capabilities", "no-new-privs", "closed-fds", "rlimits"]
     child = os.fork()
     if child == 0:
-        _run_program(
-            job, scratch, w_out, w_err, w_res, drop_uid, isolated_net, "pidns" in isolation
-        )
-    timed_out = []
-
-    def on_alarm(signum, frame):
-        timed_out.append(True)
-        # In a pid namespace, killing its pid 1 kills every process in it.
-        os.kill(child, signal.SIGKILL)
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
-    _, status = os.waitpid(child, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    if "pidns" not in isolation:
-        # Without a pid namespace, take down whatever is left of the program's process group.
         try:
-            os.killpg(child, signal.SIGKILL)
-        except OSError:
-            pass
-        _kill_uid(job["uid"] if drop_uid else None)
-        import shutil
-
+            _program(job, scratch, w_out, w_err, codes, isolation)
+        finally:
+            os._exit(1)
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # nobody of our uid may read our memory or fds
+    os.close(w_out)
+    os.close(w_err)
+    status, rusage, timed_out = _wait(child, job["timeout_s"], killpg="weak" in isolation)
+    if "weak" in isolation:
+        if os.geteuid() == 0:
+            _kill_uid(job["uid"])
         shutil.rmtree(scratch, ignore_errors=True)
-    msg = {
-        "launcher": True,
-        "program_pid": 1 if "pidns" in isolation else child,
-        "timed_out": bool(timed_out),
-        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-        "isolation": isolation,
+    return {**_judge(status, rusage, timed_out, codes, job), "isolation": isolation}
+
+
+def _wait(child, timeout_s, killpg):
+    """Wait for the program, killing it at the wall-clock limit. Returns status, rusage, timed
+    out. A pidfd, so a kill can never hit a recycled pid."""
+    pidfd = os.pidfd_open(child)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        timed_out = not ready
+        if timed_out:
+            # In a pid namespace, killing its pid 1 kills every process in it.
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        if killpg:
+            # Exited but not reaped yet: its process group id cannot be recycled.
+            os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except OSError:
+                pass
+        _, status, rusage = os.wait4(child, 0)
+    finally:
+        os.close(pidfd)
+    return status, rusage, timed_out
+
+
+def _judge(status, rusage, timed_out, codes, job):
+    passed, failed, crashed = codes
+    report = {"exit_code": None, "signal": None, "error": None}
+    if os.WIFSIGNALED(status):
+        report["signal"] = os.WTERMSIG(status)
+    else:
+        report["exit_code"] = os.WEXITSTATUS(status)
+    if timed_out:
+        return {**report, "status": "timed_out", "error": f"wall-clock limit {job['timeout_s']} s"}
+    cpu = rusage.ru_utime + rusage.ru_stime
+    sig = report["signal"]
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= job["cpu_s"] - 0.05):
+        return {**report, "status": "timed_out", "error": f"CPU-time limit {job['cpu_s']} s"}
+    if sig is not None:
+        return {**report, "status": "crashed", "error": f"killed by {signal.Signals(sig).name}"}
+    code = report["exit_code"]
+    if code == passed:
+        return {**report, "status": "passed", "error": ""}
+    if code in (failed, crashed):  # the text is on stderr, after ERROR_MARK
+        return {**report, "status": "failed" if code == failed else "crashed"}
+    return {
+        **report,
+        "status": "crashed",
+        "error": f"exited early with code {code} (os._exit or exec) before the program finished",
     }
-    _write_all(w_res, (json.dumps(msg) + "\n").encode())
-    os._exit(0)
 
 
 def _kill_uid(uid):
-    """Without a pid namespace: kill every process left running under the sandbox uid."""
-    if uid is None:
-        return
+    """Weak mode as root: kill every process left running under the slot's uid."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -310,142 +651,160 @@ def _kill_uid(uid):
     os.waitpid(pid, 0)
 
 
+# ---------------------------------------------------------------------------------------------
+# Worker: one job
+
+
 def _run_job(job):
     t0 = time.monotonic()
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
-    r_res, w_res = os.pipe()
+    r_rep, w_rep = os.pipe()  # the launcher's report: never open in the program
     pid = os.fork()
     if pid == 0:
         try:
-            for fd in (r_out, r_err, r_res):
+            for fd in (r_out, r_err, r_rep, PROTOCOL_FDS[0], PROTOCOL_FDS[1]):
                 os.close(fd)
-            _launcher(job, w_out, w_err, w_res)
+            try:
+                report = _launcher(job, w_out, w_err)
+            except SetupError as exc:
+                report = {"setup_error": {"step": exc.step, "errno": exc.errno}}
+            _write_all(w_rep, json.dumps(report).encode())
         except BaseException:  # noqa: BLE001
             try:
-                _write_all(
-                    w_res, (json.dumps({"launcher_error": traceback.format_exc()}) + "\n").encode()
-                )
+                _write_all(w_rep, json.dumps({"launcher_error": traceback.format_exc()}).encode())
             finally:
                 os._exit(70)
-        os._exit(70)
-    for fd in (w_out, w_err, w_res):
+        os._exit(0)
+    for fd in (w_out, w_err, w_rep):
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    limits = {r_out: job["max_output_bytes"], r_err: job["max_output_bytes"], r_res: 1 << 20}
-    bufs = {r_out: bytearray(), r_err: bytearray(), r_res: bytearray()}
+    streams = {
+        r_out: _Capture(job["max_output_bytes"]),
+        r_err: _Capture(job["max_output_bytes"]),
+        r_rep: _Capture(1 << 20),
+    }
     sel = selectors.DefaultSelector()
-    for fd in bufs:
+    for fd in streams:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
     sel.register(pidfd, selectors.EVENT_READ)
     # Backstop only: the launcher enforces the wall clock itself.
-    deadline = t0 + job["timeout_s"] + 5.0
+    deadline = t0 + job["timeout_s"] + 10.0
     backstop_kill = False
     exited = False
     while not exited:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            os.kill(pid, signal.SIGKILL)
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             backstop_kill = True
             break
         for key, _ in sel.select(timeout=remaining):
             if key.fd == pidfd:
                 exited = True
             else:
-                _drain(key.fd, bufs, limits, sel)
+                streams[key.fd].drain(key.fd, sel)
     os.waitpid(pid, 0)
     os.close(pidfd)
     # Anything still buffered in the pipes (writers are all dead now, or orphaned and killed).
-    for fd in list(bufs):
+    for fd, capture in streams.items():
         try:
-            _drain(fd, bufs, limits, sel, until_empty=True)
+            capture.drain(fd, sel, until_empty=True)
         except OSError:
             pass
         os.close(fd)
     sel.close()
     seconds = time.monotonic() - t0
-    return _classify(bufs[r_res], bufs[r_out], bufs[r_err], backstop_kill, seconds, job)
+    return _reply(streams[r_rep], streams[r_out], streams[r_err], backstop_kill, seconds)
 
 
-def _drain(fd, bufs, limits, sel, until_empty=False):
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        if not chunk:
+class _Capture:
+    """The first ``limit`` bytes of a stream, and its last few KiB (where the error text is)."""
+
+    TAIL = 16 << 10
+
+    def __init__(self, limit):
+        self.limit, self.total = limit, 0
+        self.head, self.tail = bytearray(), bytearray()
+
+    def drain(self, fd, sel, until_empty=False):
+        while True:
             try:
-                sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            return
-        room = limits[fd] - len(bufs[fd])
-        if room > 0:
-            bufs[fd] += chunk[:room]
-        if not until_empty:
-            return
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                try:
+                    sel.unregister(fd)
+                except (KeyError, ValueError):
+                    pass
+                return
+            self.total += len(chunk)
+            room = self.limit - len(self.head)
+            if room > 0:
+                self.head += chunk[:room]
+            self.tail = (self.tail + chunk)[-self.TAIL :]
+            if not until_empty:
+                return
+
+    def split_error(self):
+        """(the stream before the last ERROR_MARK, the error text after it)."""
+        complete = self.total <= self.limit
+        end = (self.head if complete else self.tail).rfind(ERROR_MARK)
+        error = b""
+        if end >= 0:
+            error = bytes((self.head if complete else self.tail)[end + len(ERROR_MARK) :])
+        cut = self.head.rfind(ERROR_MARK)
+        return bytes(self.head[:cut] if cut >= 0 else self.head), error
 
 
-def _classify(res, out, err, backstop_kill, seconds, job):
-    launcher, program_msgs = None, []
-    for line in bytes(res).decode("utf-8", "replace").splitlines():
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(msg, dict):
-            continue
-        if msg.get("launcher") is True:
-            launcher = msg
-        elif "launcher_error" in msg:
-            launcher = {"error": msg["launcher_error"]}
-        else:
-            program_msgs.append(msg)
+def _reply(rep, out, err, backstop_kill, seconds):
+    stderr, error_text = err.split_error()
     result = {
-        "stdout": bytes(out).decode("utf-8", "replace"),
-        "stderr": bytes(err).decode("utf-8", "replace"),
+        "stdout": bytes(out.head).decode("utf-8", "replace"),
+        "stderr": stderr.decode("utf-8", "replace"),
         "seconds": seconds,
         "exit_signal": None,
         "isolation": [],
     }
-    if launcher is None or "error" in (launcher or {}):
-        detail = (launcher or {}).get("error", "launcher died")
+    try:
+        report = json.loads(bytes(rep.head).decode("utf-8"))
+    except ValueError:
+        report = None
+    if not isinstance(report, dict) or "launcher_error" in report:
         if backstop_kill:
             return {**result, "status": "timed_out", "error": "killed by the worker's backstop"}
+        detail = report["launcher_error"] if isinstance(report, dict) else "launcher died"
         return {**result, "status": "crashed", "error": f"sandbox failure: {detail}"}
-    result["isolation"] = launcher["isolation"]
-    result["exit_signal"] = launcher["signal"]
-    # Only the program's own process may report an outcome; forked copies are ignored.
-    mine = [m for m in program_msgs if m.get("pid") == launcher["program_pid"]]
-    if launcher["timed_out"]:
-        return {**result, "status": "timed_out", "error": f"wall-clock limit {job['timeout_s']} s"}
-    if launcher["signal"] == signal.SIGXCPU or (
-        launcher["signal"] == signal.SIGKILL and not mine and seconds >= job["cpu_s"]
-    ):
-        return {**result, "status": "timed_out", "error": f"CPU-time limit {job['cpu_s']} s"}
-    if mine:
-        m = mine[-1]
-        result["isolation"] = result["isolation"] + m.get("isolation", [])
-        return {**result, "status": m["outcome"], "error": m.get("error", "")}
-    if launcher["signal"] is not None:
-        name = signal.Signals(launcher["signal"]).name
-        return {**result, "status": "crashed", "error": f"killed by {name}"}
-    return {
-        **result,
-        "status": "crashed",
-        "error": f"exited with code {launcher['exit_code']} before the program finished",
-    }
+    if "setup_error" in report:
+        step, err_no = report["setup_error"]["step"], report["setup_error"]["errno"]
+        return {
+            **result,
+            "status": "crashed",
+            "error": f"sandbox set-up failed: {step}: {os.strerror(err_no)}",
+            "setup_error": {**report["setup_error"], "strerror": os.strerror(err_no)},
+        }
+    result["isolation"] = report["isolation"]
+    result["exit_signal"] = report["signal"]
+    error = report["error"]
+    if error is None:
+        error = error_text.decode("utf-8", "replace") or "(no error text)"
+    return {**result, "status": report["status"], "error": error}
 
 
-HIDDEN_PYTHON_ROOTS = {}
+HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST = {}, False, 40
+PROTOCOL_FDS = (0, 1)
 
 
 def main():
-    global HIDDEN_PYTHON_ROOTS
-    HIDDEN_PYTHON_ROOTS = _hidden_python_roots()
+    global HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PROTOCOL_FDS
+    # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    HIDDEN_DIRS, HOME_HIDDEN = _hidden_dirs()
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        CAP_LAST = int(f.read())
     # Keep the protocol pipes off fds 0/1 so nothing a program does can write into them.
-    proto_in, proto_out = os.dup(0), os.dup(1)
+    PROTOCOL_FDS = proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)

@@ -43,6 +43,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     run.add_argument(
         "--workers", type=positive_int, help="parallel test programs (default: all cores)"
     )
+    run.add_argument(
+        "--isolation",
+        choices=["namespaces", "weak"],
+        default="namespaces",
+        help="sandbox for generated code: 'namespaces' (default) is refused where the kernel "
+        "has none; 'weak' = resource limits and a socket guard only, programs run as you",
+    )
     run.add_argument("--cache-dir", default="results/eval_cache")
     run.add_argument(
         "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
@@ -65,6 +72,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     _benchmark_args(canon)
     canon.add_argument("--workers", type=positive_int)
     canon.add_argument("--timeout", type=float, default=10.0)
+    canon.add_argument(
+        "--isolation",
+        choices=["namespaces", "weak"],
+        default="namespaces",
+        help="sandbox for generated code: 'namespaces' (default) is refused where the kernel "
+        "has none; 'weak' = resource limits and a socket guard only, programs run as you",
+    )
     canon.set_defaults(func=_canonical)
     return p
 
@@ -110,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         prompt=PromptConfig(n_shots=args.n_shots, chat_template=args.chat_template),
         gsm8k_extraction="strict" if args.strict else "flexible",
         sandbox=SandboxLimits(timeout_s=args.timeout),
+        isolation=args.isolation,
         workers=args.workers,
         seed=args.seed,
     )
@@ -173,7 +188,8 @@ def _canonical(args: argparse.Namespace) -> int:
         for kind, prog in build_test_programs(it.prompt, it.solution or "", it.tests).items():
             programs.append(prog)
             index.append((it.item_id, kind))
-    with Sandbox(workers=args.workers, limits=SandboxLimits(timeout_s=args.timeout)) as sandbox:
+    limits = SandboxLimits(timeout_s=args.timeout)
+    with Sandbox(workers=args.workers, limits=limits, isolation=args.isolation) as sandbox:
         results = sandbox.run_many(programs, progress=True)
     failed = [(i, r) for i, r in zip(index, results) if not r.passed]
     print(f"{bench.name}: {len(programs) - len(failed)}/{len(programs)} test programs pass "

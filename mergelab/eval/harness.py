@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from mergelab.candidate import Candidate, Generation, GenerationSettings
 from mergelab.eval.benchmarks import Benchmark
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
-from mergelab.eval.sandbox import Sandbox, SandboxLimits
+from mergelab.eval.sandbox import ISOLATION_MODES, Sandbox, SandboxLimits
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k, solution_code
 from mergelab.eval.scoring_math import gsm8k_correct, math_correct
 from mergelab.eval.stats import bootstrap_ci
@@ -79,8 +79,9 @@ class EvalSettings:
     benchmark's stop strings are added to ``generation.stop_strings``. ``n_samples``
     completions per item (sample ``j`` decodes with seed ``generation.seed + j``); ``pass_k``:
     the k of pass@k for code (each ≤ n_samples). ``gsm8k_extraction``: "flexible" or
-    "strict". ``sandbox``: limits per test program; ``workers``: parallel programs.
-    ``bootstrap_samples``/``confidence``/``seed``: the CIs.
+    "strict". ``sandbox``: limits per test program; ``workers``: parallel programs;
+    ``isolation``: "namespaces" (the default: refused where the kernel has none) or "weak"
+    (resource limits only; see :mod:`mergelab.eval.sandbox`). ``bootstrap_samples``/``confidence``/``seed``: the CIs.
     """
 
     generation: GenerationSettings = GenerationSettings(max_new_tokens=512)
@@ -90,6 +91,7 @@ class EvalSettings:
     gsm8k_extraction: str = "flexible"
     sandbox: SandboxLimits = SandboxLimits()
     workers: int | None = None
+    isolation: str = "namespaces"
     bootstrap_samples: int = 10_000
     confidence: float = 0.95
     seed: int = 0
@@ -100,6 +102,10 @@ class EvalSettings:
         bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples]
         if bad:
             raise ValueError(f"pass_k {bad} need 1 <= k <= n_samples ({self.n_samples})")
+        if self.isolation not in ISOLATION_MODES:
+            raise ValueError(
+                f"isolation must be one of {sorted(ISOLATION_MODES)}, got {self.isolation!r}"
+            )
         if self.gsm8k_extraction not in ("flexible", "strict"):
             raise ValueError("gsm8k_extraction must be 'flexible' or 'strict'")
         if self.n_samples > 1 and not self.generation.do_sample:
@@ -121,6 +127,7 @@ class EvalSettings:
             "gsm8k_extraction": self.gsm8k_extraction,
             "sandbox": self.sandbox.to_job(),
             "workers": self.workers,
+            "isolation": self.isolation,
             "bootstrap_samples": self.bootstrap_samples,
             "confidence": self.confidence,
             "seed": self.seed,
@@ -502,7 +509,9 @@ def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, prog
                 programs.append(prog)
                 index.append((it.item_id, s, kind))
     own = sandbox is None
-    sandbox = sandbox or Sandbox(workers=settings.workers, limits=settings.sandbox)
+    sandbox = sandbox or Sandbox(
+        workers=settings.workers, limits=settings.sandbox, isolation=settings.isolation
+    )
     try:
         results = sandbox.run_many(programs, limits=settings.sandbox, progress=progress,
                                    desc=f"testing {bench.name}")  # fmt: skip

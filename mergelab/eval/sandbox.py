@@ -6,34 +6,44 @@
 
 Every program runs in its own process, never in the harness's. The harness starts ``workers``
 small clean Python processes (``_sandbox_worker.py``, started with an empty environment); each
-forks a fresh launcher + program process per job. What each program gets, when the harness runs
-as root on Linux (the normal case in containers):
+forks a fresh launcher + program process per job. By default (``isolation="namespaces"``) each
+program gets, as root or as an ordinary user alike:
 
-* new network namespace (no interfaces but a down loopback: no network at all), pid namespace
-  (the program is pid 1; when it ends every process it started is killed by the kernel), mount,
-  IPC and UTS namespaces;
-* a private, size-limited tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock, with the working
-  directory a fresh scratch dir inside it (gone when the job ends);
-* an unprivileged uid/gid of its own per worker slot (so it cannot write root's files, signal
-  the harness or read other processes' /proc/PID/environ, and RLIMIT_NPROC — which root
-  ignores — caps forks), no supplementary groups, no_new_privs;
-* rlimits: CPU seconds, address space (memory), process count, file size, no core files;
-  a wall-clock timeout enforced by the launcher (and a backstop in the worker);
-* a clean environment (PATH, HOME, LANG only) and stdin from /dev/null; stdout/stderr captured
-  up to ``max_output_bytes``.
+* new network (no interfaces but a down loopback: no network at all), pid (the program is pid 1;
+  when it ends the kernel kills every process it started), mount, IPC and UTS namespaces; as a
+  non-root user also a user namespace, which is what lets an ordinary user create the others;
+* a private /proc listing only its own processes; the whole filesystem read-only except one
+  size-limited tmpfs holding /tmp, /var/tmp, /dev/shm and /run, with a fresh scratch directory in
+  it as the working directory (all gone when the job ends); the caller's home directory hidden;
+  the host's path-based Unix sockets (D-Bus, docker.sock, ...) covered;
+* no capabilities and no_new_privs; as root, a uid/gid of its own per worker slot (owning no
+  files); as another user, the caller's uid, which the read-only filesystem keeps from writing;
+* rlimits: CPU seconds, address space (memory), process count (per job: counted per user
+  namespace, or per slot uid as root), file size, open files, no core files; a wall-clock
+  timeout enforced by the launcher (and a backstop in the worker);
+* a clean environment (PATH, HOME, LANG only), stdin from /dev/null, no other open descriptor;
+  stdout/stderr captured up to ``max_output_bytes``.
 
-Without root or namespaces (``isolation="basic"`` or when unshare fails) it falls back to rlimits,
-a per-job temp dir and a Python-level socket guard; ``ExecutionResult.isolation`` always says
-which protections were actually in force.
+The outcome comes from what the launcher observes (the program's exit status, against exit codes
+drawn at random per job), never from a message of the program: a program cannot report its own
+pass. ``_sandbox_worker.py`` explains how, and what a determined program could still do.
 
-Not guaranteed: no seccomp syscall filter, so kernel bugs are in scope for an attacker; files
-readable by any user stay readable; a program that deliberately forges the result message on
-its reporting pipe could fake a pass. It is a guard against accidents and sloppy model output
-(the usual threat for code benchmarks), not a hardened jail for adversarial code.
+When the kernel refuses the namespaces (unprivileged user namespaces disabled by a sysctl,
+AppArmor or a container's seccomp profile), creating a ``Sandbox`` raises
+:class:`SandboxUnavailableError`, saying what is missing and how to enable it. Only
+``isolation="weak"`` runs programs without namespaces: rlimits, a scratch directory and a
+Python-level socket block, which a program defeats with ctypes or a subprocess; it can read and
+write whatever its uid can. ``ExecutionResult.isolation`` always lists what was in force.
+
+Not guaranteed even with namespaces: no seccomp syscall filter, so kernel bugs are in scope for
+an attacker; files readable by the program's uid stay readable outside the hidden directories;
+the memory limit is per process. It is a guard against accidents and hostile model output, not a
+hardened jail for code written to attack this sandbox's host kernel.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -52,9 +62,21 @@ from tqdm.auto import tqdm
 
 STATUSES = ("passed", "failed", "timed_out", "crashed")
 WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
-# Sandboxed programs run as uid BASE_UID + slot; high, unnamed uids that own no files.
+# Sandboxed programs of root run as uid BASE_UID + slot; high, unnamed uids that own no files.
 BASE_UID = 1_500_000
 _SANDBOX_COUNTER = itertools.count()
+# Accepted names -> mode. "strict" and "basic" are the names of earlier releases.
+ISOLATION_MODES = {
+    "namespaces": "namespaces",
+    "strict": "namespaces",
+    "weak": "weak",
+    "basic": "weak",
+}
+
+
+class SandboxUnavailableError(OSError):
+    """The kernel refuses the namespaces the sandbox needs (and weak isolation was not asked for).
+    An OSError: an environment fault, which the CLI reports as such (exit code 1)."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +126,17 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        # -I: ignore PYTHON* env vars and the user site; env={} : the harness's secrets stay here.
+        # -I: ignore PYTHON* env vars and the user site. A minimal environment: the harness's
+        # secrets stay here (HOME only tells the worker which directory to hide).
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if os.environ.get("HOME"):
+            env["HOME"] = os.environ["HOME"]
         self.proc = subprocess.Popen(
             [sys.executable, "-I", str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+            env=env,
             cwd="/",
             start_new_session=True,
             close_fds=True,
@@ -148,22 +174,29 @@ class _Worker:
 class Sandbox:
     """A pool of sandbox workers. Use as a context manager, or call :meth:`close`.
 
-    ``workers``: parallel programs (default: number of CPU cores). ``isolation``: ``"auto"``
-    (namespaces when possible, else the fallback), ``"strict"`` (fail the job if namespaces are
-    unavailable) or ``"basic"`` (never use namespaces).
+    ``workers``: parallel programs (default: number of CPU cores). ``isolation``:
+    ``"namespaces"`` (default; raises :class:`SandboxUnavailableError` here, before any program
+    runs, when the kernel refuses them) or ``"weak"`` (no namespaces: rlimits, a scratch
+    directory and a Python-level socket block only; ask for it knowingly). ``"strict"`` and
+    ``"basic"`` are accepted as their old names.
     """
 
     def __init__(
         self,
         workers: int | None = None,
         limits: SandboxLimits | None = None,
-        isolation: str = "auto",
+        isolation: str = "namespaces",
     ):
-        if isolation not in ("auto", "strict", "basic"):
-            raise ValueError(f"isolation must be 'auto', 'strict' or 'basic', got {isolation!r}")
+        if isolation == "auto":
+            raise ValueError(
+                "isolation='auto' was removed: the sandbox no longer falls back silently. Use "
+                "'namespaces' (the default) or, knowingly, 'weak'"
+            )
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation must be 'namespaces' or 'weak', got {isolation!r}")
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.limits = limits or SandboxLimits()
-        self.isolation = isolation
+        self.isolation = ISOLATION_MODES[isolation]
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -174,6 +207,17 @@ class Sandbox:
         for w in self._all:
             self._free.put(w)
         self._lock = threading.Lock()
+        if self.isolation == "namespaces":
+            self._probe()
+
+    def _probe(self) -> None:
+        """Run one trivial program now, so a kernel that refuses namespaces is one clear error
+        here rather than a "crashed" result per program."""
+        job = self._job("pass", SandboxLimits(timeout_s=30.0))
+        reply = self._all[0].run(job)
+        if reply.get("status") != "passed":
+            self.close()
+            raise SandboxUnavailableError(_refusal_message(reply))
 
     def __enter__(self) -> Sandbox:
         return self
@@ -186,8 +230,7 @@ class Sandbox:
             w.close()
 
     def _job(self, program: str, limits: SandboxLimits) -> dict[str, Any]:
-        namespaces = {"auto": True, "strict": "require", "basic": False}[self.isolation]
-        return {"program": program, "namespaces": namespaces, **limits.to_job()}
+        return {"program": program, "mode": self.isolation, **limits.to_job()}
 
     def run(self, program: str, limits: SandboxLimits | None = None) -> ExecutionResult:
         """Run one program (source text) to completion; never raises for program errors."""
@@ -239,7 +282,7 @@ def run_programs(
     programs: Sequence[str],
     workers: int | None = None,
     limits: SandboxLimits | None = None,
-    isolation: str = "auto",
+    isolation: str = "namespaces",
     progress: bool = False,
 ) -> list[ExecutionResult]:
     """One-shot convenience: start a :class:`Sandbox`, run ``programs``, shut it down."""
@@ -250,3 +293,71 @@ def run_programs(
 def with_timeout(limits: SandboxLimits, timeout_s: float) -> SandboxLimits:
     """Copy of ``limits`` with another wall-clock (and CPU) timeout."""
     return replace(limits, timeout_s=timeout_s, cpu_s=None)
+
+
+def _read_sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", *name.split(".")).read_text().strip()
+    except OSError:
+        return None
+
+
+def _refusal_message(reply: dict[str, Any]) -> str:
+    """What failed, why (as far as this machine's settings tell), and what to do about it."""
+    setup = reply.get("setup_error")
+    if not setup:
+        return (
+            "the sandbox could not run a trivial program with namespaces: "
+            f"{reply.get('status')}: {reply.get('error', '')[-1000:]}"
+        )
+    step, err = setup["step"], setup["errno"]
+    lines = [f"The sandbox cannot isolate programs here: {step} failed ({os.strerror(err)})."]
+    root = os.geteuid() == 0
+    if err == errno.ENOSPC:
+        lines.append(
+            "user.max_user_namespaces is 0 (the default on RHEL/CentOS 7): enable user "
+            "namespaces with `sudo sysctl -w user.max_user_namespaces=15000`."
+        )
+    elif err == errno.EINVAL and step.startswith("unshare"):
+        lines.append("The kernel was built without namespace support (CONFIG_USER_NS etc.).")
+    else:
+        if _read_sysctl("kernel.unprivileged_userns_clone") == "0":
+            lines.append(
+                "Unprivileged user namespaces are disabled (Debian, older Ubuntu): "
+                "`sudo sysctl -w kernel.unprivileged_userns_clone=1`."
+            )
+        if _read_sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1":
+            lines.append(
+                "AppArmor restricts unprivileged user namespaces (Ubuntu 23.10 and later): "
+                "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`, or an AppArmor "
+                "profile that allows `userns` for this Python."
+            )
+        if _read_sysctl("user.max_user_namespaces") == "0":
+            lines.append("`sudo sysctl -w user.max_user_namespaces=15000` enables user namespaces.")
+        if _seccomp_filtered():
+            lines.append(
+                "A seccomp filter is active (Docker's default profile blocks unshare): run the "
+                "container with `--security-opt seccomp=unconfined`, or with CAP_SYS_ADMIN."
+            )
+        if root and len(lines) == 1:
+            lines.append(
+                "Running as root without the right to create namespaces (CAP_SYS_ADMIN): likely "
+                "an unprivileged container; give it CAP_SYS_ADMIN or run it with --privileged."
+            )
+        elif len(lines) == 1:
+            lines.append("A security module or the container runtime forbids user namespaces.")
+    lines.append(
+        "Alternatively run as root. To run generated code anyway with weak isolation (resource "
+        "limits and a Python-level socket block only: a program can read and write whatever "
+        "your user can, and reach the network through ctypes or a subprocess), pass "
+        "isolation='weak' (CLI: --isolation weak)."
+    )
+    return "\n".join(lines)
+
+
+def _seccomp_filtered() -> bool:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    return any(ln.split() == ["Seccomp:", "2"] for ln in status.splitlines())
