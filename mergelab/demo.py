@@ -41,6 +41,11 @@ METHOD_SETUP: dict[str, dict[str, Any]] = {
     "ties": {"params": {"density": 0.5}},
     "dare_linear": {"params": {"density": 0.5}},
     "dare_ties": {"params": {"density": 0.5}},
+    "della": {"params": {"density": 0.5, "epsilon": 0.2}},
+    "della_linear": {"params": {"density": 0.5, "epsilon": 0.2}},
+    "nuslerp": {"base": True},  # interpolate the two task vectors around the base
+    "multislerp": {"base": True},
+    "nearswap": {"params": {"t": 0.01}},
 }
 
 
@@ -148,13 +153,15 @@ def _run_demo(seed: int, steps: int, progress: bool) -> list[DemoRow]:
             model.save_pretrained(root / task)
         for method in list_merge_methods():
             setup = METHOD_SETUP.get(method, {})
-            use_base = setup.get("base", get_merge_method(method).needs_base)
+            m = get_merge_method(method)
+            use_base = setup.get("base", m.needs_base)
+            models = [root / "count", root / "skip"][: m.n_experts[1] or 2]  # e.g. nearswap: 1
             start = time.perf_counter()
             try:
                 out = merge_checkpoints(
                     method,
                     root / "base" if use_base else None,
-                    [root / "count", root / "skip"],
+                    models,
                     output=root / f"merged-{method}",
                     params=setup.get("params"),
                     seed=seed,

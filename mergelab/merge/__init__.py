@@ -1,6 +1,6 @@
 """Weight-space merges: a registry of per-tensor methods and engines that apply them."""
 
-from . import methods, ops  # noqa: F401  (importing methods registers the built-in methods)
+from . import methods, methods_mergekit, ops  # noqa: F401  (importing registers the methods)
 from .registry import (
     MergeMethod,
     TensorContext,

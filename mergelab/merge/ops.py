@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 
@@ -299,6 +300,127 @@ def random_drop_(
     return tau
 
 
+def magprune_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """MAGPRUNE's keep probability of every entry of τ (DELLA), same shape as τ.
+
+    Within each row (axis 1; a 1-D τ is one row) the entries are ranked by |τ| ascending,
+    r = 0 … n−1, and kept with probability p = density − ε + 2ε · r/(n − 1): density − ε for the
+    smallest, density + ε for the largest, density on average. A row of one entry gets density
+    (mergekit divides 0 by 0 there). Tied magnitudes are ranked in the order ``argsort`` returns
+    them, as in mergekit. Computed in mergekit's dtype, rounding included, since it decides the
+    draws: τ's own on an accelerator or for bfloat16 (where ranks above 256 round), else float32
+    (CPU ``bernoulli`` lacks float16).
+    """
+    keep_own = tau.device.type != "cpu" or tau.dtype == torch.bfloat16
+    dtype = tau.dtype if keep_own else torch.float32
+    rows = tau if tau.dim() >= 2 else tau.unsqueeze(0)
+    n = rows.shape[1]
+    if n == 1:
+        return torch.full(tau.shape, density, dtype=dtype, device=tau.device)
+    order = rows.abs().argsort(dim=1)  # the same call as mergekit's: ties in the same order
+    # Ranks 1 … n and their spread computed as mergekit does, rounding included (bfloat16
+    # rounds ranks above 256), so that the same draws keep the same entries.
+    rank = order.argsort(dim=1).to(dtype).add_(1)
+    low, high = rank.amin(dim=1, keepdim=True), rank.amax(dim=1, keepdim=True)
+    fraction = ((rank - low) / (high - low)).clamp_(0, 1)
+    probability = fraction.mul_(2).mul_(epsilon).add_(density - epsilon)
+    return probability.view(tau.shape)
+
+
+def magprune_(
+    tau: torch.Tensor,
+    density: float,
+    epsilon: float,
+    generator: torch.Generator,
+    rescale: DareRescale = "keep_rate",
+) -> torch.Tensor:
+    """DELLA's MAGPRUNE in place: drop entries at random, the small ones more often, and rescale.
+
+    Entry j is kept with probability p_j from :func:`magprune_keep_probabilities` (one
+    ``torch.bernoulli`` draw from ``generator``). ``rescale``: "keep_rate" divides each survivor by
+    its own p_j (DELLA paper and its authors' code); "l1" matches τ's pre-drop L1 norm (mergekit's
+    ``rescale: true``); "none". ``density`` ≥ 1 leaves τ untouched and ≤ 0 zeroes it, drawing
+    nothing (as mergekit). Drop and rescale happen in the probabilities' dtype (float32 for a
+    float16 τ on CPU), as in mergekit.
+    """
+    if density >= 1:
+        return tau
+    if density <= 0:
+        return tau.zero_()
+    probability = magprune_keep_probabilities(tau, density, epsilon)
+    keep = torch.bernoulli(probability, generator=generator)
+    work = tau.to(probability.dtype)  # mergekit's work dtype; τ itself when it already is
+    if rescale == "keep_rate":
+        work.mul_(keep).div_(probability)
+    else:
+        random_drop_(work, keep, density, rescale)
+    return tau if work is tau else tau.copy_(work)
+
+
+def variance_selection_mask(stack: torch.Tensor, fraction: float) -> torch.Tensor:
+    """SCE's *select* step: 1.0 where the variance across experts is among the largest, else 0.
+
+    ``stack`` ``[n, ...]`` → mask ``[...]``. The population variance of each position over the
+    experts is ranked and the top ``int(fraction · #nonzero variances)`` positions are kept (the
+    count rounded in float32, as mergekit does); exact ties with the last one kept are all kept,
+    where mergekit's ``topk`` keeps exactly that many. ``fraction`` ≥ 1 keeps all, ≤ 0 none.
+    """
+    if fraction >= 1:
+        return torch.ones_like(stack[0])
+    variance = stack.var(dim=0, correction=0)
+    k = int(torch.count_nonzero(variance) * fraction) if fraction > 0 else 0
+    if k == 0:
+        return torch.zeros_like(variance)
+    return (variance >= kth_largest_abs(variance, k)).to(stack.dtype)
+
+
+def sce_coefficients(stack: torch.Tensor) -> torch.Tensor:
+    """SCE's *calculate* step: η_i = mean(τ_i²) / Σ_j mean(τ_j²), one per expert, shape ``[n]``.
+
+    Uniform (1/n) when Σ_j mean(τ_j²) < 1e-6, mergekit's guard against dividing by ~0; note that
+    this also catches small real task vectors (RMS below ~1e-3 for a single expert).
+    """
+    energy = stack.square().reshape(stack.shape[0], -1).mean(dim=1)
+    total = energy.sum().item()
+    if abs(total) < 1e-6:
+        return torch.full_like(energy, 1 / stack.shape[0])
+    return energy / total
+
+
+def fusion_importance(expert: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Arcee Fusion's importance score per entry: |θ_e − θ_b| · KL(softmax(θ_e) ‖ softmax(θ_b)).
+
+    The softmaxes (each + 1e-8) and the KL divergence are taken along the last axis, so every
+    row has one KL factor (a 1-D tensor is one row). Same shape as ``base``.
+    """
+    p = F.softmax(expert, dim=-1) + 1e-8
+    q = F.softmax(base, dim=-1) + 1e-8
+    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    return (expert - base).abs() * kl
+
+
+QUANTILE_SAMPLE_SIZE = 1_000_000
+
+
+def iqr_outlier_threshold(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """median + 1.5 · (Q3 − Q1) of ``scores`` (Tukey's outlier fence), as a 0-d tensor.
+
+    Quantiles are order statistics at index ⌊q · (n − 1)⌋ of the sorted values; above
+    :data:`QUANTILE_SAMPLE_SIZE` values they are those of that many values drawn with
+    replacement with ``generator`` (mergekit draws the same sample from torch's global RNG).
+    """
+    flat = scores.reshape(-1)
+    if flat.numel() > QUANTILE_SAMPLE_SIZE:
+        picks = torch.randint(
+            flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=generator, device=flat.device
+        )
+        flat = flat[picks]
+    ordered = flat.sort().values
+    index = (torch.tensor([0.25, 0.5, 0.75]) * (ordered.numel() - 1)).long()
+    q1, median, q3 = ordered[index.to(ordered.device)]
+    return median + 1.5 * (q3 - q1)
+
+
 # --- TIES sign election and disjoint merge ------------------------------------------------------
 
 MajoritySign = Literal["sum", "count"]
@@ -446,3 +568,138 @@ def model_stock(
     t = torch.where(singular, 0.0, n * cos_theta / torch.where(singular, 1.0, denominator))
     average = sum(experts_v) / n
     return (t * average + (1 - t) * base_v).reshape(shape)
+
+
+def nuslerp(
+    t: float,
+    v0: torch.Tensor,
+    v1: torch.Tensor,
+    *,
+    row_wise: bool = False,
+    flatten: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Spherical interpolation of many vectors at once, from ``v0`` (t = 0) to ``v1`` (t = 1).
+
+    The vectors are the whole tensor (``flatten``), or else its rows (slices along the last axis)
+    or, with ``row_wise``, its slices along axis 0 (mergekit's names). For each pair the angle θ is
+    that of the normalised vectors (norms clamped to ≥ 1e-7) and the result is
+    (sin((1−t)θ) v0 + sin(tθ) v1) / sin θ, or (1−t) v0 + t v1 where 1 − cos²θ ≤ ``eps``² (colinear).
+    Same semantics as mergekit's ``nuslerp``. Returns a tensor of ``v0``'s shape.
+    """
+    shape = v0.shape
+    if flatten:
+        a, b = v0.reshape(-1), v1.reshape(-1)
+    elif row_wise:
+        a, b = v0.transpose(0, -1), v1.transpose(0, -1)
+    else:
+        a, b = v0, v1
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-7)
+
+    cos_theta = (unit(a) * unit(b)).sum(dim=-1, keepdim=True).clamp(-1, 1)
+    colinear = (1 - cos_theta.square()) <= eps**2
+    theta = torch.acos(torch.where(colinear, 0, cos_theta))
+    spherical = (torch.sin((1 - t) * theta) * a + torch.sin(t * theta) * b) / torch.sin(theta)
+    result = torch.where(colinear, (1 - t) * a + t * b, spherical)
+    if row_wise and not flatten:
+        result = result.transpose(0, -1)
+    return result.reshape(shape)
+
+
+def multislerp(
+    tensors: list[torch.Tensor],
+    weights: list[float],
+    *,
+    normalize_weights: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Barycentric interpolation of several tensors on the hypersphere (mergekit's ``multislerp``).
+
+    Each tensor x_i (shape ``S``) is one vector. With weights w_i (divided by Σ w_i when
+    ``normalize_weights``): the unit vectors u_i = x_i / (‖x_i‖ + eps) are averaged,
+    m = Σ w_i u_i / ‖Σ w_i u_i‖; their tangent components at m, v_i = u_i − (u_i · m) m, are
+    averaged, v = Σ w_i v_i; one exponential-map step gives m cos‖v‖ + v sin‖v‖ / ‖v‖ (‖v‖ + eps
+    in place of ‖v‖), scaled to the weighted mean norm Σ w_i ‖x_i‖. Where Σ w_i u_i ≈ 0 (norm < eps)
+    two tensors fall back to w_0 x_0 + w_1 x_1 and more are refused (no direction to average).
+    """
+    stack = torch.stack(tensors)
+    flat = stack.view(len(tensors), -1)
+    w = torch.tensor(weights, dtype=stack.dtype, device=stack.device)
+    if normalize_weights:
+        w = w / w.sum()
+    column = w.view(-1, 1)
+    norms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
+    units = flat / (norms + eps)
+    mean = (units * column).sum(0)
+    mean_norm = torch.linalg.vector_norm(mean)
+    if mean_norm < eps:
+        if len(tensors) == 2:
+            return (stack[0] * w[0] + stack[1] * w[1]).view(stack.shape[1:])
+        raise ValueError(
+            "multislerp: the weighted mean direction of the models is zero (e.g. opposite "
+            "tensors a, -a with equal weights); change the weights"
+        )
+    mean = mean / mean_norm
+    tangents = units - (units * mean).sum(-1, keepdim=True) * mean
+    step = (tangents * column).sum(0)
+    step_norm = torch.linalg.vector_norm(step) + eps
+    result = mean * torch.cos(step_norm) + step * (torch.sin(step_norm) / step_norm)
+    return (result * (norms.squeeze(-1) * w).sum()).view(stack.shape[1:])
+
+
+def karcher_mean(
+    tensors: list[torch.Tensor],
+    weights: list[float],
+    *,
+    max_iter: int = 10,
+    tol: float = 1e-5,
+) -> torch.Tensor:
+    """Weighted Karcher (Fréchet) mean on the unit sphere, rescaled by the weighted mean norm.
+
+    Each tensor x_i is one vector; α_i = w_i / Σ w_i. The directions u_i = x_i / ‖x_i‖ of the
+    tensors with ‖x_i‖ > ``tol`` are averaged on the sphere by Riemannian gradient steps from their
+    normalised (Euclidean) weighted mean: the tangent Σ α_i θ_i/sin θ_i (u_i − cos θ_i m) (α
+    renormalised over those tensors; terms with θ_i < ``tol`` skipped) is followed along the great
+    circle, at most ``max_iter`` times, stopping once its norm is < ``tol``. The result is
+    (Σ_i α_i ‖x_i‖) · m over all tensors. Same algorithm as mergekit's ``karcher`` (which uses
+    α_i = 1/n). All-zero inputs give zeros; one tensor gives itself. Norms and angles in float32
+    (float64 for float64 input).
+    """
+    if len(tensors) == 1:
+        return tensors[0].clone()
+    total = sum(weights)
+    alphas = [w / total for w in weights]
+    dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    norms = [torch.linalg.vector_norm(x.to(dtype)) for x in tensors]
+    valid = [i for i, norm in enumerate(norms) if norm.item() > tol]
+    if not valid:
+        return torch.zeros_like(tensors[0])
+    units = [(tensors[i] / norms[i]).to(tensors[i].dtype) for i in valid]
+    valid_total = sum(alphas[i] for i in valid)
+    valid_alphas = [alphas[i] / valid_total for i in valid]
+    mean = torch.zeros_like(units[0])
+    for alpha, u in zip(valid_alphas, units):
+        mean += alpha * u
+    mean_norm = torch.linalg.vector_norm(mean.to(dtype))
+    # Directions that cancel out: start from the first one instead.
+    mean = units[0].clone() if mean_norm.item() < tol else (mean / mean_norm).to(mean.dtype)
+    for _ in range(max_iter):
+        tangent = torch.zeros_like(mean)
+        for alpha, u in zip(valid_alphas, units):
+            cos_theta = torch.dot(mean.flatten(), u.flatten()).clamp(-1.0, 1.0)
+            theta = torch.arccos(cos_theta)
+            if theta.item() < tol:
+                continue
+            tangent += alpha * (theta / torch.sin(theta)) * (u - cos_theta * mean)
+        tangent_norm = torch.linalg.vector_norm(tangent.to(dtype))
+        if tangent_norm.item() < tol:
+            break
+        mean = (
+            torch.cos(tangent_norm) * mean + torch.sin(tangent_norm) * (tangent / tangent_norm)
+        ).to(mean.dtype)
+        mean_norm = torch.linalg.vector_norm(mean.to(dtype))
+        if mean_norm.item() > tol:  # back onto the sphere against round-off
+            mean = (mean / mean_norm).to(mean.dtype)
+    return sum(alpha * norm for alpha, norm in zip(alphas, norms)) * mean

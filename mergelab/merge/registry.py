@@ -145,6 +145,8 @@ class MergeMethod:
     ranges: dict[str, Interval] = field(default_factory=dict)
     # Rules over several parameters: check(resolved params and per-model lists) raises ValueError.
     check: Callable[[dict[str, Any]], None] | None = None
+    # How many models besides the base the method takes: (at least, at most or None for any).
+    n_experts: tuple[int, int | None] = (1, None)
 
     def resolve(
         self,
@@ -159,6 +161,7 @@ class MergeMethod:
         spelling ``lambda`` is accepted for ``lambda_``. Errors name the parameter (and the model,
         counted from 0, for a per-model value).
         """
+        self._check_count(n_experts)
         params = dict(params or {})
         per_model_params = dict(per_model_params or {})
         for key in list(params):
@@ -198,6 +201,17 @@ class MergeMethod:
         if self.check is not None:
             self.check({**resolved, **lists})
         return resolved, lists
+
+    def _check_count(self, n_experts: int) -> None:
+        low, high = self.n_experts
+        if low <= n_experts and (high is None or n_experts <= high):
+            return
+        count = f"exactly {low}" if low == high else f"{low} to {high}" if high else f"{low}+"
+        models = "model" if low == high == 1 else "models"
+        besides = "the base" if self.needs_base else "any base"
+        raise ValueError(
+            f"merge method {self.name!r} takes {count} {models} besides {besides}, got {n_experts}"
+        )
 
     def _global_value(self, key: str, value: Any) -> Any:
         """A global parameter must have its default's kind: bool, number or string (None:
@@ -308,6 +322,7 @@ def merge_method(
     needs_base: bool = True,
     prepare: PrepareFn | None = None,
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
+    n_experts: tuple[int, int | None] = (1, None),
     replace: bool = False,
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
@@ -316,7 +331,9 @@ def merge_method(
     ``ranges`` the allowed values of number parameters, global or per-model (an
     :class:`Interval`, or ``(low, high)`` for a closed one); ``check(params)`` a rule over several
     resolved parameters that raises ``ValueError``; ``prepare``/``needs_prepare`` a whole-model
-    first pass (module docstring). The decorated function is returned unchanged.
+    first pass (module docstring); ``n_experts`` how many models besides the base it takes
+    (at least, at most or None), checked with the parameters. The decorated function is
+    returned unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
 
@@ -361,6 +378,7 @@ def merge_method(
                 for key, r in (ranges or {}).items()
             },
             check=check,
+            n_experts=n_experts,
         )
         return fn
 
