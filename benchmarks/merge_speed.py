@@ -2,6 +2,12 @@
 
     python benchmarks/merge_speed.py                 # ~0.5B-parameter Llama, bf16, base + 2 experts
     python benchmarks/merge_speed.py --threads 2 --methods ties linear
+    python benchmarks/merge_speed.py --mergekit-config my/ties.yml   # any mergekit-spelled config
+
+``--mergekit-config`` runs one config written in mergekit's spelling (``merge_method``) with both
+``mergekit-yaml`` and ``mergelab merge --config`` (which reads it with mergekit's semantics), from
+the config's folder (mergekit resolves relative model paths against the working folder), and
+compares every tensor of the two outputs (largest absolute difference, and how many differ).
 
 The checkpoints are synthetic (random tensors with Llama's tensor names and shapes, a real
 ``config.json``), written once into ``--cache-dir`` and reused. Each merge runs in its own
@@ -139,7 +145,9 @@ GNU_TIME = "/usr/bin/time"
 RSS_TAG = "mergelab-bench-maxrss-kb="
 
 
-def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+def run_measured(
+    cmd: list[str], env: dict[str, str], cwd: str | None = None
+) -> tuple[float, float, int]:
     """(wall seconds, peak RSS in MiB, exit code) of one subprocess.
 
     Peak RSS comes from GNU time when present: Linux carries a process's ``ru_maxrss`` across
@@ -149,7 +157,9 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int
     use_time = os.path.exists(GNU_TIME)
     full = [GNU_TIME, "-f", RSS_TAG + "%M", *cmd] if use_time else cmd
     start = time.perf_counter()
-    proc = subprocess.Popen(full, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        full, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     stderr = proc.stderr.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)
     returncode = os.waitstatus_to_exitcode(status)
@@ -164,10 +174,12 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int
     return wall, rss_kib / 1024, returncode
 
 
-def run_repeated(cmd: list[str], env: dict[str, str], repeats: int) -> tuple[float, float, int]:
+def run_repeated(
+    cmd: list[str], env: dict[str, str], repeats: int, cwd: str | None = None
+) -> tuple[float, float, int]:
     """Best wall time and highest peak RSS over ``repeats`` runs (the best time is the least
     disturbed by other processes; RSS does not depend on them)."""
-    runs = [run_measured(cmd, env) for _ in range(repeats)]
+    runs = [run_measured(cmd, env, cwd) for _ in range(repeats)]
     failed = [rc for _, _, rc in runs if rc != 0]
     return min(w for w, _, _ in runs), max(r for _, r, _ in runs), failed[0] if failed else 0
 
@@ -180,17 +192,105 @@ def compare_outputs(a: Path, b: Path, names: list[str]) -> float:
         return max(float((fa.read(n).float() - fb.read(n).float()).abs().max()) for n in names)
 
 
+def compare_all(a: Path, b: Path) -> dict:
+    """Every tensor of two merged checkpoints: names, dtypes, largest |a − b|, entries differing."""
+    from mergelab.merge.checkpoint import CheckpointFolder
+
+    with CheckpointFolder(a) as fa, CheckpointFolder(b) as fb:
+        names = sorted(fa.tensors)
+        same_names = names == sorted(fb.tensors)
+        max_diff, n_differ, n_total, dtypes_equal = 0.0, 0, 0, True
+        for name in names if same_names else []:
+            x, y = fa.read(name), fb.read(name)
+            dtypes_equal &= x.dtype == y.dtype
+            diff = (x.double() - y.double()).abs()
+            max_diff = max(max_diff, float(diff.max()) if diff.numel() else 0.0)
+            n_differ += int((diff > 0).sum())
+            n_total += diff.numel()
+    return {
+        "same_tensor_names": same_names,
+        "same_dtypes": bool(dtypes_equal),
+        "max_abs_diff": max_diff,
+        "entries_differing": n_differ,
+        "entries": n_total,
+    }
+
+
+def run_mergekit_config(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """One mergekit-spelled config through both tools; times, peak RSS and a full comparison."""
+    config = Path(args.mergekit_config).resolve()
+    work = Path(args.cache_dir) / "outputs" / f"config-{config.stem}"
+    work.mkdir(parents=True, exist_ok=True)
+    ours, theirs = work / "mergelab", work / "mergekit"
+    cmd = [sys.executable, "-m", "mergelab.cli", "merge", "--config", str(config)]
+    cmd += ["--out", str(ours), "--force", "--no-progress", "--seed", "0"]
+    row: dict = {"config": str(config)}
+    row["mergelab_s"], row["mergelab_rss_mib"], rc = run_repeated(
+        cmd, env, args.repeats, cwd=str(config.parent)
+    )
+    row["mergelab_ok"] = rc == 0
+    shutil.rmtree(theirs, ignore_errors=True)
+    cmd = ["mergekit-yaml", str(config), str(theirs), "-j", str(args.threads), "--quiet"]
+    cmd += ["--random-seed", "0", "--no-write-model-card"]
+    row["mergekit_s"], row["mergekit_rss_mib"], rc = run_repeated(
+        cmd, env, args.repeats, cwd=str(config.parent)
+    )
+    row["mergekit_ok"] = rc == 0
+    if row["mergelab_ok"] and row["mergekit_ok"]:
+        row["speedup"] = row["mergekit_s"] / row["mergelab_s"]
+        row.update(compare_all(ours, theirs))
+    print(json.dumps(row, indent=2))
+    record = {
+        "config": {
+            "mergekit_config": config.read_text(),
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "machine": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "rows": [row],
+    }
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nresults: {results}")
+    if not args.keep_outputs:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if row["mergelab_ok"] and row["mergekit_ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/mergelab/merge_speed"))
     parser.add_argument("--methods", nargs="+", default=["linear", "task_arithmetic", "ties"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LLAMA_SHAPE["num_hidden_layers"])
-    parser.add_argument("--results", default="benchmarks/results/merge_speed.json")
+    parser.add_argument(
+        "--results",
+        help="JSON results file (default benchmarks/results/merge_speed.json, or "
+        "merge_speed_config.json with --mergekit-config)",
+    )
     parser.add_argument("--skip-mergekit", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="runs per tool; best time kept")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the merged checkpoints")
+    parser.add_argument(
+        "--mergekit-config",
+        metavar="YAML",
+        help="run this mergekit-spelled config with both tools instead (see the module docstring)",
+    )
     args = parser.parse_args(argv)
+    default_name = "merge_speed_config.json" if args.mergekit_config else "merge_speed.json"
+    args.results = args.results or f"benchmarks/results/{default_name}"
+    if args.mergekit_config:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "MKL_NUM_THREADS": str(args.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+        }
+        return run_mergekit_config(args, env)
 
     shape = {**LLAMA_SHAPE, "num_hidden_layers": args.layers}
     folder = Path(args.cache_dir) / f"llama-{args.layers}L"

@@ -44,6 +44,12 @@ Embedding rows that differ only by vocabulary padding (``vocab_padding``):
 
 Tied embeddings: a model with ``tie_word_embeddings`` that stores no ``lm_head.weight`` is read as
 if its ``lm_head.weight`` were its input embedding; the output stores what the base stores.
+
+Recipes (:class:`TensorRecipe`, built by :mod:`mergelab.merge.mergekit_dialect`): an output tensor
+may instead name its own inputs (any tensor of any model, so layers can be stacked and renamed),
+its own parameters (gradients across layers, per-name filters) and a vocabulary alignment of its
+rows (a tokenizer whose vocabulary differs from the models'). The streaming, buffers and checks
+are the same.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
+from .model_card import MODEL_CARD_NAME, model_card
 from .registry import MergeMethod, TensorContext, get_merge_method
 from .validation import (
     VOCAB_PADDING_RULES,
@@ -470,10 +477,12 @@ def write_sharded(
     return index
 
 
-def copy_model_files(source: Path, destination: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files (those that exist)."""
+def copy_model_files(
+    source: Path, destination: Path, names: Sequence[str] = COPIED_FILES
+) -> list[str]:
+    """Copy config, generation config and tokenizer files (those of ``names`` that exist)."""
     copied = []
-    for name in COPIED_FILES:
+    for name in names:
         if (source / name).is_file():
             shutil.copy2(source / name, destination / name)
             copied.append(name)
@@ -482,6 +491,35 @@ def copy_model_files(source: Path, destination: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 # The merge plan: everything validated, nothing written.
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One input of a recipe: the tensor ``name`` of the model folder ``folder``."""
+
+    folder: CheckpointFolder
+    name: str
+
+
+# (input tensors in the input dtype, base first when there is one) -> the same, rows aligned
+RowAlignment = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass
+class TensorRecipe:
+    """How one output tensor is made when it is not "the tensor of the same name in every model,
+    merged with one parameter set": its inputs, its resolved parameters (as
+    :meth:`MergeMethod.resolve` returns them) and an optional vocabulary row alignment."""
+
+    base: TensorSource | None
+    experts: list[TensorSource]
+    params: dict[str, Any]
+    per_model: dict[str, list[float]]
+    align: RowAlignment | None = None
+
+    @property
+    def sources(self) -> list[TensorSource]:
+        return ([self.base] if self.base is not None else []) + list(self.experts)
 
 
 @dataclass
@@ -501,6 +539,24 @@ class CheckpointMergePlan:
     # name -> number of rows merged, for embedding-like tensors truncated to the common vocabulary
     truncated_rows: dict[str, int] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    # Output name -> recipe (see TensorRecipe); None: same name in every model, one parameter set.
+    recipes: dict[str, TensorRecipe] | None = None
+    # Inputs are rounded to this dtype before the compute cast (mergekit's ``dtype``), if set.
+    input_dtype: torch.dtype | None = None
+    # The merged tensor is rounded to this dtype before the output cast, if set (mergekit's
+    # float32-internal methods hand back the input dtype, then cast to ``out_dtype``).
+    round_to: torch.dtype | None = None
+    # Entries to set in the output's config.json (e.g. num_hidden_layers after layer stacking).
+    config_updates: dict[str, Any] = field(default_factory=dict)
+    # Extra entries of mergelab_merge.json (e.g. the dialect and the config as given).
+    record: dict[str, Any] = field(default_factory=dict)
+    # The config as the user wrote it, quoted in the model card (README.md).
+    config_text: str | None = None
+    # Writes further files into the output folder after config and tokenizer files are copied
+    # (e.g. a rebuilt tokenizer); ``copied_files`` are the files copied from the template.
+    finish: Callable[[Path], None] | None = None
+    copied_files: tuple[str, ...] = COPIED_FILES
+    other_folders: list[CheckpointFolder] = field(default_factory=list)  # recipes' other inputs
     buffers: BufferPool | None = None  # reused across tensors by merge_tensor
     _n_produced: int = 0
     _order: dict[str, int] | None = None
@@ -511,6 +567,14 @@ class CheckpointMergePlan:
     @property
     def output_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def folders(self) -> list[CheckpointFolder]:
+        """Every model folder the plan reads (each once)."""
+        folders = [self.template, *self.experts, *self.other_folders]
+        if self.base is not None:
+            folders.append(self.base)
+        return list({id(f): f for f in folders}.values())
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able record of the merge (written into the output as ``mergelab_merge.json``)."""
@@ -530,13 +594,14 @@ class CheckpointMergePlan:
             "truncated_rows": self.truncated_rows,
             "n_tensors": len(self.tensors),
             "output_bytes": self.output_bytes,
+            **self.record,
         }
 
     def close(self) -> None:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader, self._prefetched, self._order = None, None, None
-        for folder in {id(f): f for f in [self.template, *self.experts]}.values():
+        for folder in self.folders:
             folder.close()
 
     # -- reading inputs for one output tensor --------------------------------------------------
@@ -548,11 +613,16 @@ class CheckpointMergePlan:
         the common vocabulary where the vocab-padding rule applies. With ``pool`` the tensors
         live in its reusable buffers (valid until the next call)."""
 
-        def read(folder: CheckpointFolder, key: str) -> torch.Tensor:
-            nbytes = folder.info(name).nbytes
+        def read(folder: CheckpointFolder, key: str, source: str = name) -> torch.Tensor:
+            nbytes = folder.info(source).nbytes
             buffer = pool.take(f"read-{key}{slot}", (nbytes,), torch.uint8) if pool else None
-            return folder.read(name, buffer)
+            return folder.read(source, buffer)
 
+        recipe = self.recipes.get(name) if self.recipes is not None else None
+        if recipe is not None:
+            base = read(recipe.base.folder, "base", recipe.base.name) if recipe.base else None
+            experts = [read(s.folder, str(i), s.name) for i, s in enumerate(recipe.experts)]
+            return base, experts
         rows = self.truncated_rows.get(name)
         base = read(self.base, "base") if self.base is not None else None
         experts = [read(e, str(i)) for i, e in enumerate(self.experts)]
@@ -564,9 +634,10 @@ class CheckpointMergePlan:
     def iter_inputs(self) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
         """Every floating tensor as (name, base, experts) in the compute dtype — one pass."""
         for t in self.tensors:
-            if not t.dtype.is_floating_point:
-                continue
             base, experts = self.inputs(t.name)
+            if not (base if base is not None else experts[0]).is_floating_point():
+                continue
+            base, experts = self._as_inputs(t.name, base, experts)
             cast = self.compute_dtype
             yield (
                 t.name,
@@ -584,18 +655,38 @@ class CheckpointMergePlan:
         reference = base if base is not None else experts[0]
         if not reference.is_floating_point():
             return None
+        base, experts = self._as_inputs(t.name, base, experts)
 
         def cast(x: torch.Tensor, key: str) -> torch.Tensor:
             return pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype).copy_(x)
 
         base = cast(base, "base") if base is not None else None
         experts = [cast(e, str(i)) for i, e in enumerate(experts)]
-        labelled = [(self.base, base)] if base is not None else []
-        for folder, x in [*labelled, *zip(self.experts, experts)]:
+        recipe = self.recipes.get(t.name) if self.recipes is not None else None
+        if recipe is not None:
+            base_folder = recipe.base.folder if recipe.base is not None else None
+            expert_folders = [s.folder for s in recipe.experts]
+        else:
+            base_folder, expert_folders = self.base, self.experts
+        labelled = [(base_folder, base)] if base is not None else []
+        for folder, x in [*labelled, *zip(expert_folders, experts)]:
             if not all_finite(x):
                 raise MergeInputError(
                     f"tensor {t.name!r} in {folder.label} ({folder.path}) contains NaN or Inf"
                 )
+        return base, experts
+
+    def _as_inputs(
+        self, name: str, base: torch.Tensor | None, experts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Inputs rounded to ``input_dtype`` (if set), then rows aligned (if the recipe says)."""
+        if self.input_dtype is not None:
+            base = base.to(self.input_dtype) if base is not None else None
+            experts = [e.to(self.input_dtype) for e in experts]
+        recipe = self.recipes.get(name) if self.recipes is not None else None
+        if recipe is not None and recipe.align is not None:
+            aligned = recipe.align(([base] if base is not None else []) + experts)
+            base, experts = (aligned[0], aligned[1:]) if base is not None else (None, aligned)
         return base, experts
 
     def merge_tensor(self, t: OutputTensor) -> torch.Tensor:
@@ -622,12 +713,21 @@ class CheckpointMergePlan:
             if slot != "-large":  # large inputs are read in turn, not ahead
                 future = self._loader.submit(self.load, self.tensors[index + 1], slot)
                 self._prefetched = (index + 1, future)
-        if loaded is None:  # integer buffers: the base's, unchanged
+        recipe = self.recipes.get(t.name) if self.recipes is not None else None
+        if loaded is None:  # integer buffers: the base's (a recipe's first input's), unchanged
+            if recipe is not None:
+                first = recipe.sources[0]
+                return first.folder.read(first.name).to(t.dtype)
             return self.template.read(t.name).to(t.dtype)
         base, experts = loaded
         pool = self._pool
         ctx = TensorContext(name=t.name, seed=self.seed, stats=self.stats)
-        merged = self.method.fn(base, experts, ctx=ctx, **self.params, **self.per_model)
+        params, per_model = (
+            (recipe.params, recipe.per_model) if recipe else (self.params, self.per_model)
+        )
+        merged = self.method.fn(base, experts, ctx=ctx, **params, **per_model)
+        if self.round_to is not None:
+            merged = merged.to(self.round_to)
         if not all_finite(merged):
             raise MergeInputError(
                 f"merge method {self.method.name!r} produced NaN or Inf in tensor {t.name!r}"
@@ -649,7 +749,8 @@ class CheckpointMergePlan:
         if self._largest_numel is None:
             self._largest_numel = max((math.prod(t.shape) for t in self.tensors), default=0)
         numel = math.prod(self.tensors[index].shape)
-        n_inputs = len(self.experts) + (self.base is not None)
+        recipe = self.recipes.get(self.tensors[index].name) if self.recipes is not None else None
+        n_inputs = len(recipe.sources) if recipe else len(self.experts) + (self.base is not None)
         size = numel * self.compute_dtype.itemsize * n_inputs
         if size <= PREFETCH_MAX_BYTES and 2 * numel <= self._largest_numel:
             return f"-{index % 2}"
@@ -785,6 +886,68 @@ def plan_checkpoint_merge(
     )
 
 
+def plan_recipe_merge(
+    method: str | MergeMethod,
+    template: CheckpointFolder,
+    outputs: Sequence[tuple[OutputTensor, TensorRecipe]],
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    input_dtype: torch.dtype | None = None,
+    round_to: torch.dtype | None = None,
+    seed: int = 0,
+) -> CheckpointMergePlan:
+    """A plan whose output tensors each follow their own :class:`TensorRecipe`, in the order
+    given. ``template`` provides config and tokenizer files. Every source must exist; sources
+    must agree in shape with the output (unless the recipe aligns rows) and, without
+    ``input_dtype``, in dtype. Methods with a whole-model first pass are refused (their one
+    statistics pass cannot follow per-tensor parameters)."""
+    m = get_merge_method(method) if isinstance(method, str) else method
+    if m.prepare is not None and any(
+        m.needs_prepare is None or m.needs_prepare({**r.params, **r.per_model}) for _, r in outputs
+    ):
+        raise MergeInputError(
+            f"merge method {m.name!r} needs a whole-model first pass, which per-tensor recipes "
+            "(slices, gradients, filters) do not support"
+        )
+    folders = {id(template): template}
+    for out, recipe in outputs:
+        if not recipe.sources:
+            raise MergeInputError(f"tensor {out.name!r} has no inputs")
+        infos = []
+        for source in recipe.sources:
+            folders.setdefault(id(source.folder), source.folder)
+            try:
+                infos.append(source.folder.info(source.name))
+            except KeyError:
+                raise MergeInputError(
+                    f"{source.folder.label} {source.folder.path} has no tensor {source.name!r} "
+                    f"(needed for {out.name!r})"
+                ) from None
+        labels = [f"{s.folder.label} ({s.folder.path})" for s in recipe.sources]
+        if input_dtype is None:
+            check_same_dtype(out.name, [i.dtype for i in infos], labels)
+        if recipe.align is None and any(i.shape != out.shape for i in infos):
+            listing = ", ".join(f"{label} {i.shape}" for label, i in zip(labels, infos))
+            raise MergeInputError(f"tensor {out.name!r}: shapes differ ({listing})")
+    plan = CheckpointMergePlan(
+        method=m,
+        params={},
+        per_model={},
+        template=template,
+        base=None,
+        experts=[],
+        tensors=[out for out, _ in outputs],
+        compute_dtype=compute_dtype,
+        seed=seed,
+        vocab_padding="error",
+        recipes={out.name: recipe for out, recipe in outputs},
+        input_dtype=input_dtype,
+        round_to=round_to,
+    )
+    plan.other_folders = [f for f in folders.values() if f is not template]
+    return plan
+
+
 def _resolves(folder: CheckpointFolder, name: str) -> str | None:
     try:
         return folder.resolve_name(name)
@@ -801,14 +964,13 @@ def run_checkpoint_merge(
     progress: bool = True,
 ) -> Path:
     """Execute a plan: stream, merge and write into ``output`` (atomically)."""
-    inputs = [plan.template.path, *(e.path for e in plan.experts)]
-    if plan.base is not None:
-        inputs.append(plan.base.path)
+    inputs = [f.path for f in plan.folders]
     shard_bytes = parse_size(shard_size)
     m = plan.method
     with atomic_output_dir(output, force=force, inputs=inputs, kind="merge") as tmp:
         # Whole-model statistics first (e.g. a global top-k threshold); may stream many passes.
-        plan.stats = m.compute_stats({**plan.params, **plan.per_model}, plan.iter_inputs)
+        if plan.recipes is None:  # recipes carry their own parameters, and need no first pass
+            plan.stats = m.compute_stats({**plan.params, **plan.per_model}, plan.iter_inputs)
         write_sharded(
             tmp,
             plan.tensors,
@@ -817,10 +979,31 @@ def run_checkpoint_merge(
             progress=progress,
             description=f"merging ({m.name})",
         )
-        copy_model_files(plan.template.path, tmp)
+        copy_model_files(plan.template.path, tmp, plan.copied_files)
+        _update_config(tmp, plan.config_updates)
         _set_config_dtype(tmp, plan.tensors)
-        (tmp / MERGE_RECORD_NAME).write_text(json.dumps(plan.describe(), indent=2) + "\n")
+        if plan.finish is not None:
+            plan.finish(tmp)
+        record = plan.describe()
+        (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+        card = model_card(record, name=Path(output).name, config_text=plan.config_text)
+        (tmp / MODEL_CARD_NAME).write_text(card, encoding="utf-8")
     return Path(output)
+
+
+def _update_config(folder: Path, updates: dict[str, Any]) -> None:
+    """Set ``updates`` in the output's config.json (a dotted key sets a nested entry)."""
+    config_path = folder / "config.json"
+    if not updates or not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    for key, value in updates.items():
+        *parents, last = key.split(".")
+        entry = config
+        for part in parents:
+            entry = entry.setdefault(part, {})
+        entry[last] = value
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _set_config_dtype(folder: Path, tensors: Sequence[OutputTensor]) -> None:

@@ -1,7 +1,16 @@
 """Merge configs in YAML or TOML: one file says what ``mergelab merge`` does.
 
-    method: ties                 # any registered method (mergekit's key merge_method works too)
-    base: models/base            # base_model works too; optional for methods without a base
+Two dialects, told apart by the method key and never mixed in one file:
+
+* ``method:`` — mergelab's own spelling and semantics (the papers' defaults), below;
+* ``merge_method:`` — mergekit's spelling, read with mergekit 0.1.5's semantics and defaults
+  (:mod:`mergelab.merge.mergekit_dialect`): mergekit's configs work as they are, and give
+  mergekit's model.
+
+mergelab's dialect:
+
+    method: ties                 # any registered method
+    base: models/base            # optional for methods without a base
     models:
       - model: models/math       # path works too; a plain string is a model with no parameters
         parameters: {weight: 1.0, density: 0.2}
@@ -17,7 +26,9 @@
     lora: {output: full, rank: 16}   # only for PEFT LoRA adapters: full | adapter
 
 Relative paths are resolved against the folder holding the config file, so a config and its
-models can move together. A key given twice in one mapping is an error (YAML would otherwise
+models can move together. A model that is not a local folder but is named like a Hugging Face
+hub id (``org/name``, ``name``) is taken from the local Hugging Face cache, or refused as not
+available offline (:func:`locate_model`); a local folder of that name always wins. A key given twice in one mapping is an error (YAML would otherwise
 keep the last one silently; TOML refuses it itself), and so is a value of the wrong kind: numbers
 may be written as strings (``density: "0.5"``), every error names the key (and the model).
 """
@@ -25,10 +36,11 @@ may be written as strings (``density: "0.5"``), every error names the key (and t
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -36,6 +48,9 @@ import yaml
 from .checkpoint import parse_size
 from .registry import get_merge_method, to_number
 from .validation import VOCAB_PADDING_RULES
+
+if TYPE_CHECKING:
+    from .mergekit_dialect import MergekitConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -51,8 +66,8 @@ DTYPES = {
 }
 
 TOP_LEVEL_KEYS = {
-    "method": ("method", "merge_method"),
-    "base": ("base", "base_model"),
+    "method": ("method",),
+    "base": ("base",),
     "models": ("models",),
     "params": ("parameters", "params"),
     "dtype": ("dtype",),
@@ -80,6 +95,7 @@ class ModelSpec:
 
     path: str
     params: dict[str, Any] = field(default_factory=dict)
+    given: str | None = None  # the path as written (a hub id is looked up as written)
 
 
 @dataclass
@@ -96,6 +112,8 @@ class MergeConfig:
     vocab_padding: str = "error"
     lora_output: str = "full"
     rank: int | None = None
+    base_given: str | None = None  # the base as written
+    text: str | None = None  # the config file as written (quoted in the model card)
 
     def split_params(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         """(global params, per-model lists) for the registry, per-model names filled per model:
@@ -137,10 +155,62 @@ def _pick(raw: dict[str, Any], field_name: str) -> Any:
     return raw[found[0]] if found else None
 
 
-def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -> MergeConfig:
-    """Build a :class:`MergeConfig` from a parsed file; relative paths are resolved under ``root``."""
+# Keys only mergekit's dialect has, with the mergelab spelling where there is one.
+MERGEKIT_ONLY_KEYS = {
+    "merge_method": "method",
+    "base_model": "base",
+    "slices": None,
+    "modules": None,
+    "tokenizer_source": None,
+    "tokenizer": None,
+    "chat_template": None,
+}
+
+
+def config_dialect(raw: Any) -> str:
+    """``"mergekit"`` for a config with ``merge_method``, ``"mergelab"`` for one with ``method``;
+    a config that mixes the two spellings is refused, naming the keys."""
     if not isinstance(raw, dict):
         raise ValueError("a merge config must be a mapping of keys to values")
+    if "merge_method" in raw and "method" in raw:
+        raise ValueError(
+            "merge config gives both 'method' (mergelab's dialect) and 'merge_method' "
+            "(mergekit's); write one dialect: method/base/... or merge_method/base_model/..."
+        )
+    if "merge_method" in raw:
+        from .mergekit_dialect import MERGEKIT_KEYS, RUN_OPTION_KEYS
+
+        mixed = sorted(str(k) for k in set(raw) - set(MERGEKIT_KEYS) - set(RUN_OPTION_KEYS))
+        ours = [k for k in mixed if k in TOP_LEVEL_KEYS or k in ("params", "out")]
+        if ours:
+            raise ValueError(
+                f"merge config mixes dialects: merge_method is mergekit's spelling but {ours} "
+                "are mergelab's; a mergekit config takes base_model, parameters, models/slices, "
+                "dtype, out_dtype, tokenizer_source, tokenizer, chat_template"
+            )
+        return "mergekit"
+    theirs = [k for k in raw if k in MERGEKIT_ONLY_KEYS]
+    if theirs:
+        spelled = {k: MERGEKIT_ONLY_KEYS[k] for k in theirs}
+        if "method" in raw:
+            raise ValueError(
+                f"merge config mixes dialects: 'method' is mergelab's spelling but {theirs} are "
+                "mergekit's; write mergelab's keys ("
+                + ", ".join(f"{v} for {k}" for k, v in spelled.items() if v)
+                + ") or mergekit's merge_method to read the whole file as mergekit does"
+            )
+    return "mergelab"
+
+
+def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -> MergeConfig:
+    """Build a mergelab-dialect :class:`MergeConfig` from a parsed file; relative paths are
+    resolved under ``root``. A mergekit-dialect mapping is refused here (see
+    :func:`config_from_dict`, which reads either)."""
+    if config_dialect(raw) == "mergekit":
+        raise ValueError(
+            "this is a mergekit-dialect config (merge_method); read it with config_from_dict "
+            "or load_merge_config"
+        )
     known = {k for keys in TOP_LEVEL_KEYS.values() for k in keys}
     unknown = sorted(str(k) for k in set(raw) - known)
     if unknown:
@@ -151,6 +221,10 @@ def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -
         if path is None:
             return None
         p = Path(os.path.expanduser(str(path)))
+        if not p.is_absolute() and not (root / p).exists():
+            cached = hub_snapshot(str(path)) if looks_like_hub_id(str(path)) else None
+            if cached is not None:
+                return str(cached)
         return str(p if p.is_absolute() else root / p)
 
     method = _pick(raw, "method")
@@ -162,7 +236,7 @@ def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -
     models = []
     for i, entry in enumerate(models_raw):
         if isinstance(entry, str):
-            models.append(ModelSpec(resolve(entry)))
+            models.append(ModelSpec(resolve(entry), given=entry))
             continue
         if not isinstance(entry, dict):
             raise ValueError(f"merge config: models[{i}] must be a path or a mapping")
@@ -175,7 +249,7 @@ def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -
             raise ValueError(
                 f"merge config: models[{i}] has unknown key(s) {sorted(map(str, extra))}"
             )
-        models.append(ModelSpec(resolve(path), params))
+        models.append(ModelSpec(resolve(path), params, given=str(path)))
     lora = _pick(raw, "lora") or {}
     if not isinstance(lora, dict) or set(lora) - {"output", "rank"}:
         raise ValueError("merge config: 'lora' takes {output: full|adapter, rank: N}")
@@ -184,6 +258,7 @@ def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -
         models=models,
         base=resolve(_pick(raw, "base")),
         params=_mapping(_pick(raw, "params"), "parameters"),
+        base_given=str(_pick(raw, "base")) if _pick(raw, "base") is not None else None,
         output=resolve(_pick(raw, "output")),
     )
     for name in ("dtype", "out_dtype", "seed", "shard_size", "vocab_padding"):
@@ -245,8 +320,22 @@ def shard_size_bytes(size: Any) -> int:
     return n
 
 
-def load_merge_config(path: str | os.PathLike) -> MergeConfig:
-    """Read a ``.yaml``/``.yml`` or ``.toml`` merge config."""
+def config_from_dict(
+    raw: Any, root: str | os.PathLike = ".", text: str | None = None
+) -> MergeConfig | MergekitConfig:
+    """A parsed config in either dialect (see the module docstring)."""
+    if config_dialect(raw) == "mergekit":
+        from .mergekit_dialect import mergekit_config_from_dict
+
+        return mergekit_config_from_dict(raw, root=root, text=text)
+    config = merge_config_from_dict(raw, root=root)
+    config.text = text
+    return config
+
+
+def load_merge_config(path: str | os.PathLike) -> MergeConfig | MergekitConfig:
+    """Read a ``.yaml``/``.yml`` or ``.toml`` merge config, in mergelab's dialect (a
+    :class:`MergeConfig`) or mergekit's (a :class:`~mergelab.merge.mergekit_dialect.MergekitConfig`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"merge config {path} does not exist")
@@ -274,7 +363,78 @@ def load_merge_config(path: str | os.PathLike) -> MergeConfig:
         raw = load_yaml(text, path)
     else:
         raise ValueError(f"{path}: a merge config must end in .yaml, .yml or .toml")
-    return merge_config_from_dict(raw, root=path.parent)
+    return config_from_dict(raw, root=path.parent, text=text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a model is: a local folder, or a hub id found in the local Hugging Face cache.
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``org/name`` or ``name`` (Hugging Face's repo id form), not ``./x``, ``a/b/c`` or ``~``."""
+    return bool(HUB_ID.fullmatch(text)) and ".." not in text and not text.endswith(".git")
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache as Hugging Face resolves it now: ``HF_HUB_CACHE``, else ``HF_HOME/hub``,
+    else huggingface_hub's default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot folder of a hub model, or None; never touches the network."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=hub_cache_dir(), local_files_only=True
+        )
+    except Exception:  # not cached, or not a valid repo id: either way, not available here
+        return None
+    return Path(folder) if (Path(folder) / "config.json").is_file() else None
+
+
+def locate_model(given: str, roots: list[Path]) -> tuple[Path, bool]:
+    """The folder of a model as written in a config: (folder, found in the hub cache?).
+
+    A local folder wins: an absolute path, or a relative one under the first of ``roots`` that
+    holds it (a config's folder, then — for mergekit's dialect — the working folder, as mergekit
+    resolves it). Else a name shaped like a hub id (``org/name``, optionally ``@revision``) is
+    looked up in the local Hugging Face cache. Else it is refused: a hub id as not available
+    offline, anything else as not existing.
+    """
+    name, _, revision = given.partition("@")
+    path = Path(os.path.expanduser(given))
+    if path.is_absolute():
+        if path.exists():
+            return path, False
+        raise FileNotFoundError(f"model {given} does not exist")
+    for root in roots:
+        if (root / path).exists():
+            return root / path, False
+    if looks_like_hub_id(name):
+        cached = hub_snapshot(name, revision or None)
+        if cached is not None:
+            return cached, True
+        raise FileNotFoundError(
+            f"model {given!r} is not a local folder (looked in "
+            f"{', '.join(str(r) for r in roots)}) and not in the local Hugging Face cache "
+            f"({hub_cache_dir()}): not available offline. mergelab never downloads; fetch it "
+            f"first (huggingface-cli download {name}) or give a local path"
+        )
+    raise FileNotFoundError(
+        f"model {given} does not exist (looked in {', '.join(map(str, roots))})"
+    )
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
