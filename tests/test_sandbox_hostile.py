@@ -409,7 +409,8 @@ for status in Path("/proc").glob("[0-9]*/status"):
     uid = int(next(ln for ln in text.splitlines() if ln.startswith("Uid:")).split()[1])
     zombie = "\\tZ" in next(ln for ln in text.splitlines() if ln.startswith("State:"))
     pid = int(status.parent.name)
-    sandbox_uid = uid >= sandbox.BASE_UID if out["uid"] == 0 else uid == out["uid"]
+    # As root: this Sandbox's own uids only (other test runs on the machine have their own).
+    sandbox_uid = uid in {w.uid for w in sb._all} if out["uid"] == 0 else uid == out["uid"]
     if sandbox_uid and pid != mine and not zombie:
         leftover.append([pid, text.splitlines()[0]])
 out["leftover"] = leftover
