@@ -57,7 +57,8 @@ OWNER_NAME = "owner.json"
 INCOMPLETE_INFIX = ".incomplete-"
 MARKER_FORMAT = 1
 
-# What mergelab wrote into folder outputs before they carried MARKER_NAME: the record file that
+# What mergelab wrote into folder outputs before they carried MARKER_NAME (a record of the past,
+# so a list of its own, not the merge code's current one): the record file that
 # identifies such an output (a JSON object with this key), and the names it may hold.
 LEGACY_OUTPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mergelab_merge.json": (

@@ -89,10 +89,8 @@ SINGLE_NAME = "model.safetensors"
 MERGE_RECORD_NAME = "mergelab_merge.json"
 DEFAULT_SHARD_SIZE = 5 * 2**30  # bytes; transformers' default max_shard_size is "5GB" too
 
-# Files copied from the base folder into the output (besides the weights we write ourselves).
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
+# Files a saved tokenizer consists of.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -104,6 +102,8 @@ COPIED_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Files copied from the base folder into the output (besides the weights we write ourselves).
+COPIED_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -53,6 +53,7 @@ from mergelab.errors import UserInputError
 from .checkpoint import (
     COPIED_FILES,
     TIED_PAIRS,
+    TOKENIZER_FILES,
     CheckpointFolder,
     CheckpointMergePlan,
     OutputTensor,
@@ -1434,7 +1435,7 @@ def _aligner(order: list[str], tokenizer_plan, base: str | None, tokens):
 def _finisher(config: MergekitConfig, tokenizer_plan, paths: dict[str, Path], donor_ref: str):
     """What the output gets besides tensors and config: a rebuilt tokenizer (a tokenizer source,
     or a chat template set on the donor's tokenizer), else the donor's tokenizer files."""
-    from .tokenizer import TOKENIZER_FILES, chat_template_refusal, load_tokenizer, set_chat_template
+    from .tokenizer import chat_template_refusal, load_tokenizer, set_chat_template
 
     if tokenizer_plan is None and not config.chat_template:
         return None, COPIED_FILES

@@ -56,20 +56,6 @@ from mergelab.errors import UserInputError
 
 LOG = logging.getLogger(__name__)
 
-# Files a saved tokenizer consists of (removed from what is copied when one is rebuilt).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
 
 @dataclass(frozen=True)
 class TokenEmbedding:
