@@ -4,6 +4,8 @@
 * :class:`ModelCandidate` — one model (or a weight merge) as a Candidate.
 * :class:`ComposedDecoder` — a composition as a Candidate; ``ComposedDecoder.from_lora`` is the
   batched fast path for LoRA experts.
+* :class:`SpeculativeDecoder` — a composition decoded speculatively: a cheap draft (by default
+  the task-arithmetic merge) proposes, the composition verifies; same output distribution.
 * :mod:`mergelab.compose.diagnostics` — per-token KL, active fractions, co-activity.
 """
 
@@ -13,6 +15,7 @@ from .eos import EOS_POLICIES
 from .formula import Composition, Term, compose_logprobs
 from .lora import LoraAdapter
 from .projective import ProjectivityReport, check_projectivity, project_onto_mask
+from .speculative import SpeculativeDecoder, task_arithmetic_draft
 from .vocab import check_same_tokenizer
 
 __all__ = [
@@ -23,10 +26,12 @@ __all__ = [
     "LoraAdapter",
     "ModelCandidate",
     "ProjectivityReport",
+    "SpeculativeDecoder",
     "Term",
     "check_projectivity",
     "check_same_tokenizer",
     "compose_logprobs",
     "composition_diagnostics",
     "project_onto_mask",
+    "task_arithmetic_draft",
 ]

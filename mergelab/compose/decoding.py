@@ -261,6 +261,19 @@ class RunnerCandidate:
         assert all(g is not None for g in results)
         return results  # type: ignore[return-value]
 
+    def _row_generators(
+        self, indices: list[int], settings: GenerationSettings
+    ) -> list[torch.Generator] | None:
+        """One generator per row, seeded with ``(seed, prompt index)``; None: the global RNG."""
+        if not (settings.do_sample and settings.seed is not None):
+            return None
+        generators = []
+        for i in indices:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(settings.seed) * _SEED_STRIDE + i)
+            generators.append(g)
+        return generators
+
     @torch.no_grad()
     def _generate_batch(
         self,
@@ -272,25 +285,10 @@ class RunnerCandidate:
         ids, mask = left_pad(encoded, self.pad_id, self.device)
         positions = positions_from_mask(mask)
         batch = len(prompts)
-        generators = None
-        if settings.do_sample and settings.seed is not None:
-            generators = []
-            for i in indices:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(int(settings.seed) * _SEED_STRIDE + i)
-                generators.append(g)
-        eos = set(self.eos_token_ids)
-        stops = tuple(settings.stop_strings)
-        window = 2 * max((len(s) for s in stops), default=0) + 8  # tokens to re-decode per check
-
+        generators = self._row_generators(indices, settings)
+        rows = RowOutputs(self, batch, settings)
         passes_before = self.runner.forward_passes
         started = time.perf_counter()
-        row_tokens: list[list[int]] = [[] for _ in range(batch)]
-        kept = [0] * batch  # tokens that belong to the output (EOS excluded)
-        reason = ["length"] * batch
-        done = [False] * batch
-        step_logprobs: list[torch.Tensor] = []
-        step_component_logprobs: list[torch.Tensor] = []
         with self.runner.session():
             comps = self.runner.prefill(ids, mask, positions)
             for step in range(settings.max_new_tokens):
@@ -301,70 +299,15 @@ class RunnerCandidate:
                 else:
                     next_ids = lp.argmax(dim=-1)
                 chosen = next_ids.unsqueeze(-1)
-                step_logprobs.append(lp.gather(-1, chosen).squeeze(-1))
-                if settings.return_component_logprobs:
-                    step_component_logprobs.append(
-                        torch.cat(
-                            [
-                                c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True)
-                                for c in comps
-                            ],
-                            dim=-1,
-                        )
-                    )
-                for row, token in enumerate(next_ids.tolist()):  # the one sync per step
-                    if done[row]:
-                        continue
-                    if token in eos:
-                        done[row], reason[row] = True, "eos"
-                        continue
-                    row_tokens[row].append(token)
-                    kept[row] += 1
-                    if stops:
-                        tail = self.tokenizer.decode(
-                            row_tokens[row][-window:], skip_special_tokens=True
-                        )
-                        if any(s in tail for s in stops):
-                            done[row], reason[row] = True, "stop_string"
-                if all(done) or step == settings.max_new_tokens - 1:
+                rows.add_step(next_ids, lp, comps)
+                if all(rows.done) or step == settings.max_new_tokens - 1:
                     break
                 mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
                 positions = positions[:, -1:] + 1
                 comps = self.runner.step(chosen, mask, positions)
-        seconds = time.perf_counter() - started
-        passes = (self.runner.forward_passes - passes_before) / batch
-
-        logprobs = torch.stack(step_logprobs, dim=1).tolist() if step_logprobs else [[]] * batch
-        component_logprobs = (
-            torch.stack(step_component_logprobs, dim=1).tolist()
-            if step_component_logprobs
-            else None
+        return rows.generations(
+            prompts, self.runner.forward_passes - passes_before, time.perf_counter() - started
         )
-        out = []
-        for row in range(batch):
-            n = kept[row]
-            text = self.tokenizer.decode(row_tokens[row][:n], skip_special_tokens=True)
-            if reason[row] == "stop_string":
-                cut = (
-                    min(text.find(s) for s in stops if s in text)
-                    if any(s in text for s in stops)
-                    else len(text)
-                )
-                text = text[:cut]
-            # Positions in the step lists: EOS is never kept, so the first n steps are the tokens.
-            out.append(
-                Generation(
-                    prompt=prompts[row],
-                    text=text,
-                    token_ids=row_tokens[row][:n],
-                    finish_reason=reason[row],
-                    logprobs=logprobs[row][:n],
-                    component_logprobs=component_logprobs[row][:n] if component_logprobs else None,
-                    forward_passes=passes,
-                    seconds=seconds / batch,
-                )
-            )
-        return out
 
     # ---------------------------------------------------------------- identity
     def describe(self) -> dict[str, Any]:
@@ -384,6 +327,109 @@ class RunnerCandidate:
 
     def __repr__(self) -> str:
         return f"{self.kind}(name={self.name!r}, composition={self.composition})"
+
+
+class RowOutputs:
+    """Per-row bookkeeping of a decoding loop: tokens, EOS, stop strings, log-probs, Generations.
+
+    Shared by the plain loop and the speculative one (:mod:`mergelab.compose.speculative`), so
+    both end rows, cut text and report log-probs the same way. A row takes tokens until it is
+    ``done`` (EOS, a stop string or ``max_new_tokens`` decided tokens, EOS included).
+    """
+
+    def __init__(self, candidate: RunnerCandidate, batch: int, settings: GenerationSettings):
+        self.tokenizer = candidate.tokenizer
+        self.eos = set(candidate.eos_token_ids)
+        self.stops = tuple(settings.stop_strings)
+        self.window = 2 * max((len(s) for s in self.stops), default=0) + 8  # tokens to re-decode
+        self.max_new_tokens = settings.max_new_tokens
+        self.with_components = settings.return_component_logprobs
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]  # kept tokens (EOS excluded)
+        self.logprobs: list[list[float]] = [[] for _ in range(batch)]
+        self.component_logprobs: list[list[list[float]]] = [[] for _ in range(batch)]
+        self.steps = [0] * batch  # tokens decided, EOS included
+        self.reason = ["length"] * batch
+        self.done = [settings.max_new_tokens <= 0] * batch
+
+    def add(
+        self, row: int, token: int, logprob: float, component_logprobs: list[float] | None = None
+    ) -> None:
+        """Decide the next token of ``row`` (ignored once the row is done)."""
+        if self.done[row]:
+            return
+        self.steps[row] += 1
+        if token in self.eos:
+            self.done[row], self.reason[row] = True, "eos"
+            return
+        self.tokens[row].append(token)
+        self.logprobs[row].append(logprob)
+        if self.with_components:
+            self.component_logprobs[row].append(component_logprobs or [])
+        if self.stops:
+            tail = self.tokenizer.decode(self.tokens[row][-self.window :], skip_special_tokens=True)
+            if any(s in tail for s in self.stops):
+                self.done[row], self.reason[row] = True, "stop_string"
+                return
+        if self.steps[row] >= self.max_new_tokens:
+            self.done[row] = True
+
+    def add_step(
+        self, next_ids: torch.Tensor, lp: torch.Tensor, comps: Sequence[torch.Tensor]
+    ) -> None:
+        """One token per row: ``next_ids [B]`` under candidate log-probs ``lp [B, V]`` and
+        component logits ``comps`` (each ``[B, V]``)."""
+        chosen = next_ids.unsqueeze(-1)
+        logprobs = lp.gather(-1, chosen).squeeze(-1).tolist()
+        components = component_logprobs_of(comps, chosen).tolist() if self.with_components else None
+        for row, token in enumerate(next_ids.tolist()):  # the one sync per step
+            self.add(row, token, logprobs[row], components[row] if components else None)
+
+    def remaining(self, row: int) -> int:
+        return 0 if self.done[row] else self.max_new_tokens - self.steps[row]
+
+    def generations(
+        self,
+        prompts: Sequence[str],
+        forward_passes: float,
+        seconds: float,
+        cost: Sequence[dict[str, float]] | None = None,
+    ) -> list[Generation]:
+        """``forward_passes``: model forward calls made for the whole batch (divided evenly)."""
+        batch = len(prompts)
+        positions = max(max(self.steps, default=0), 1)
+        per_token = forward_passes / positions  # forward calls per decoded position
+        out = []
+        for row in range(batch):
+            text = self.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
+            if self.reason[row] == "stop_string":
+                found = [text.find(s) for s in self.stops if s in text]
+                text = text[: min(found)] if found else text
+            out.append(
+                Generation(
+                    prompt=prompts[row],
+                    text=text,
+                    token_ids=list(self.tokens[row]),
+                    finish_reason=self.reason[row],
+                    logprobs=list(self.logprobs[row]),
+                    component_logprobs=(
+                        list(self.component_logprobs[row]) if self.with_components else None
+                    ),
+                    forward_passes=forward_passes / batch,
+                    seconds=seconds / batch,
+                    cost={
+                        "model_evaluations_per_token": per_token,
+                        **(cost[row] if cost is not None else {}),
+                    },
+                )
+            )
+        return out
+
+
+def component_logprobs_of(comps: Sequence[torch.Tensor], chosen: torch.Tensor) -> torch.Tensor:
+    """Each component's log-prob of ``chosen [..., 1]`` from its logits ``[..., V]`` → ``[..., n]``."""
+    return torch.cat(
+        [c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True) for c in comps], dim=-1
+    )
 
 
 def _first_device(runner: Any) -> torch.device:

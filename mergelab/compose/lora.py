@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runners import ModelCall, last_logits, new_cache
+from .runners import ModelCall, crop_cache, has_sliding_window, last_logits, new_cache
 from .vocab import model_identity
 
 _PEFT_PREFIX = "base_model.model."
@@ -177,6 +177,7 @@ class LoraRunner:
         self.k = len(adapters)
         self.forward_passes = 0
         self._targets = self._stack(base_model, list(adapters))
+        self._handles: list[Any] = []
         self._cache: Any = None
         self._ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
@@ -229,15 +230,22 @@ class LoraRunner:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        handles = [
-            module.register_forward_hook(_lora_hook(self.k, a, b)) for module, a, b in self._targets
-        ]
+        """Hooks and decoding state live until the outermost session ends (sessions nest; the
+        hooks are installed once, or every adapter delta would be added twice)."""
+        outermost = not self._handles
+        if outermost:
+            self._handles = [
+                module.register_forward_hook(_lora_hook(self.k, a, b))
+                for module, a, b in self._targets
+            ]
         try:
             yield
         finally:
-            for h in handles:
-                h.remove()
-            self._cache, self._ids, self._positions = None, None, None
+            if outermost:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
+                self._cache, self._ids, self._positions = None, None, None
 
     def _repeat(self, t: torch.Tensor) -> torch.Tensor:
         return t.repeat(self.k + 1, *([1] * (t.dim() - 1)))
@@ -249,30 +257,80 @@ class LoraRunner:
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> list[torch.Tensor]:
-        self._ids, self._positions = self._repeat(input_ids), self._repeat(position_ids)
-        cache = new_cache(self.call.model) if self.call.may_cache else None
-        logits, self._cache = self.call(
-            self._ids, self._repeat(attention_mask), self._positions, cache, last_only=True
-        )
-        self.forward_passes += 1
-        return self._split(last_logits(logits))
+        self._cache, self._ids, self._positions = None, None, None
+        return self.step(input_ids, attention_mask, position_ids)
 
     @torch.no_grad()
     def step(
         self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> list[torch.Tensor]:
-        next_ids, position_ids = self._repeat(next_ids), self._repeat(position_ids)
+        return [last_logits(z) for z in self.extend(next_ids, attention_mask, position_ids, True)]
+
+    @torch.no_grad()
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        last_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """Append ``input_ids [B, T]`` for base and adapters in one forward of ``(k+1)·B`` rows;
+        per component logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``)."""
+        ids, positions = self._repeat(input_ids), self._repeat(position_ids)
         mask = self._repeat(attention_mask)
+        first = self._ids is None
+        if first:
+            self._ids, self._positions = ids, positions
+            self._cache = new_cache(self.call.model) if self.call.may_cache else None
+        else:
+            self._ids = torch.cat([self._ids, ids], dim=1)
+            self._positions = torch.cat([self._positions, positions], dim=1)
         if self._cache is not None:
-            logits, self._cache = self.call(
-                next_ids, mask, position_ids, self._cache, last_only=True
-            )
+            logits, self._cache = self.call(ids, mask, positions, self._cache, last_only=last_only)
         else:  # a model without a cache: recompute the prefix
-            self._ids = torch.cat([self._ids, next_ids], dim=1)
-            self._positions = torch.cat([self._positions, position_ids], dim=1)
-            logits, _ = self.call(self._ids, mask, self._positions, None, last_only=True)
+            logits, _ = self.call(self._ids, mask, self._positions, None, last_only=last_only)
+            logits = logits[:, -input_ids.shape[1] :]
         self.forward_passes += 1
-        return self._split(last_logits(logits))
+        return self._split(logits)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` appended tokens (cache slots)."""
+        if n <= 0:
+            return
+        assert self._ids is not None and n <= self._ids.shape[1], "rollback past the start"
+        self._ids, self._positions = self._ids[:, :-n], self._positions[:, :-n]
+        if self._cache is not None:
+            crop_cache(self._cache, n)
+
+    def has_sliding_window(self) -> bool:
+        return self.call.may_cache and has_sliding_window(self.call.model)
+
+    def merged_model(self, weights: Sequence[float]) -> nn.Module:
+        """A copy of the base with ``Σ_i weights[i]·ΔW_i`` added to every adapted layer.
+
+        With the composition's weights this is the task-arithmetic merge of the adapters
+        (the merged adapter, folded into the base) as one plain model: the cheap draft of
+        speculative composition. ``ΔW_i = s_i·B_i A_i`` in the layer's stored layout.
+        """
+        import copy
+
+        if len(weights) != self.k:
+            raise ValueError(f"{len(weights)} weights for {self.k} adapters")
+        names = {id(m): n for n, m in self.models["base"].named_modules()}
+        merged = copy.deepcopy(self.models["base"])
+        modules = dict(merged.named_modules())
+        w = torch.tensor([float(x) for x in weights])
+        with torch.no_grad():
+            for module, a_stack, b_stack in self._targets:
+                # x @ A_i @ B_i is adapter i's output delta: its [in, out] matrix is A_i @ B_i.
+                delta = torch.einsum("k,kir,kro->io", w.to(a_stack), a_stack, b_stack)
+                target = modules[names[id(module)]]
+                if isinstance(target, nn.Linear):  # weight [out, in]
+                    delta = delta.t()
+                elif type(target).__name__ != "Conv1D":  # transformers' Conv1D: [in, out]
+                    raise ValueError(f"cannot fold a LoRA delta into {type(target).__name__}")
+                target.weight.add_(delta.to(target.weight.dtype))
+        return merged.eval()
 
     @torch.no_grad()
     def teacher_forced(

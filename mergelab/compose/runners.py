@@ -6,7 +6,11 @@ A runner owns the models of a candidate and their KV caches. The decoding loop
 * ``prefill(input_ids, attention_mask, position_ids)`` → one ``[B, V]`` logit tensor per
   component, for the token after the (left-padded) prompt;
 * ``step(next_ids, attention_mask, position_ids)`` → the same after appending ``next_ids [B, 1]``;
-* ``teacher_forced(input_ids, attention_mask, position_ids)`` → ``[B, T, V]`` per component.
+* ``teacher_forced(input_ids, attention_mask, position_ids)`` → ``[B, T, V]`` per component;
+* ``extend(input_ids, attention_mask, position_ids)`` → ``[B, T, V]`` per component after
+  appending ``T`` tokens to the caches (the first call fills fresh caches), and
+  ``rollback(n)`` → drop the last ``n`` cache slots (``DynamicCache.crop``): what speculative
+  decoding (:mod:`mergelab.compose.speculative`) needs to verify a drafted block in one forward.
 
 All are float32 *logits* over the tokenizer's ``V`` ids (truncated, see
 :mod:`mergelab.compose.vocab`); the candidate normalises them only where it needs log-probs
@@ -35,9 +39,25 @@ def new_cache(model: nn.Module) -> Any:
 
     config = getattr(model, "config", None)
     try:
-        return DynamicCache(config=config) if config is not None else DynamicCache()
+        cache = DynamicCache(config=config) if config is not None else DynamicCache()
     except TypeError:  # older transformers without the config argument
-        return DynamicCache()
+        cache = DynamicCache()
+    # Sliding-window layers drop old states unless told to keep them for a rollback (crop).
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
+def has_sliding_window(model: nn.Module) -> bool:
+    """Whether ``model``'s cache has sliding-window layers (their window counts cache slots)."""
+    cache = new_cache(model)
+    return any(getattr(cache, "is_sliding", None) or [])
+
+
+def crop_cache(cache: Any, n: int) -> None:
+    """Drop the last ``n`` slots of a transformers cache (``crop(-n)``: transformers 4.x and 5.x)."""
+    if n > 0:
+        cache.crop(-n)
 
 
 class ModelCall:
@@ -134,51 +154,88 @@ class ModelRunner:
         self._ids: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self._depth = 0
 
     def describe_models(self) -> dict[str, Any]:
         return {n: model_identity(m) for n, m in self.models.items()}
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
+        """Decoding state lives until the outermost session ends (sessions nest: a teacher-forced
+        call inside a decoding loop, e.g. from a draft, leaves the loop's caches alone)."""
+        self._depth += 1
         try:
             yield
         finally:
-            self._caches, self._ids, self._mask, self._positions = [], None, None, None
+            self._depth -= 1
+            if not self._depth:
+                self._caches, self._ids, self._mask, self._positions = [], None, None, None
 
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> list[torch.Tensor]:
-        self._ids, self._mask, self._positions = input_ids, attention_mask, position_ids
-        self._caches = []
-        out = []
-        for call in self.calls:
-            cache = new_cache(call.model) if (self.use_cache and call.may_cache) else None
-            logits, returned = call(input_ids, attention_mask, position_ids, cache, last_only=True)
-            self.forward_passes += 1
-            self._caches.append(returned if self.use_cache else None)
-            out.append(last_logits(logits))
-        return out
+        self._caches, self._ids, self._mask, self._positions = [], None, None, None
+        return self.step(input_ids, attention_mask, position_ids)
 
     @torch.no_grad()
     def step(
         self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> list[torch.Tensor]:
-        assert self._ids is not None, "prefill first"
-        self._ids = torch.cat([self._ids, next_ids], dim=1)
-        self._positions = torch.cat([self._positions, position_ids], dim=1)
+        return [last_logits(z) for z in self.extend(next_ids, attention_mask, position_ids, True)]
+
+    @torch.no_grad()
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        last_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """Append ``input_ids [B, T]``; logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``).
+
+        ``attention_mask [B, S + T]`` covers every cache slot; ``position_ids [B, T]``.
+        """
+        first = self._ids is None
+        if first:
+            self._ids, self._positions = input_ids, position_ids
+            self._caches = [
+                new_cache(c.model) if (self.use_cache and c.may_cache) else None for c in self.calls
+            ]
+        else:
+            self._ids = torch.cat([self._ids, input_ids], dim=1)
+            self._positions = torch.cat([self._positions, position_ids], dim=1)
         self._mask = attention_mask
+        width = input_ids.shape[1]
         out = []
         for j, call in enumerate(self.calls):
             cache = self._caches[j]
             if cache is not None:
-                logits, cache = call(next_ids, attention_mask, position_ids, cache, last_only=True)
+                logits, cache = call(
+                    input_ids, attention_mask, position_ids, cache, last_only=last_only
+                )
             else:  # no cache: run the whole prefix again
-                logits, _ = call(self._ids, attention_mask, self._positions, None, last_only=True)
-            self._caches[j] = cache
+                logits, _ = call(
+                    self._ids, attention_mask, self._positions, None, last_only=last_only
+                )
+                logits = logits[:, -width:]
+            self._caches[j] = cache if self.use_cache else None
             self.forward_passes += 1
-            out.append(last_logits(logits))
+            out.append(logits)
         return out
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` appended tokens (cache slots) of every model."""
+        if n <= 0:
+            return
+        assert self._ids is not None and n <= self._ids.shape[1], "rollback past the start"
+        self._ids, self._positions = self._ids[:, :-n], self._positions[:, :-n]
+        for cache in self._caches:
+            if cache is not None:
+                crop_cache(cache, n)
+
+    def has_sliding_window(self) -> bool:
+        return any(has_sliding_window(c.model) for c in self.calls if c.may_cache)
 
     @torch.no_grad()
     def teacher_forced(

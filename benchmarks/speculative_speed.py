@@ -1,0 +1,471 @@
+"""Does speculative composition pay? One model vs plain vs speculative composition, interleaved.
+
+Two settings, batch 1 (``--batch`` for more), greedy decoding:
+
+* ``mini_w1``, ``mini_w0.5`` — the LLM study's mini experts (studies/llm_math_code.py,
+  ``--scale mini``): a 0.67M-parameter Llama pretrained on a synthetic corpus, math and code
+  experts fully fine-tuned from it, and rank-8 LoRA math/code experts; composed with weights 1
+  (the paper's rule) and 0.5 (the weight the study chose on validation). Trained here with the
+  study's own recipe when missing (about 15 min on 2 busy cores) and cached in
+  ``.cache/speculative_speed/mini`` (git-ignored; a study run's ``results/llm/mini/checkpoints``
+  are used instead when present). Prompts: the study's held-out math, code and mixed test
+  prompts. Here acceptance means something: the draft is the task-arithmetic merge of trained
+  experts. Timed with EOS off (every path decodes the same number of tokens); acceptance with
+  EOS on (the answers alone, as the study decodes) is reported too.
+* ``small`` — the random GPT-2-small shape of ``compose_speed.py`` (124M parameters, vocabulary
+  50257, EOS disabled, 128 new tokens) for what a forward pass costs at a realistic size. Random
+  experts have no task vectors, so they are made as ``base + ε·noise``: full experts with every
+  tensor moved by ``--noise`` (0.02) of its own standard deviation, LoRA experts with random
+  rank-16 adapters on every projection whose ΔW entries are as large. The acceptance there is
+  synthetic; the timings per forward are what this setting is for.
+
+(The study's smollm2 LoRA experts are used only if present locally: the SmolLM2 GGUF is not
+installed here, so they are not part of the results.)
+
+Paths, timed round-robin (best of ``--repeats``) so drifting load hits them alike:
+
+    hf_generate      one model's transformers ``generate`` (the reference, ratio 1)
+    single           mergelab's loop on the base (ModelCandidate)
+    draft_full       the task-arithmetic draft alone (one model: θ_b + Σ w_i (θ_i − θ_b))
+    compose_full     base + 2 full experts (ComposedDecoder)
+    spec_full        the same, speculative (SpeculativeDecoder, task-arithmetic draft)
+    draft_lora       the LoRA draft alone (the adapters' task-arithmetic merge folded in)
+    compose_lora     base + 2 LoRA experts, batched fast path
+    spec_lora        the same, speculative
+
+Ratios are seconds per token relative to ``hf_generate``. Greedy speculative output is checked
+to equal plain composition's. Each speculative row also reports acceptance, forward calls per
+token, mean γ and tokens per block, and a cost breakdown from separately timed forwards (best of
+``--forward-repeats``): one draft step, verification blocks of 1…9 tokens, the ratio these
+predict for the measured acceptance, and — from the forward costs alone — the ratio at each
+acceptance rate with its best γ (when speculative composition pays off).
+Targets (issue 16, batch 1): spec_full ≤ 2.0×, spec_lora ≤ 1.5× one model's time.
+
+    python benchmarks/speculative_speed.py                      # writes benchmarks/results/speculative_speed.json
+    python benchmarks/speculative_speed.py --settings mini --mini-new-tokens 32 --prompts 2 --out /tmp/s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MINI_CACHE = ROOT / ".cache" / "speculative_speed" / "mini"
+STUDY_CHECKPOINTS = ROOT / "results" / "llm" / "mini" / "checkpoints"
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def mini_experts(cache: Path = MINI_CACHE):
+    """(tokenizer, base, {math, code} full experts, {math, code} LoRA adapter folders, prompts).
+
+    The study's ``mini_setting`` trains (or reloads, when the recipe matches) everything.
+    """
+    sys.path.insert(0, str(ROOT / "studies"))
+    from llm_math_code import mini_setting, scale_config
+
+    cfg = scale_config("mini", three_experts=False)
+    work = STUDY_CHECKPOINTS if (STUDY_CHECKPOINTS / "base" / "config.json").exists() else cache
+    work.mkdir(parents=True, exist_ok=True)
+    setting = mini_setting(cfg, work)
+    from mergelab.synthetic.tasks import qa_prompt
+
+    # The study prompts math as "Q: … A:" (zero-shot GSM8K layout) and code as the stub itself.
+    prompts = {
+        name: [qa_prompt(it.prompt) if bench.task == "gsm8k" else it.prompt for it in bench.items]
+        for name, bench in setting.test.items()
+    }
+    return setting.tokenizer, setting.base, setting.experts, setting.lora_adapters, prompts, work
+
+
+def small_setting(noise: float, lora_rank: int, seed: int = 0):
+    """(tokenizer, base, 2 full experts, 2 LoRA adapters) of the GPT-2-small shape, random."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from compose_speed import VOCAB, gpt2, numbered_tokenizer
+
+    base = gpt2("small", seed)
+    experts = [perturbed(base, noise, seed=seed + 1 + i) for i in range(2)]
+    loras = [random_lora(base, f"lora{i}", lora_rank, noise, seed=10 + i) for i in range(2)]
+    return numbered_tokenizer(VOCAB), base, experts, loras
+
+
+def random_lora(base, name: str, rank: int, noise: float, seed: int):
+    """LoRA on every attention and MLP projection (c_attn, c_proj, c_fc) of a GPT-2 model, with
+    ``ΔW = s·B A`` of entries about ``noise`` × the layer's weight std, like the full experts."""
+    from mergelab.compose import LoraAdapter
+
+    g = torch.Generator().manual_seed(seed)
+    modules = {}
+    for module_name, module in base.named_modules():
+        if module_name.rsplit(".", 1)[-1] in ("c_attn", "c_proj", "c_fc"):
+            in_features, out_features = module.weight.shape  # Conv1D stores [in, out]
+            a = torch.randn(rank, in_features, generator=g)
+            b = torch.randn(out_features, rank, generator=g)
+            b *= noise * float(module.weight.detach().std()) / rank**0.5
+            modules[module_name] = (a, b, 1.0)
+    return LoraAdapter(name, modules)
+
+
+def perturbed(model, noise: float, seed: int):
+    """``model`` with every floating tensor moved by ``noise`` × its own std, at random."""
+    expert = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in expert.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return expert.eval()
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def timed_round_robin(plan: dict, repeats: int, label: str) -> dict[str, float]:
+    """Best-of-``repeats`` seconds per path, paths interleaved in every repeat."""
+    best = dict.fromkeys(plan, float("inf"))
+    for repeat in range(repeats):
+        for path, fn in plan.items():
+            start = time.perf_counter()
+            fn()
+            best[path] = min(best[path], time.perf_counter() - start)
+            print(f"  {label} run {repeat}: {path:13s} {best[path]:8.2f} s", flush=True)
+    return best
+
+
+def forward_seconds(runner, ids: torch.Tensor, width: int, repeats: int) -> float:
+    """Best seconds of one cached forward of ``width`` new tokens after the prompt ``ids``
+    (every component of ``runner``: the cost of a draft step or of verifying a block)."""
+    batch, length = ids.shape
+    mask = torch.ones(batch, length + width, dtype=torch.long)
+    positions = torch.arange(length, length + width).expand(batch, width)
+    block = ids.repeat(1, width)[:, :width]  # any tokens: the cost does not depend on them
+    best = float("inf")
+    with runner.session():
+        runner.extend(ids, mask[:, :length], torch.arange(length).expand(batch, length), True)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.extend(block, mask, positions)
+            best = min(best, time.perf_counter() - start)
+            runner.rollback(width)
+    return best
+
+
+def speculative_stats(gens) -> dict[str, float]:
+    """Acceptance and forward calls over a run of Generations (tokens decided, EOS included)."""
+    drafted = sum(g.cost["drafted_tokens"] for g in gens)
+    accepted = sum(g.cost["accepted_tokens"] for g in gens)
+    decided = sum(len(g.token_ids) + (g.finish_reason == "eos") for g in gens)
+    draft = sum(g.cost["draft_forward_passes"] for g in gens)
+    verify = sum(g.cost["verify_forward_passes"] for g in gens)
+    blocks = sum(g.cost["blocks"] for g in gens)
+    return {
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / max(1.0, drafted),
+        "decided_tokens": decided,
+        "blocks": blocks,
+        "mean_gamma": drafted / max(1.0, blocks),
+        "tokens_per_block": decided / max(1.0, blocks),
+        "draft_forward_calls_per_token": draft / decided,
+        "verify_forward_calls_per_token": verify / decided,
+        "model_evaluations_per_token": (draft + verify) / decided,
+    }
+
+
+def run_setting(
+    name: str, tokenizer, base, experts, adapters, prompts, args, weights=(1.0, 1.0)
+) -> dict:
+    """Time every path on ``prompts`` (batch ``args.batch``), then the per-forward costs."""
+    from mergelab.candidate import GenerationSettings
+    from mergelab.compose import ComposedDecoder, ModelCandidate, SpeculativeDecoder
+
+    new_tokens = args.new_tokens[name.split("_")[0]]
+    weights = list(weights)
+    # EOS off for timing: every path decodes exactly new_tokens per prompt.
+    compose_full = ComposedDecoder(base, experts, tokenizer, weights, eos_token_ids=[])
+    compose_lora = ComposedDecoder.from_lora(base, adapters, tokenizer, weights, eos_token_ids=[])
+    spec_full = SpeculativeDecoder(compose_full, gamma=args.gamma, adaptive=not args.fixed_gamma)
+    spec_lora = SpeculativeDecoder(compose_lora, gamma=args.gamma, adaptive=not args.fixed_gamma)
+    single = ModelCandidate(base, tokenizer, name="base", eos_token_ids=[])
+    draft_full = spec_full.draft
+    draft_lora = spec_lora.draft
+    settings = GenerationSettings(max_new_tokens=new_tokens, batch_size=args.batch)
+    encoded = [single.encode_prompt(p) for p in prompts]
+
+    def hf_generate():
+        for start in range(0, len(encoded), args.batch):
+            chunk = encoded[start : start + args.batch]
+            assert len({len(e) for e in chunk}) == 1 or args.batch == 1
+            ids = torch.tensor(chunk)
+            with torch.no_grad():
+                out = base.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    pad_token_id=tokenizer.pad_token_id or 0, eos_token_id=None,
+                )  # fmt: skip
+            assert out.shape[1] == ids.shape[1] + new_tokens
+
+    outputs: dict[str, list] = {}
+
+    def path(label, candidate):
+        def fn():
+            outputs[label] = candidate.generate(prompts, settings)
+
+        return fn
+
+    plan = {
+        "hf_generate": hf_generate,
+        "single": path("single", single),
+        "draft_full": path("draft_full", draft_full),
+        "compose_full": path("compose_full", compose_full),
+        "spec_full": path("spec_full", spec_full),
+        "draft_lora": path("draft_lora", draft_lora),
+        "compose_lora": path("compose_lora", compose_lora),
+        "spec_lora": path("spec_lora", spec_lora),
+    }
+    short = GenerationSettings(max_new_tokens=4, batch_size=args.batch)
+    for candidate in (single, compose_full, compose_lora, spec_full, spec_lora):
+        candidate.generate(prompts[:1], short)  # warm up
+    seconds = timed_round_robin(plan, args.repeats, name)
+    for kind in ("full", "lora"):  # greedy speculative output is the composition's, token for token
+        same = all(
+            a.token_ids == b.token_ids
+            for a, b in zip(outputs[f"spec_{kind}"], outputs[f"compose_{kind}"])
+        )
+        assert same, f"{name}: speculative {kind} output differs from plain composition"
+    tokens = len(prompts) * new_tokens
+    rows = {
+        label: {
+            "seconds": s,
+            "seconds_per_token": s / tokens,
+            "ratio_to_hf_generate": s / seconds["hf_generate"],
+        }
+        for label, s in seconds.items()
+    }
+    for kind in ("full", "lora"):
+        rows[f"spec_{kind}"].update(speculative_stats(outputs[f"spec_{kind}"]))
+
+    # Acceptance with EOS on (the answers alone, as the study decodes them): no timing.
+    eos_stats = {}
+    if name.startswith("mini"):
+        with_eos = {
+            "full": ComposedDecoder(base, experts, tokenizer, weights),
+            "lora": ComposedDecoder.from_lora(base, adapters, tokenizer, weights),
+        }
+        for kind, composed in with_eos.items():
+            draft = draft_full if kind == "full" else draft_lora
+            speculative = SpeculativeDecoder(
+                composed, draft, gamma=args.gamma, adaptive=not args.fixed_gamma
+            )
+            eos_stats[kind] = speculative_stats(speculative.generate(prompts, settings))
+
+    # What one forward costs: a draft step (1 token), verifying a block of γ+1 tokens.
+    ids = torch.tensor([encoded[0]])
+    cost = {"one_model_step": forward_seconds(single.runner, ids, 1, args.forward_repeats)}
+    for kind, composed, draft in (
+        ("full", compose_full, draft_full),
+        ("lora", compose_lora, draft_lora),
+    ):
+        cost[f"draft_step_{kind}"] = forward_seconds(draft.runner, ids, 1, args.forward_repeats)
+        for width in range(1, args.max_width + 1):  # width 1: a plain composition step
+            cost[f"verify_{kind}_{width}_tokens"] = forward_seconds(
+                composed.runner, ids, width, args.forward_repeats
+            )
+    return {
+        "setting": name,
+        "weights": weights,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "batch": args.batch,
+        "paths": rows,
+        "acceptance_with_eos": eos_stats,
+        "forward_seconds": cost,
+        "predicted": predicted_ratios(rows, cost),
+        "predicted_by_acceptance": ratio_by_acceptance(cost, args.max_width - 1),
+    }
+
+
+def predicted_ratios(rows: dict, cost: dict) -> dict:
+    """What the per-forward costs predict for the measured acceptance, per token vs one model:
+    (draft calls·t_draft + blocks·t_verify(γ̄+1)) / (tokens·t_one), γ̄ = drafted / blocks. The
+    gap to the measured ratio is the loop's own overhead (prefill, bookkeeping)."""
+    out = {}
+    for kind in ("full", "lora"):
+        r = rows[f"spec_{kind}"]
+        widths = [int(k.split("_")[2]) for k in cost if k.startswith(f"verify_{kind}_")]
+        width = min(widths, key=lambda w: abs(w - (r["mean_gamma"] + 1)))
+        one_step = cost[f"verify_{kind}_1_tokens"]
+        draft = r["draft_forward_calls_per_token"] * cost[f"draft_step_{kind}"]
+        verify = cost[f"verify_{kind}_{width}_tokens"] / r["tokens_per_block"]
+        out[kind] = {
+            "verify_width_used": width,
+            "draft_share_per_token": draft / cost["one_model_step"],
+            "verify_share_per_token": verify / cost["one_model_step"],
+            "predicted_ratio": (draft + verify) / cost["one_model_step"],
+            "plain_ratio_from_steps": one_step / cost["one_model_step"],
+        }
+    return out
+
+
+ACCEPTANCE_GRID = (0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
+
+
+def ratio_by_acceptance(cost: dict, max_gamma: int) -> dict:
+    """From the measured forward costs alone: at per-token acceptance α, the best γ and the
+    ratio to one model it gives, ``(γ·t_draft + t_verify(γ+1)) / (E_γ·t_one)`` with
+    ``E_γ = (1 − α^{γ+1}) / (1 − α)`` — when speculative composition pays off."""
+    out = {}
+    for kind in ("full", "lora"):
+        rows = []
+        for a in ACCEPTANCE_GRID:
+            best = None
+            for g in range(1, max_gamma + 1):
+                tokens = (1 - a ** (g + 1)) / (1 - a)
+                seconds = g * cost[f"draft_step_{kind}"] + cost[f"verify_{kind}_{g + 1}_tokens"]
+                ratio = seconds / (tokens * cost["one_model_step"])
+                if best is None or ratio < best[1]:
+                    best = (g, ratio)
+            rows.append({"acceptance": a, "gamma": best[0], "ratio": best[1]})
+        plain = cost[f"verify_{kind}_1_tokens"] / cost["one_model_step"]
+        out[kind] = {"plain_ratio": plain, "rows": rows}
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--settings", default="mini,small")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8, help="mini: per task (math, code, mixed)")
+    parser.add_argument("--small-prompts", type=int, default=2, help="small: random prompts")
+    parser.add_argument("--mini-new-tokens", type=int, default=64)
+    parser.add_argument("--small-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="small: random prompt length")
+    parser.add_argument("--noise", type=float, default=0.02, help="small: full experts' noise")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-width", type=int, default=9, help="verify widths timed: 1…N")
+    parser.add_argument(
+        "--mini-weights", default="1.0,0.5", help="mini: expert weights to run (0.5: the study's)"
+    )
+    parser.add_argument("--fixed-gamma", action="store_true", help="no adaptive γ")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forward-repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/speculative_speed.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.new_tokens = {"mini": args.mini_new_tokens, "small": args.small_new_tokens}
+    load_before = os.getloadavg()
+    started = time.time()
+    results = []
+    for name in args.settings.split(","):
+        if name == "mini":
+            tokenizer, base, experts, adapter_dirs, prompts, work = mini_experts()
+            prompts = [
+                p for task in ("math", "code", "mixed") for p in prompts[task][: args.prompts]
+            ]
+            experts = [experts["math"], experts["code"]]
+            from mergelab.compose import LoraAdapter
+
+            adapters = [LoraAdapter.from_pretrained(adapter_dirs[s], s) for s in ("math", "code")]
+            for w in (float(x) for x in args.mini_weights.split(",")):
+                record = run_setting(
+                    f"mini_w{w:g}", tokenizer, base, experts, adapters, prompts, args, (w, w)
+                )
+                record["checkpoints"] = str(work.relative_to(ROOT))
+                results.append(record)
+                report(record)
+            continue
+        elif name == "small":
+            tokenizer, base, experts, adapters = small_setting(args.noise, args.lora_rank)
+            g = torch.Generator().manual_seed(0)
+            shape = (args.small_prompts, args.prompt_tokens)
+            ids = torch.randint(1, len(tokenizer), shape, generator=g)
+            prompts = [" ".join(f"t{i}" for i in row) for row in ids.tolist()]
+            record = run_setting(name, tokenizer, base, experts, adapters, prompts, args)
+            record["noise"] = args.noise
+        else:
+            raise SystemExit(f"unknown setting {name!r}: mini or small")
+        results.append(record)
+        report(record)
+    load_after = os.getloadavg()
+    config = {k: v for k, v in vars(args).items() if k != "new_tokens"}
+    record = {
+        "config": {
+            **config,
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "smollm2_lora_experts": "not present locally (no SmolLM2 GGUF installed): not run",
+        },
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "wall_seconds": time.time() - started,
+        "results": results,
+    }
+    from mergelab.outputs import atomic_output_file
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_file(args.out, force=True) as tmp:
+        tmp.write_text(json.dumps(record, indent=1))
+    print(f"load average before {load_before}, after {load_after}; wrote {args.out}")
+    return 0
+
+
+def report(record: dict) -> None:
+    name = record["setting"]
+    print(
+        f"\n{name}: {record['prompts']} prompts × {record['new_tokens']} tokens, batch {record['batch']}"
+    )
+    print(f"  {'path':13s} {'s/token':>9s} {'× hf':>6s} {'accept':>7s} {'evals/tok':>9s}")
+    for label, r in record["paths"].items():
+        extra = (
+            f" {r['acceptance_rate']:7.2f} {r['model_evaluations_per_token']:9.2f}"
+            if "acceptance_rate" in r
+            else ""
+        )
+        print(
+            f"  {label:13s} {r['seconds_per_token']:9.4f} {r['ratio_to_hf_generate']:6.2f}{extra}"
+        )
+    for kind, p in record["predicted"].items():
+        r = record["paths"][f"spec_{kind}"]
+        print(
+            f"  {kind}: γ̄ {r['mean_gamma']:.1f}, {r['tokens_per_block']:.2f} tokens/block; per "
+            f"token, in one-model steps: draft {p['draft_share_per_token']:.2f} + verify "
+            f"{p['verify_share_per_token']:.2f} = {p['predicted_ratio']:.2f} (plain "
+            f"{p['plain_ratio_from_steps']:.2f})"
+        )
+    for kind, table in record["predicted_by_acceptance"].items():
+        cells = " ".join(f"{r['acceptance']}:{r['ratio']:.2f}" for r in table["rows"])
+        print(
+            f"  {kind}, predicted × one model by acceptance: {cells} (plain {table['plain_ratio']:.2f})"
+        )
+    for kind, e in record["acceptance_with_eos"].items():
+        print(f"  {kind} with EOS (answers only): acceptance {e['acceptance_rate']:.2f}")
+    targets = {"full": 2.0, "lora": 1.5}
+    for kind, target in targets.items():
+        ratio = record["paths"][f"spec_{kind}"]["ratio_to_hf_generate"]
+        print(
+            f"  spec_{kind} {ratio:.2f}× one model (target ≤ {target}: {'met' if ratio <= target else 'MISSED'})"
+        )
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--train-only"]:
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    print(mini_experts()[-1])
+    raise SystemExit(0)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,587 @@
+"""Speculative composition: a cheap draft proposes tokens, the composition verifies them — exactly.
+
+A composition of a base and ``k`` experts costs ``k + 1`` forward passes per token. The
+task-arithmetic merge ``θ_b + Σ_i w_i (θ_i − θ_b)`` is one model that approximates the composition,
+so let it *draft* and let the composition *verify* (speculative decoding: Leviathan et al. 2023,
+Chen et al. 2023)::
+
+    composed = ComposedDecoder(base, [math, code], tokenizer)
+    fast = SpeculativeDecoder(composed)                      # draft: the task-arithmetic merge
+    fast.generate(prompts, GenerationSettings(max_new_tokens=256))   # == composed.generate(...)
+
+One block, for a batch of ``B`` rows and a block length ``γ``:
+
+1. The draft proposes ``d_1 … d_γ``, one cached forward each: its argmax (greedy), or a sample of
+   its distribution ``q`` warped exactly as plain sampling warps (temperature, top-k, top-p).
+2. Every model of the composition scores ``[t, d_1 … d_γ]`` in **one** forward with its KV cache
+   (``t``: the last decided token, not yet in the caches; LoRA experts: one batched forward).
+   :meth:`~mergelab.compose.decoding.RunnerCandidate.compose` turns that into the composed
+   log-probs ``p̂_0 … p̂_γ`` — weights, every :class:`Composition`, EOS policies and token masks
+   included, by the same code as plain decoding.
+3. Greedy: accept ``d_i`` while ``argmax p̂_{i−1} = d_i``; the first mismatch is replaced by the
+   composition's argmax. Sampling: with ``p`` the *warped* composed distribution, accept ``d_i``
+   with probability ``min(1, p(d_i) / q(d_i))``; at the first rejection draw from the normalised
+   residual ``max(0, p − q)``. If all ``γ`` are accepted, one more token comes from ``p_γ``. Each
+   token is then distributed exactly as ``p`` given its prefix, whatever the draft proposes — a
+   bad draft only costs time.
+4. Rollback: the caches drop the slots past each row's first rejection (``DynamicCache.crop``).
+   Rows of a batch accept different numbers of tokens but a cache has one length: it is cropped to
+   the longest row, and in shorter rows the rejected slots stay behind as *holes* — attention-mask
+   0, never attended to, not counted in the position ids (``cumsum(mask) − 1``, as for left
+   padding). At batch 1 there are never holes. Models with sliding-window layers (whose window
+   counts cache slots, holes included) are therefore decoded one prompt at a time.
+
+γ is fixed, or adaptive (default): after each block, the γ that maximises the expected number of
+decided tokens per unit of work, ``(1 − α^{γ+1}) / (1 − α) / (γ + cost_ratio)``, for the running
+acceptance rate α (Leviathan et al. 2023, §3.3). ``cost_ratio`` is the cost of one verification
+relative to one draft step, by default the number of components the verification evaluates per
+position (``k + 1``: separate models, or row blocks of the LoRA batch) against the draft's (1);
+pass the measured ratio for a given machine. γ depends only on past acceptances, never on
+timings, so results are reproducible.
+
+Greedy output is token-identical to the composition's (up to float ties: a block forward sums in a
+different order than one-token steps). Sampled output follows the composition's distribution but
+draws other random numbers than plain sampling, so it is not the same sample for the same seed;
+for a given seed it is reproducible, and independent of the batch when γ is fixed (adaptive γ is
+shared by the rows of a batch). ``score`` and ``token_logprobs`` are the composition's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..candidate import Candidate, Generation, GenerationSettings
+from .decoding import (
+    RowOutputs,
+    RunnerCandidate,
+    component_logprobs_of,
+    left_pad,
+    sample_tokens,
+    warp_logprobs,
+)
+from .vocab import check_same_tokenizer
+
+DEFAULT_GAMMA = 4
+DEFAULT_MAX_GAMMA = 8
+_DECAY = 0.8  # the acceptance rate that adapts γ weighs the last ~5 blocks most
+_PRIOR = (1.6, 0.4)  # pseudo-counts (accepted, rejected) of that rate: 0.8 before any block
+
+
+# ---------------------------------------------------------------------------- the default draft
+
+
+def task_arithmetic_draft(composed: RunnerCandidate) -> RunnerCandidate:
+    """The weight-space twin of a composition, as a one-model candidate (the default draft).
+
+    With net coefficients ``c_j`` of the formula (:meth:`Composition.coefficients`) the draft's
+    weights are ``Σ_j c_j θ_j / Σ_j c_j``; for the paper's rule ``base + Σ_i w_i (expert_i − base)``
+    that is task arithmetic with weights ``w_i`` and λ = 1 —
+    ``merge_models("task_arithmetic", base, experts, weights=w)``. For LoRA experts it is the
+    task-arithmetic merge of the adapters folded into a copy of the base. Components of different
+    shapes (proxy-tuning with a large and a small model) have no weight-space twin: pass a draft.
+    """
+    from mergelab.merge import merge_models
+
+    from .decoder import ModelCandidate
+    from .lora import LoraRunner
+
+    composition = composed.composition
+    coefficients = composition.coefficients()
+    total = sum(coefficients.values())
+    if total <= 0:
+        raise ValueError(
+            f"{composition}: coefficients sum to {total:g}, no weight average; pass draft="
+        )
+    names = list(composed.runner.names)
+    weights = [coefficients[n] / total for n in names[1:]]
+    runner = composed.runner
+    if isinstance(runner, LoraRunner):
+        model = runner.merged_model(weights)
+    elif len(names) == 1:
+        model = runner.models[names[0]]
+    else:
+        try:
+            model = merge_models(
+                "task_arithmetic",
+                runner.models[names[0]],
+                [runner.models[n] for n in names[1:]],
+                weights=weights,
+            )
+        except Exception as exc:  # different architectures or shapes
+            raise ValueError(
+                f"no task-arithmetic draft for {composition} ({exc}); pass draft= explicitly"
+            ) from exc
+    return ModelCandidate(
+        model,
+        composed.tokenizer,
+        name=f"task_arithmetic[{composition}]",
+        eos_token_ids=composed.eos_token_ids,
+    )
+
+
+# ---------------------------------------------------------------------------- caches per row
+
+
+class _CacheTrack:
+    """A runner's caches plus the attention mask over their slots; rows roll back separately.
+
+    ``keep(slots)`` keeps the first ``slots[r]`` slots of row ``r``: the caches are cropped to the
+    longest row and the rest of shorter rows become holes (mask 0).
+    """
+
+    def __init__(self, runner: Any, batch: int, device: torch.device):
+        self.runner = runner
+        self.mask = torch.zeros((batch, 0), dtype=torch.long, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.mask.shape[1]
+
+    def feed(
+        self, tokens: torch.Tensor, valid: torch.Tensor, last_only: bool = False
+    ) -> list[torch.Tensor] | None:
+        """Append ``tokens [B, T]`` (``valid`` 0 = a hole); per component logits ``[B, T, V]``."""
+        if tokens.shape[1] == 0:
+            return None
+        valid = valid.long()
+        positions = (self.mask.sum(-1, keepdim=True) + valid.cumsum(-1) - 1).clamp(min=0)
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        return self.runner.extend(tokens, self.mask, positions, last_only)
+
+    def keep(self, slots: torch.Tensor) -> None:
+        longest = int(slots.max())
+        index = torch.arange(self.slots, device=self.mask.device)
+        mask = self.mask.masked_fill(index >= slots.to(self.mask.device)[:, None], 0)
+        self.runner.rollback(self.slots - longest)
+        self.mask = mask[:, :longest]
+
+
+# ---------------------------------------------------------------------------- drafts
+
+# choose(log-probs [B, V], position in the block) -> (tokens [B], warped draft probabilities
+# [B, V], or None when greedy)
+Chooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class _CachedDraft:
+    """A draft that is a :class:`RunnerCandidate` (a model, a merge, even a composition).
+
+    ``todo[r]`` are the tokens of row ``r`` decided but not yet in the draft's caches: the last
+    decided token, and after a fully accepted block also ``d_γ`` (never fed to the draft).
+    """
+
+    def __init__(self, candidate: RunnerCandidate, batch: int, pad_id: int, device: torch.device):
+        self.candidate = candidate
+        self.track = _CacheTrack(candidate.runner, batch, device)
+        self.pad_id, self.device = pad_id, device
+        self.todo: list[list[int]] = [[] for _ in range(batch)]
+        self._start = 0
+
+    def session(self):
+        return self.candidate.runner.session()
+
+    @property
+    def forward_passes(self) -> int:
+        return self.candidate.runner.forward_passes
+
+    def prefill(self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int]) -> None:
+        self.track.feed(prefix, prefix_mask, last_only=True)
+        self.todo = [[t] for t in last]
+
+    def _lp(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        return self.candidate.compose([z[:, -1] for z in logits])
+
+    def propose(self, gamma: int, choose: Chooser) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ids, valid = left_pad(self.todo, self.pad_id, self.device)
+        self._start = self.track.slots + ids.shape[1]
+        lp = self._lp(self.track.feed(ids, valid, last_only=True))
+        drafts, qs = [], []
+        for i in range(gamma):
+            if i:
+                prev = drafts[-1].unsqueeze(-1)
+                lp = self._lp(self.track.feed(prev, torch.ones_like(prev), last_only=True))
+            token, q = choose(lp, i)
+            drafts.append(token)
+            qs.append(q)
+        return torch.stack(drafts, dim=1), qs
+
+    def commit(self, accepted: list[int], drafts: list[list[int]], final: list[int]) -> None:
+        gamma = len(drafts[0]) if drafts else 0
+        if gamma == 0:  # nothing was drafted: the new token waits with the others
+            self.todo = [t + [f] for t, f in zip(self.todo, final)]
+            return
+        # Fed in this block: todo, then d_1 … d_{γ−1}. Keep what was accepted.
+        keep = [self._start + min(n, gamma - 1) for n in accepted]
+        self.track.keep(torch.tensor(keep))
+        self.todo = [[d[-1], f] if n == gamma else [f] for n, d, f in zip(accepted, drafts, final)]
+
+
+class _TeacherForcedDraft:
+    """Any :class:`~mergelab.candidate.Candidate` as a draft: ``token_logprobs`` of the whole
+    prefix at every drafted position (no cache: slow, but needs nothing but the protocol)."""
+
+    def __init__(self, candidate: Candidate, batch: int, pad_id: int, device: torch.device):
+        self.candidate = candidate
+        self.pad_id, self.device = pad_id, device
+        self.sequences: list[list[int]] = [[] for _ in range(batch)]
+        self.forward_passes = 0
+
+    def session(self):
+        return contextlib.nullcontext()
+
+    def prefill(self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int]) -> None:
+        self.sequences = [
+            [int(t) for t, m in zip(row, mask) if m] + [token]
+            for row, mask, token in zip(prefix.tolist(), prefix_mask.tolist(), last)
+        ]
+
+    def propose(self, gamma: int, choose: Chooser) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        drafted: list[list[int]] = [[] for _ in self.sequences]
+        tokens, qs = [], []
+        for i in range(gamma):
+            ids, mask = left_pad(
+                [s + d for s, d in zip(self.sequences, drafted)], self.pad_id, self.device
+            )
+            lp = self.candidate.token_logprobs(ids, mask)[:, -1].float()
+            self.forward_passes += 1
+            token, q = choose(lp, i)
+            for row, t in enumerate(token.tolist()):
+                drafted[row].append(t)
+            tokens.append(token)
+            qs.append(q)
+        return torch.stack(tokens, dim=1), qs
+
+    def commit(self, accepted: list[int], drafts: list[list[int]], final: list[int]) -> None:
+        for row, (n, d, f) in enumerate(zip(accepted, drafts, final)):
+            self.sequences[row] += d[:n] + [f]
+
+
+# ---------------------------------------------------------------------------- block length
+
+
+def best_gamma(acceptance: float, cost_ratio: float, max_gamma: int) -> int:
+    """The γ in ``1 … max_gamma`` maximising expected decided tokens per unit of work.
+
+    A block costs ``γ`` draft steps (1 each) and one verification (``cost_ratio``) and decides
+    ``(1 − α^{γ+1}) / (1 − α)`` tokens in expectation at per-token acceptance ``α``.
+    """
+    a = min(max(acceptance, 0.0), 1.0)
+
+    def tokens(g: int) -> float:
+        return g + 1.0 if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+
+    return max(range(1, max_gamma + 1), key=lambda g: tokens(g) / (g + cost_ratio))
+
+
+class _AdaptiveGamma:
+    """Running per-token acceptance rate (decayed counts of accepted and rejected drafts) → γ."""
+
+    def __init__(self, gamma: int, adaptive: bool, max_gamma: int, cost_ratio: float):
+        self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
+        self.cost_ratio = cost_ratio
+        self.accepted = self.rejected = 0.0
+
+    def update(self, accepted: int, rejected: int) -> None:
+        if not self.adaptive:
+            return
+        self.accepted = _DECAY * self.accepted + accepted
+        self.rejected = _DECAY * self.rejected + rejected
+        # A weak prior (0.8) keeps one lucky or unlucky block from deciding alone.
+        rate = (self.accepted + _PRIOR[0]) / (self.accepted + self.rejected + sum(_PRIOR))
+        self.gamma = best_gamma(rate, self.cost_ratio, self.max_gamma)
+
+
+# ---------------------------------------------------------------------------- the candidate
+
+
+class SpeculativeDecoder(RunnerCandidate):
+    """A composition (any :class:`RunnerCandidate`) decoded speculatively; a Candidate itself.
+
+    ``draft``: a Candidate proposing tokens — a :class:`RunnerCandidate` (ModelCandidate, a merge,
+    a composition) runs with its own KV cache, any other Candidate through ``token_logprobs``;
+    ``None`` or ``"ta"``: :func:`task_arithmetic_draft`. ``gamma``: drafted tokens per block (the
+    first block's when ``adaptive``); ``max_gamma`` bounds adaptive γ; ``cost_ratio``: one
+    verification's cost in draft steps (default: forward calls, see the module docstring).
+    The distribution, ``score`` and ``token_logprobs`` are the composition's.
+
+    ``Generation.cost`` of each row: ``drafted_tokens``, ``accepted_tokens``,
+    ``acceptance_rate`` (accepted / drafted), ``blocks`` (verifications the row took part in),
+    ``verify_forward_passes`` and ``draft_forward_passes`` (the batch's, divided evenly) and
+    ``model_evaluations_per_token`` (both together per decoded position; plain composition: the
+    number of models, or 1 on the LoRA fast path).
+    """
+
+    def __init__(
+        self,
+        composed: RunnerCandidate,
+        draft: Candidate | str | None = None,
+        *,
+        gamma: int = DEFAULT_GAMMA,
+        adaptive: bool = True,
+        max_gamma: int = DEFAULT_MAX_GAMMA,
+        cost_ratio: float | None = None,
+        name: str | None = None,
+    ):
+        if isinstance(composed, SpeculativeDecoder):
+            composed = composed.composed
+        if not isinstance(composed, RunnerCandidate):
+            raise TypeError(f"speculative decoding needs a ComposedDecoder, got {type(composed)}")
+        if not (isinstance(gamma, int) and gamma >= 1):
+            raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+        if not (isinstance(max_gamma, int) and max_gamma >= gamma):
+            raise ValueError(f"max_gamma must be an integer >= gamma ({gamma}), got {max_gamma!r}")
+        super().__init__(
+            composed.runner,
+            composed.composition,
+            composed.tokenizer,
+            name=name or f"speculative[{composed.name}]",
+            eos_policy=composed.eos_policy,
+            eos_token_ids=composed.eos_token_ids,
+            token_masks=composed.token_masks,
+            kind="SpeculativeDecoder",
+        )
+        self.composed = composed
+        if draft is None or draft == "ta":
+            draft = task_arithmetic_draft(composed)
+        elif isinstance(draft, str):
+            raise ValueError(f"draft must be a Candidate, None or 'ta', got {draft!r}")
+        self.draft = draft
+        self._check_draft(draft)
+        self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
+        # Default: components evaluated per verified position over those per draft step (k + 1
+        # models, or k + 1 row blocks of the LoRA batch, against one merged model).
+        draft_components = len(draft.runner.names) if self._cached_draft else 1
+        self.cost_ratio = (
+            float(cost_ratio)
+            if cost_ratio is not None
+            else len(self.runner.names) / draft_components
+        )
+        if not self.cost_ratio > 0:
+            raise ValueError(f"cost_ratio must be > 0, got {cost_ratio!r}")
+        # Sliding-window caches count slots, holes included: decode one prompt at a time.
+        self._one_row_at_a_time = self.runner.has_sliding_window() or (
+            self._cached_draft and draft.runner.has_sliding_window()
+        )
+
+    @property
+    def _cached_draft(self) -> bool:
+        return isinstance(self.draft, RunnerCandidate)
+
+    def _check_draft(self, draft: Candidate) -> None:
+        if not isinstance(draft, Candidate):
+            raise TypeError(f"draft {type(draft).__name__} is not a Candidate")
+        if draft.tokenizer is not self.tokenizer:
+            check_same_tokenizer([self.tokenizer, draft.tokenizer], ["composition", "draft"])
+        if isinstance(draft, RunnerCandidate):
+            if draft.runner is self.runner:
+                raise ValueError("the draft shares the composition's runner: pass another model")
+            from .lora import LoraRunner
+
+            if not isinstance(self.runner, LoraRunner):
+                return
+            # The LoRA fast path hooks the base model's layers while it decodes: a draft running
+            # the same modules would get the adapters' deltas added to its rows.
+            hooked = {id(m) for m in self.runner.models["base"].modules()}
+            for model in draft.runner.models.values():
+                if any(id(m) in hooked for m in model.modules()):
+                    raise ValueError(
+                        "the draft runs modules of the LoRA composition's base model; pass a "
+                        "copy (copy.deepcopy) or the default task-arithmetic draft"
+                    )
+
+    # ---------------------------------------------------------------- identity
+    def describe(self) -> dict[str, Any]:
+        if self._identity_cache is None:
+            self._identity_cache = {
+                "type": self.kind,
+                "name": self.name,
+                "composed": self.composed.describe(),
+                "draft": self.draft.describe(),
+                "gamma": self.gamma,
+                "adaptive": self.adaptive,
+                "max_gamma": self.max_gamma,
+                "cost_ratio": self.cost_ratio,
+            }
+        return self._identity_cache
+
+    def __repr__(self) -> str:
+        return (
+            f"SpeculativeDecoder(composition={self.composition}, draft={self.draft.name!r}, "
+            f"gamma={self.gamma}, adaptive={self.adaptive})"
+        )
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self, prompts: Sequence[str], settings: GenerationSettings | None = None
+    ) -> list[Generation]:
+        settings = settings or GenerationSettings()
+        if self._one_row_at_a_time and settings.batch_size > 1:
+            settings = dataclasses.replace(settings, batch_size=1)
+        return super().generate(prompts, settings)
+
+    @torch.no_grad()
+    def _generate_batch(
+        self,
+        prompts: list[str],
+        encoded: list[list[int]],
+        indices: list[int],
+        settings: GenerationSettings,
+    ) -> list[Generation]:
+        ids, mask = left_pad(encoded, self.pad_id, self.device)
+        batch = len(prompts)
+        generators = self._row_generators(indices, settings)
+        sampling = settings.do_sample
+        row_gamma = [0] * batch  # this block's drafts that row r may use (its own block length)
+
+        def warp(lp: torch.Tensor) -> torch.Tensor:
+            return warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p)
+
+        def choose(lp: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            tokens = lp.argmax(dim=-1)
+            if not sampling:
+                return tokens, None
+            scores = warp(lp)
+            # Only rows whose block reaches position i draw a random number: a row's draws then
+            # do not depend on how long its neighbours' blocks are.
+            rows = [r for r in range(batch) if i < row_gamma[r]]
+            if rows:
+                gens = [generators[r] for r in rows] if generators is not None else None
+                tokens[rows] = sample_tokens(scores[rows], gens)
+            return tokens, torch.softmax(scores.float(), dim=-1)
+
+        draft_class = _CachedDraft if self._cached_draft else _TeacherForcedDraft
+        draft = draft_class(self.draft, batch, self.pad_id, self.device)
+        verifier = _CacheTrack(self.runner, batch, self.device)
+        schedule = _AdaptiveGamma(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        rows = RowOutputs(self, batch, settings)
+        drafted, accepted, blocks = [0] * batch, [0] * batch, [0] * batch
+        verify_before, draft_before = self.runner.forward_passes, draft.forward_passes
+        started = time.perf_counter()
+        # Both sides start from the prompt without its last token: that token is the first one
+        # every block feeds to the verifier, so all blocks look alike.
+        pending = ids[:, -1].clone()
+        with self.runner.session(), draft.session():
+            verifier.feed(ids[:, :-1], mask[:, :-1], last_only=True)
+            draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist())
+            while not all(rows.done):
+                # A block decides up to γ + 1 tokens of a row: draft no further than its end.
+                row_gamma = [
+                    0 if rows.done[r] else max(0, min(schedule.gamma, rows.remaining(r) - 1))
+                    for r in range(batch)
+                ]
+                gamma = max(row_gamma)
+                if gamma:
+                    drafts, qs = draft.propose(gamma, choose)
+                else:
+                    drafts, qs = ids.new_zeros((batch, 0)), []
+                start = verifier.slots
+                block = torch.cat([pending.unsqueeze(-1), drafts], dim=1)  # [B, γ + 1]
+                comps = verifier.feed(block, torch.ones_like(block))
+                lp = self.compose(comps)  # [B, γ + 1, V]
+                limit = torch.tensor(row_gamma, device=lp.device)
+                n, final = _verify(lp, drafts, qs, limit, warp if sampling else None, generators)
+                # What each row decided: d_1 … d_n, then the final token; and their log-probs.
+                decided = torch.cat([drafts, final.unsqueeze(-1)], dim=1)
+                decided.scatter_(1, n.unsqueeze(-1), final.unsqueeze(-1))
+                logprobs = lp.gather(-1, decided.unsqueeze(-1)).squeeze(-1).tolist()
+                components = (
+                    component_logprobs_of(comps, decided.unsqueeze(-1)).tolist()
+                    if settings.return_component_logprobs
+                    else None
+                )
+                n_list, decided_list = n.tolist(), decided.tolist()
+                for r in range(batch):
+                    if rows.done[r]:
+                        continue
+                    blocks[r] += 1
+                    drafted[r] += row_gamma[r]
+                    accepted[r] += n_list[r]
+                    for i in range(n_list[r] + 1):
+                        rows.add(
+                            r, decided_list[r][i], logprobs[r][i],
+                            components[r][i] if components else None,
+                        )  # fmt: skip
+                        if rows.done[r]:
+                            break
+                used = [r for r in range(batch) if row_gamma[r]]
+                schedule.update(
+                    sum(n_list[r] for r in used), sum(n_list[r] < row_gamma[r] for r in used)
+                )
+                # Roll back: the verifier keeps t, d_1 … d_n; the final token is fed next block.
+                verifier.keep(start + 1 + n)
+                draft.commit(n_list, drafts.tolist(), final.tolist())
+                pending = final
+        seconds = time.perf_counter() - started
+        verify_passes = self.runner.forward_passes - verify_before
+        draft_passes = draft.forward_passes - draft_before
+        cost = [
+            {
+                "drafted_tokens": float(drafted[r]),
+                "accepted_tokens": float(accepted[r]),
+                "acceptance_rate": accepted[r] / drafted[r] if drafted[r] else 0.0,
+                "blocks": float(blocks[r]),
+                "verify_forward_passes": verify_passes / batch,
+                "draft_forward_passes": draft_passes / batch,
+            }
+            for r in range(batch)
+        ]
+        return rows.generations(prompts, verify_passes + draft_passes, seconds, cost)
+
+
+def _verify(
+    lp: torch.Tensor,
+    drafts: torch.Tensor,
+    qs: list[torch.Tensor | None],
+    limit: torch.Tensor,
+    warp: Callable[[torch.Tensor], torch.Tensor] | None,
+    generators: Sequence[torch.Generator] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted drafts per row ``n [B]`` and the token that follows them ``final [B]``.
+
+    ``lp [B, γ+1, V]``: composed log-probs after the pending token and each draft;
+    ``drafts [B, γ]``; ``qs[i] [B, V]``: the draft's warped probabilities (sampling, ``warp``
+    given) or None (greedy); ``limit [B]``: row r uses only its first ``limit[r]`` drafts.
+    """
+    batch, gamma = drafts.shape
+    rows = torch.arange(batch, device=lp.device)
+    usable = torch.arange(gamma, device=lp.device) < limit.unsqueeze(-1)  # [B, γ]
+    if warp is None:  # greedy: accept while the composition's argmax is the draft
+        target = lp.argmax(dim=-1)  # [B, γ+1]
+        n = ((target[:, :gamma] == drafts) & usable).long().cumprod(dim=-1).sum(dim=-1)
+        return n, target[rows, n]
+    p = torch.softmax(warp(lp).float(), dim=-1)  # what plain sampling samples from
+    q = torch.zeros_like(p)  # no draft at a row's last position: its residual is p itself
+    if gamma:
+        q[:, :gamma] = torch.stack(qs, dim=1) * usable.unsqueeze(-1)
+        p_d = p[:, :gamma].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        q_d = q[:, :gamma].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        u = _uniforms(limit.tolist(), gamma, generators, lp.device)
+        # u·q < p accepts with probability min(1, p/q) (q > 0: the draft was drawn from q).
+        n = ((u * q_d < p_d) & usable).long().cumprod(dim=-1).sum(dim=-1)
+    else:
+        n = torch.zeros(batch, dtype=torch.long, device=lp.device)
+    p_n, q_n = p[rows, n], q[rows, n]
+    # After a rejection: the residual max(0, p − q), renormalised by sample_tokens. If it is all
+    # zero (p = q up to rounding, so rejection had probability ~0), p itself.
+    residual = (p_n - q_n).clamp(min=0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return n, sample_tokens(torch.log(torch.where(empty, p_n, residual)), generators)
+
+
+def _uniforms(
+    counts: list[int], width: int, generators: Sequence[torch.Generator] | None, device
+) -> torch.Tensor:
+    """Uniform draws ``[B, width]``: ``counts[r]`` from row r's generator (the global RNG if
+    None), the rest 1 (never used)."""
+    out = torch.ones(len(counts), width, device=device)
+    for r, count in enumerate(counts):
+        if count:
+            g = generators[r] if generators is not None else None
+            out[r, :count] = torch.rand(count, generator=g, device=device)
+    return out

@@ -1,0 +1,477 @@
+"""Speculative composition decodes exactly the composition: greedy token for token, sampling in
+distribution (chi-square against enumeration), whatever the draft; caches roll back at every
+position of a block, in batches whose rows accept different numbers of tokens."""
+
+import copy
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from scipy.stats import chisquare
+
+from mergelab.candidate import Candidate, GenerationSettings
+from mergelab.compose import ComposedDecoder, Composition, ModelCandidate, SpeculativeDecoder
+from mergelab.compose.decoding import warp_logprobs
+from mergelab.compose.speculative import best_gamma, task_arithmetic_draft
+from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.merge import merge_models
+
+PROMPTS = ["hello world", "ab", "the cat sat on", "x"]  # different lengths: left padding
+ATOL = 1e-4  # a block forward sums in another order than one-token steps
+SIGNIFICANCE = 1e-3  # chi-square tests: reject "same distribution" below this p-value
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+def _perturbed(model, scale: float, seed: int):
+    """An "expert": every weight moved by ``scale`` of its own standard deviation, at random."""
+    expert = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in expert.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.numel() > 1 else 1))
+    return expert.eval()
+
+
+def _models(vocab: int, arch: str, scale: float = 0.15):
+    base = tiny_causal_lm(vocab, architecture=arch, seed=0, initializer_range=0.3)
+    return [base, _perturbed(base, scale, 1), _perturbed(base, scale, 2)]
+
+
+def _lora(base, arch: str, seed: int, scale: float = 0.15):
+    targets = ["c_attn", "c_fc"] if arch == "gpt2" else ["q_proj", "v_proj", "up_proj"]
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+        fan_in_fan_out=(arch == "gpt2"), init_lora_weights=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * scale)
+    return peft_model.eval()
+
+
+def _same(got, want, atol=ATOL):
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=atol)
+        if a.component_logprobs is not None and b.component_logprobs is not None:
+            assert torch.allclose(
+                torch.tensor(a.component_logprobs), torch.tensor(b.component_logprobs), atol=atol
+            )
+
+
+def _rate(gens) -> float:
+    drafted = sum(g.cost["drafted_tokens"] for g in gens)
+    return sum(g.cost["accepted_tokens"] for g in gens) / drafted
+
+
+# ---------------------------------------------------------------------------- greedy: identical
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("experts", ["full", "lora"])
+def test_greedy_equals_plain_composition_over_long_generations(tok, arch, experts):
+    if experts == "full":
+        base, *full = _models(len(tok), arch)
+        composed = ComposedDecoder(base, full, tok, weights=[1.0, 0.8], eos_token_ids=[])
+    else:
+        base = tiny_causal_lm(len(tok), architecture=arch, seed=0, initializer_range=0.3)
+        adapters = [_lora(base, arch, seed) for seed in (1, 2)]
+        composed = ComposedDecoder.from_lora(base, adapters, tok, weights=[1.0, 0.8], eos_token_ids=[])  # fmt: skip
+    settings = GenerationSettings(
+        max_new_tokens=200, batch_size=4, return_component_logprobs=True
+    )  # no EOS: every row decodes all 200 tokens
+    plain = composed.generate(PROMPTS, settings)
+    speculative = SpeculativeDecoder(composed, gamma=4)
+    got = speculative.generate(PROMPTS, settings)
+    _same(got, plain)
+    assert all(len(g.token_ids) == 200 for g in got)
+    assert 0.05 < _rate(got) < 0.95  # drafts were accepted and rejected: both paths ran
+    # Cost: forward calls (every model, the draft's too) per decoded position.
+    assert plain[0].cost["model_evaluations_per_token"] == (3 if experts == "full" else 1)
+    assert got[0].cost["model_evaluations_per_token"] == pytest.approx(
+        (got[0].cost["verify_forward_passes"] + got[0].cost["draft_forward_passes"]) * 4 / 200
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_equals_plain_composition_slow_long(tok, arch):
+    """The same at 600 tokens, 8 prompts, adaptive γ up to 12, EOS on, and a bad draft."""
+    base = tiny_causal_lm(
+        len(tok), architecture=arch, seed=0, initializer_range=0.3, max_positions=1024
+    )
+    full = [_perturbed(base, 0.1, s) for s in (1, 2)]
+    composed = ComposedDecoder(base, full, tok)
+    prompts = PROMPTS + ["a b c d", "0123", "q", "zzz top"]
+    settings = GenerationSettings(max_new_tokens=600, batch_size=8)
+    plain = composed.generate(prompts, settings)
+    unrelated = tiny_causal_lm(len(tok), architecture=arch, seed=7, max_positions=1024)
+    for draft in (None, ModelCandidate(unrelated, tok)):
+        got = SpeculativeDecoder(composed, draft, gamma=4, max_gamma=12).generate(prompts, settings)
+        _same(got, plain)
+
+
+def _compositions(tok):
+    base, e1, e2 = _models(len(tok), "llama")
+    large = tiny_causal_lm(
+        len(tok), architecture="llama", seed=5, hidden_size=48, initializer_range=0.3
+    )
+    mask = torch.zeros(len(tok), dtype=torch.bool)
+    mask[tok.convert_tokens_to_ids(list("aeiou "))] = True
+    return {
+        "weights": ComposedDecoder(base, [e1, e2], tok, weights=[1.5, -0.5]),
+        "temperature": ComposedDecoder(
+            base,
+            [e1, e2],
+            tok,
+            composition=Composition.weighted("base", ["expert1", "expert2"], temperature=0.7),
+        ),  # fmt: skip
+        "cfg": ComposedDecoder(
+            base,
+            [e1],
+            tok,
+            composition=Composition.classifier_free_guidance("base", "expert1", 1.5),
+        ),  # fmt: skip
+        "dexperts": ComposedDecoder.from_models(
+            {"base": base, "expert": e1, "anti": e2},
+            Composition.dexperts("base", "expert", "anti", 0.5),
+            tok,
+        ),  # fmt: skip
+        "product_of_experts": ComposedDecoder(
+            None, [e1, e2], tok, composition=Composition.product_of_experts(["expert1", "expert2"])
+        ),  # fmt: skip
+        "proxy_tuning": ComposedDecoder.from_models(
+            {"large": large, "small_tuned": e1, "small_base": base},
+            Composition.proxy_tuning("large", "small_tuned", "small_base"),
+            tok,
+        ),  # fmt: skip
+        "eos_base": ComposedDecoder(base, [e1, e2], tok, eos_policy="base"),
+        "eos_max": ComposedDecoder(base, [e1, e2], tok, eos_policy="max"),
+        "eos_min": ComposedDecoder(base, [e1, e2], tok, eos_policy="min"),
+        "eos_most_confident": ComposedDecoder(base, [e1, e2], tok, eos_policy="most_confident"),
+        "token_masks": ComposedDecoder(base, [e1, e2], tok, token_masks={"expert1": mask}),
+        "one_model": ModelCandidate(e1, tok),  # classic speculative decoding of one model
+    }
+
+
+def test_every_composition_eos_policy_and_stop_strings(tok):
+    settings = GenerationSettings(max_new_tokens=32, batch_size=4, return_component_logprobs=True)
+    finish = Counter()
+    for label, composed in _compositions(tok).items():
+        if label == "proxy_tuning":  # no weight-space twin across shapes: say so, take a draft
+            with pytest.raises(ValueError, match="pass draft"):
+                SpeculativeDecoder(composed)
+            draft = ModelCandidate(composed.runner.models["small_tuned"], tok)
+        else:
+            draft = None
+        plain = composed.generate(PROMPTS, settings)
+        got = SpeculativeDecoder(composed, draft, gamma=3).generate(PROMPTS, settings)
+        _same(got, plain)
+        finish.update(g.finish_reason for g in got)
+        if label not in ("weights", "eos_max", "token_masks"):
+            continue
+        # Stop strings end rows mid-block exactly where plain decoding ends them.
+        stop = next(g.text[2:4] for g in plain if len(g.text) >= 6)
+        stopped = settings.__class__(**{**settings.to_dict(), "stop_strings": (stop,)})
+        _same(SpeculativeDecoder(composed, draft, gamma=3).generate(PROMPTS, stopped), composed.generate(PROMPTS, stopped))  # fmt: skip
+    assert finish["eos"] and finish["length"]  # EOS inside a block was exercised
+
+
+def test_sliding_window_models_roll_back_one_row_at_a_time(tok):
+    """Mistral-style sliding-window layers: crop keeps the window right (past recording), and
+    rows are decoded alone since the window would count the holes of a batch."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, sliding_window=6, initializer_range=0.3,
+        eos_token_id=2, pad_token_id=0, bos_token_id=1,
+    )  # fmt: skip
+    base = MistralForCausalLM(config).eval()
+    composed = ComposedDecoder(base, [_perturbed(base, 0.1, s) for s in (1, 2)], tok, eos_token_ids=[])  # fmt: skip
+    settings = GenerationSettings(max_new_tokens=40, batch_size=1)
+    plain = composed.generate(PROMPTS[:3], settings)
+    speculative = SpeculativeDecoder(composed, gamma=3)
+    got = speculative.generate(PROMPTS[:3], GenerationSettings(max_new_tokens=40, batch_size=3))
+    _same(got, plain)
+    assert 0 < _rate(got) < 1  # past the window (6) with rollbacks
+
+
+# ---------------------------------------------------------------------------- rollback
+
+
+def _sabotage(lp: torch.Tensor, call: int, gamma: int, j: int | None) -> torch.Tensor:
+    """Row r proposes the composition's *least* likely token at block position (j + r) % (γ+1)
+    — never, for γ — and the composition's own choice everywhere else; j = None: always."""
+    position = call % gamma
+    rows = [r for r in range(lp.shape[0]) if j is None or (j + r) % (gamma + 1) == position]
+    if not rows:
+        return lp
+    lp = lp.clone()
+    worst = lp[rows].argmin(dim=-1)
+    lp[rows] = float("-inf")
+    lp[rows, worst] = 0.0
+    return lp
+
+
+class SabotagedComposition(ComposedDecoder):
+    """A copy of the composition as a cached draft (always right), wrong where told."""
+
+    def sabotage(self, gamma: int, j: int):
+        self.gamma, self.j, self.calls = gamma, j, 0
+        return self
+
+    def compose(self, component_scores, *, normalised=False):
+        lp = super().compose(component_scores, normalised=normalised)
+        if lp.dim() == 2:  # a draft step (not teacher forcing)
+            lp = _sabotage(lp, self.calls, self.gamma, self.j)
+            self.calls += 1
+        return lp
+
+
+class SabotagedCandidate:
+    """The same, through the Candidate protocol only (the draft path without a cache)."""
+
+    def __init__(self, composed, gamma, j):
+        self.composed, self.gamma, self.j, self.calls = composed, gamma, j, 0
+        self.name, self.tokenizer = "sabotaged", composed.tokenizer
+
+    def token_logprobs(self, input_ids, attention_mask=None):
+        lp = self.composed.token_logprobs(input_ids, attention_mask)
+        lp[:, -1] = _sabotage(lp[:, -1], self.calls, self.gamma, self.j)
+        self.calls += 1
+        return lp
+
+    def generate(self, prompts, settings=None):
+        raise NotImplementedError
+
+    def score(self, prompts, continuations):
+        raise NotImplementedError
+
+    def describe(self):
+        return {"type": "sabotaged", "j": self.j}
+
+
+@pytest.mark.parametrize("setup", ["gpt2-full", "llama-full", "llama-lora"])
+def test_rollback_at_every_block_position(tok, setup):
+    arch, kind = setup.split("-")
+    gamma = 3
+    base, *experts = _models(len(tok), arch)
+    if kind == "full":
+        composed = ComposedDecoder(base, experts, tok, eos_token_ids=[])
+    else:
+        adapters = [_lora(base, arch, seed) for seed in (1, 2)]
+        composed = ComposedDecoder.from_lora(base, adapters, tok, eos_token_ids=[])
+        # The draft copy runs merged experts on its own modules (the fast path hooks `base`).
+        experts = [copy.deepcopy(a).merge_and_unload().eval() for a in adapters]
+        base = copy.deepcopy(base)
+    settings = GenerationSettings(max_new_tokens=40, batch_size=4, return_component_logprobs=True)
+    plain = composed.generate(PROMPTS, settings)
+    by_length = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's batching
+    batch_rows = [by_length.index(i) for i in range(len(PROMPTS))]
+    for j in range(gamma + 1):
+        drafts = [SabotagedComposition(base, experts, tok, eos_token_ids=[]).sabotage(gamma, j)]
+        if setup == "llama-full":  # the same through the protocol alone (no draft cache): slower
+            copied = ComposedDecoder(base, experts, tok, eos_token_ids=[])
+            drafts.append(SabotagedCandidate(copied, gamma, j))
+        for draft in drafts:
+            got = SpeculativeDecoder(composed, draft, gamma=gamma, adaptive=False).generate(
+                PROMPTS, settings
+            )
+            _same(got, plain)
+            for row, g in zip(batch_rows, got):
+                # Row r rejects at position (j + r) % (γ+1) of every full block: the share of
+                # drafts it accepts says where (the last, shorter blocks blur it a little).
+                position = (j + row) % (gamma + 1)
+                assert g.cost["acceptance_rate"] == pytest.approx(position / gamma, abs=0.12)
+
+
+def test_always_wrong_draft_still_exact_only_slower(tok):
+    base, *experts = _models(len(tok), "llama")
+    composed = ComposedDecoder(base, experts, tok)
+    wrong = SabotagedCandidate(composed, 1, None)  # every proposal: the least likely token
+    settings = GenerationSettings(max_new_tokens=60, batch_size=4)
+    got = SpeculativeDecoder(composed, wrong, gamma=2, adaptive=False).generate(PROMPTS, settings)
+    _same(got, composed.generate(PROMPTS, settings))
+    assert all(g.cost["acceptance_rate"] == 0 for g in got)
+
+
+# ---------------------------------------------------------------------------- sampling: exact
+
+
+def _exact_distributions(composed, prompt: str, settings: GenerationSettings, eos: int):
+    """The composition's sampling distribution of token 1 and of tokens (1, 2), by enumeration
+    (teacher forcing, then the same warping as plain sampling)."""
+    ids = composed.encode_prompt(prompt)
+    vocab = composed.vocab_size
+
+    def sampling_probs(lp):
+        return torch.softmax(
+            warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p), dim=-1
+        ).double()
+
+    sequences = torch.tensor([ids + [t] for t in range(vocab)])
+    lp = composed.token_logprobs(sequences)
+    first = sampling_probs(lp[0, -2])
+    second = sampling_probs(lp[:, -1])  # [first token, second token]
+    pairs = {}
+    for a in range(vocab):
+        if a == eos:
+            pairs[(a, eos)] = float(first[a])  # the row ends: one outcome
+            continue
+        for b in range(vocab):
+            pairs[(a, b)] = float(first[a] * second[a, b])
+    return {(a,): float(p) for a, p in enumerate(first.tolist())}, pairs
+
+
+def _outcome(g, eos: int, length: int) -> tuple[int, ...]:
+    tokens = g.token_ids + ([eos] if g.finish_reason == "eos" else [])
+    return tuple(tokens[:length]) if len(tokens) >= length else tuple(tokens) + (eos,)
+
+
+def _chisquare_pvalue(counts: Counter, probs: dict, n: int) -> float:
+    """Chi-square goodness of fit; outcomes expected fewer than 5 times are pooled."""
+    assert set(counts) <= {k for k, p in probs.items() if p > 0}, "an impossible outcome"
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for key, p in probs.items():
+        if p * n >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(p * n)
+        else:
+            rest_o, rest_e = rest_o + counts.get(key, 0), rest_e + p * n
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    total = sum(expected)
+    expected = [e * sum(observed) / total for e in expected]  # exact sums for scipy
+    return float(chisquare(observed, expected).pvalue)
+
+
+def test_sampling_follows_the_composition_exactly_chi_square():
+    """Speculative samples of tokens 1 and (1, 2) vs the exact warped composed distribution.
+
+    A 8-token vocabulary, 6000 samples per case, 3 new tokens with γ = 2 (token 2 is decided by
+    an accepted draft, a residual or the bonus token), seeds fixed: the test is deterministic.
+    Rejected at p < 0.001. The plain sampler is the control for the enumeration itself.
+    """
+    tok = char_tokenizer("abcde")  # <pad> <bos> <eos> a b c d e
+    eos = tok.eos_token_id
+    base, e1, e2 = _models(len(tok), "gpt2", scale=0.4)
+    composed = ComposedDecoder(base, [e1, e2], tok, weights=[1.0, 0.6], eos_policy="max")
+    unrelated = ModelCandidate(tiny_causal_lm(len(tok), seed=9, initializer_range=0.3), tok)
+    n = 6000
+    prompts = ["abc"] * n
+    cases = {
+        "plain": (composed, dict(temperature=1.0)),
+        "task_arithmetic_draft": (
+            SpeculativeDecoder(composed, gamma=2, adaptive=False),
+            dict(temperature=1.3, top_k=6),
+        ),  # fmt: skip
+        "unrelated_draft": (
+            SpeculativeDecoder(composed, unrelated, gamma=2, adaptive=False),
+            dict(temperature=0.8, top_p=0.9),
+        ),  # fmt: skip
+        "always_wrong_draft": (
+            SpeculativeDecoder(
+                composed, SabotagedCandidate(composed, 1, None), gamma=2, adaptive=False
+            ),
+            dict(temperature=1.0),
+        ),  # fmt: skip
+    }
+    for label, (candidate, warping) in cases.items():
+        settings = GenerationSettings(
+            max_new_tokens=3, do_sample=True, seed=11, batch_size=n // 4, **warping
+        )
+        gens = candidate.generate(prompts, settings)
+        one, two = _exact_distributions(composed, "abc", settings, eos)
+        for length, probs in ((1, one), (2, two)):
+            counts = Counter(_outcome(g, eos, length) for g in gens)
+            p_value = _chisquare_pvalue(counts, probs, n)
+            assert p_value > SIGNIFICANCE, f"{label}, {length} token(s): p = {p_value:.2e}"
+        if label != "plain":
+            rate = _rate(gens)
+            assert 0.0 <= rate < 1.0
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch(tok):
+    base, *experts = _models(len(tok), "gpt2")
+    speculative = SpeculativeDecoder(ComposedDecoder(base, experts, tok), gamma=3, adaptive=False)
+    settings = GenerationSettings(max_new_tokens=30, do_sample=True, seed=4, top_k=10, batch_size=4)
+    first = speculative.generate(PROMPTS, settings)
+    _same(speculative.generate(PROMPTS, settings), first)
+    one_by_one = GenerationSettings(**{**settings.to_dict(), "batch_size": 1})
+    _same(speculative.generate(PROMPTS, one_by_one), first)
+
+
+# ---------------------------------------------------------------------------- the candidate
+
+
+def test_score_token_logprobs_and_describe_are_the_compositions(tok):
+    base, *experts = _models(len(tok), "gpt2")
+    composed = ComposedDecoder(base, experts, tok)
+    speculative = SpeculativeDecoder(composed)
+    assert isinstance(speculative, Candidate)
+    assert speculative.score(PROMPTS, ["abc", "", "d e", "xyz"]) == composed.score(
+        PROMPTS, ["abc", "", "d e", "xyz"]
+    )
+    ids = torch.tensor([tok("hello")["input_ids"]])
+    assert torch.equal(speculative.token_logprobs(ids), composed.token_logprobs(ids))
+    d = speculative.describe()
+    json.dumps(d)
+    assert d["composed"] == composed.describe() and d["type"] == "SpeculativeDecoder"
+    assert d["draft"]["type"] == "ModelCandidate" and d["gamma"] == 4
+
+
+def test_default_draft_is_the_task_arithmetic_merge(tok):
+    base, e1, e2 = _models(len(tok), "llama")
+    draft = task_arithmetic_draft(ComposedDecoder(base, [e1, e2], tok, weights=[1.0, 0.5]))
+    want = merge_models("task_arithmetic", base, [e1, e2], weights=[1.0, 0.5])
+    for (name, p), q in zip(draft.model.named_parameters(), want.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+    # LoRA experts: the adapters' ΔW summed into the base = task arithmetic of the merged experts.
+    adapters = [_lora(base, "llama", seed) for seed in (1, 2)]
+    lora_draft = task_arithmetic_draft(ComposedDecoder.from_lora(base, adapters, tok))
+    merged = [copy.deepcopy(a).merge_and_unload() for a in adapters]
+    want = merge_models("task_arithmetic", base, merged)
+    for (name, p), q in zip(lora_draft.model.named_parameters(), want.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-5), name
+
+
+def test_adaptive_gamma_follows_the_acceptance_rate():
+    assert best_gamma(0.0, 3.0, 8) == 1
+    assert best_gamma(1.0, 3.0, 8) == 8
+    gammas = [best_gamma(a / 20, 3.0, 8) for a in range(21)]
+    assert gammas == sorted(gammas) and gammas[16] > 1  # more acceptance, longer blocks
+    assert best_gamma(0.8, 1.0, 8) <= best_gamma(0.8, 3.0, 8)  # cheaper verification, shorter
+    # The expected tokens per unit of work that γ maximises (Leviathan et al. 2023).
+    a, c = 0.8, 3.0
+    value = [(1 - a ** (g + 1)) / (1 - a) / (g + c) for g in range(1, 9)]
+    assert best_gamma(a, c, 8) == 1 + max(range(8), key=value.__getitem__)
+    assert math.isclose(max(value), value[best_gamma(a, c, 8) - 1])
+
+
+def test_bad_drafts_are_refused(tok):
+    base, *experts = _models(len(tok), "gpt2")
+    composed = ComposedDecoder(base, experts, tok)
+    with pytest.raises(ValueError, match="gamma"):
+        SpeculativeDecoder(composed, gamma=0)
+    with pytest.raises(ValueError, match="shares the composition's runner"):
+        SpeculativeDecoder(composed, composed)
+    other = char_tokenizer("zyxwvutsrqponmlkjihgfedcba0123456789 .,:;=+-*/()?!\n")
+    with pytest.raises(ValueError, match="maps tokens differently"):
+        SpeculativeDecoder(composed, ModelCandidate(base, other))
+    lora = ComposedDecoder.from_lora(base, [_lora(base, "gpt2", 1)], tok)
+    with pytest.raises(ValueError, match="LoRA composition's base"):
+        SpeculativeDecoder(lora, ModelCandidate(base, tok))
