@@ -188,3 +188,33 @@ def test_counts_are_checked_by_the_argument_parser(checkpoints, capsys, flag, va
         main(argv)
     assert info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["ta", "math"])
+def test_speculative_flag_gives_the_plain_composition(checkpoints, tmp_path, draft):
+    paths, _ = checkpoints
+    common = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+              "--expert", str(paths["code"]), "--prompt", "hello", "--prompt", "ab",
+              "--max-new-tokens", "24"]  # fmt: skip
+    plain, fast = tmp_path / "plain.jsonl", tmp_path / "fast.jsonl"
+    assert main([*common, "--out", str(plain)]) == 0
+    draft_arg = "ta" if draft == "ta" else str(paths[draft])
+    argv = [*common, "--speculative", "--draft", draft_arg, "--gamma", "3", "--out", str(fast)]
+    assert main(argv) == 0
+    plain_records = [json.loads(line) for line in plain.read_text().splitlines()]
+    fast_records = [json.loads(line) for line in fast.read_text().splitlines()]
+    assert [r["token_ids"] for r in fast_records] == [r["token_ids"] for r in plain_records]
+    assert fast_records[0]["candidate"].startswith("speculative")
+    assert all(r["cost"]["drafted_tokens"] > 0 for r in fast_records)
+
+
+def test_speculative_only_flags_need_speculative(checkpoints, capsys):
+    paths, _ = checkpoints
+    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+            "--prompt", "ab", "--gamma", "3"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--gamma: only with --speculative" in capsys.readouterr().err
+    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
+            "--prompt", "ab", "--speculative", "--draft", str(paths["base"]) + "-missing"]  # fmt: skip
+    assert main(argv) == 2
+    assert "draft model folder" in capsys.readouterr().err

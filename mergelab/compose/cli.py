@@ -61,6 +61,22 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--component-logprobs", action="store_true", help="also record every model's log-probs"
     )
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="speculative decoding: a draft proposes, the composition verifies (same output)",
+    )
+    p.add_argument(
+        "--draft",
+        help="with --speculative: 'ta' (the experts' task-arithmetic merge, default) or a model "
+        "folder sharing the base's tokenizer",
+    )
+    p.add_argument(
+        "--gamma", type=positive_int, help="with --speculative: drafted tokens per block (4)"
+    )
+    p.add_argument(
+        "--fixed-gamma", action="store_true", help="with --speculative: do not adapt gamma"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=run)
@@ -156,7 +172,22 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what} {path} not found")
-    return [args.base, *args.expert, args.composition, args.prompts_file]
+    draft = _draft_folder(args)
+    if draft is not None and not Path(draft).is_dir():
+        raise FileNotFoundError(f"draft model folder {draft} not found")
+    return [args.base, *args.expert, args.composition, args.prompts_file, draft]
+
+
+def _draft_folder(args: argparse.Namespace) -> str | None:
+    """The --draft model folder (None for the default task-arithmetic draft); speculative-only
+    flags without --speculative are refused."""
+    if not args.speculative:
+        given = [f for f, v in [("--draft", args.draft), ("--gamma", args.gamma)] if v is not None]
+        given += ["--fixed-gamma"] if args.fixed_gamma else []
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --speculative")
+        return None
+    return None if args.draft in (None, "ta") else args.draft
 
 
 def build_decoder(args: argparse.Namespace):
@@ -198,12 +229,30 @@ def build_decoder(args: argparse.Namespace):
             [tokenizer, *[t for _, t in expert_tokenizers]],
             [args.base, *[p for p, _ in expert_tokenizers]],
         )
+    draft_folder = _draft_folder(args)
+    if draft_folder is not None and any(
+        (Path(draft_folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft_folder)
+        check_same_tokenizer([tokenizer, draft_tokenizer], [args.base, draft_folder])
     base = load_model(args.base)
     common = dict(eos_policy=args.eos_policy, expert_names=names, composition=composition)
     if args.lora:
-        return ComposedDecoder.from_lora(base, list(args.expert), tokenizer, args.weight, **common)
-    experts = [load_model(p) for p in args.expert]
-    return ComposedDecoder(base, experts, tokenizer, args.weight, **common)
+        decoder = ComposedDecoder.from_lora(
+            base, list(args.expert), tokenizer, args.weight, **common
+        )
+    else:
+        experts = [load_model(p) for p in args.expert]
+        decoder = ComposedDecoder(base, experts, tokenizer, args.weight, **common)
+    if not args.speculative:
+        return decoder
+    from .decoder import ModelCandidate
+    from .speculative import SpeculativeDecoder
+
+    draft = "ta"
+    if draft_folder is not None:
+        draft = ModelCandidate(load_model(draft_folder), tokenizer, name=draft_folder)
+    return SpeculativeDecoder(decoder, draft, gamma=args.gamma or 4, adaptive=not args.fixed_gamma)
 
 
 def run(args: argparse.Namespace) -> int:
