@@ -10,6 +10,10 @@ The protocol has three calls:
 * ``token_logprobs(input_ids, attention_mask)`` — teacher-forced next-token log-probabilities,
   shape ``[batch, seq, vocab]``; position ``t`` is the distribution of token ``t + 1``.
 * ``generate(prompts, settings)`` — decoded text, one :class:`Generation` per prompt.
+  ``settings`` is a :class:`GenerationSettings`; mergelab's own candidates also take a
+  transformers ``GenerationConfig`` and generation keyword arguments (mapped by
+  :func:`generation_settings`), ``logits_processor`` / ``stopping_criteria`` lists, and token
+  ids instead of strings.
 * ``score(prompts, continuations)`` — total log-likelihood (nats) of each continuation given its
   prompt, for likelihood-based benchmarks.
 
@@ -23,10 +27,11 @@ decoding loop, so sampling, stop strings and EOS handling are identical for ever
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -34,7 +39,15 @@ import torch
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """How to decode. Defaults are greedy decoding, as in the paper's LLM experiments."""
+    """How to decode. Defaults are greedy decoding, as in the paper's LLM experiments.
+
+    ``eos_token_ids``: the ids that end a row for this call (None: the candidate's own, which
+    are its tokenizer's EOS and every model's ``generation_config.eos_token_id``).
+    ``min_new_tokens``: EOS is ruled out until this many tokens were generated.
+    ``repetition_penalty``: transformers' (CTRL's) penalty on every token already in the row,
+    prompt included (1.0 = none). A transformers ``GenerationConfig`` maps onto these fields:
+    :func:`generation_settings`.
+    """
 
     max_new_tokens: int = 128
     do_sample: bool = False
@@ -46,6 +59,9 @@ class GenerationSettings:
     batch_size: int = 8
     # Keep, per step, the log-prob of the chosen token under every component model.
     return_component_logprobs: bool = False
+    eos_token_ids: tuple[int, ...] | None = None
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         """Refuse settings that cannot mean anything, naming the field: at construction, not
@@ -75,17 +91,151 @@ class GenerationSettings:
         if not all(isinstance(x, str) and x for x in stops):
             raise ValueError(f"stop_strings must be non-empty strings, got {list(stops)!r}")
         object.__setattr__(self, "stop_strings", stops)
+        if self.eos_token_ids is not None:
+            eos = self.eos_token_ids
+            eos = (eos,) if isinstance(eos, numbers.Integral) else tuple(eos)
+            for i in eos:
+                _check_int("eos_token_ids", i, minimum=0)
+            object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in eos))
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens {self.min_new_tokens} exceeds max_new_tokens {self.max_new_tokens}"
+            )
+        if not _check_real("repetition_penalty", self.repetition_penalty) > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields. Fields added after the first release appear only when they differ
+        from their defaults, so cache keys of earlier runs stay valid."""
         d = asdict(self)
         d["stop_strings"] = list(self.stop_strings)
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
+        if d.get("eos_token_ids") is not None:
+            d["eos_token_ids"] = list(d["eos_token_ids"])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerationSettings:
         d = dict(d)
         d["stop_strings"] = tuple(d.get("stop_strings", ()))
+        if d.get("eos_token_ids") is not None:
+            d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
+
+
+_LATER_FIELDS = {"eos_token_ids": None, "min_new_tokens": 0, "repetition_penalty": 1.0}
+
+# transformers GenerationConfig field -> GenerationSettings field. Unset fields take transformers'
+# own defaults (GenerationConfig._get_default_generation_params), e.g. top_k = 50 when sampling.
+GENERATION_CONFIG_FIELDS = {
+    "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_new_tokens",
+    "do_sample": "do_sample",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
+    "eos_token_id": "eos_token_ids",
+    "stop_strings": "stop_strings",
+}
+# Fields that do not change what is decoded (ids the tokenizer already fixes, bookkeeping).
+GENERATION_CONFIG_IGNORED = {
+    "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config",
+    "output_attentions", "output_hidden_states", "return_dict_in_generate", "output_scores",
+    "output_logits",
+}  # fmt: skip
+# generate() keyword arguments of mergelab's own (no GenerationConfig field).
+MERGELAB_GENERATION_KWARGS = {"seed", "batch_size", "return_component_logprobs"}
+
+
+def generation_settings(
+    settings: GenerationSettings | Any | None = None, **kwargs: Any
+) -> GenerationSettings:
+    """The :class:`GenerationSettings` of one ``generate`` call.
+
+    ``settings`` is a :class:`GenerationSettings`, a transformers ``GenerationConfig`` or None;
+    ``kwargs`` update it as ``model.generate(**kwargs)`` updates a config — transformers' names
+    (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+    ``repetition_penalty``, ``min_new_tokens``, ``eos_token_id``, ``stop_strings``) plus mergelab's
+    ``seed``, ``batch_size`` and ``return_component_logprobs``. From a ``GenerationConfig``,
+    fields map by :data:`GENERATION_CONFIG_FIELDS`; unset ones take transformers' defaults
+    (greedy; when sampling temperature 1, top-k 50, no top-p); an unset ``max_new_tokens`` is
+    mergelab's 128, and ``max_length`` (which counts the prompt) is accepted only beside
+    ``max_new_tokens``, which overrides it as in transformers. Any other field set to a
+    non-default value (beams, ``no_repeat_ngram_size``, ``typical_p``, ...) is refused by name:
+    pass a ``LogitsProcessor`` for anything else that reshapes the distribution.
+    """
+    if settings is None and not kwargs:
+        return GenerationSettings()
+    if isinstance(settings, GenerationSettings):
+        if not kwargs:
+            return settings
+        changes = dict(kwargs)
+        if "eos_token_id" in changes:
+            changes["eos_token_ids"] = changes.pop("eos_token_id")
+        unknown = sorted(set(changes) - {f.name for f in fields(GenerationSettings)})
+        if unknown:
+            raise ValueError(f"unknown generation arguments {unknown}")
+        return replace(settings, **changes)
+    if settings is not None and not _is_generation_config(settings):
+        raise TypeError(
+            f"generation settings must be GenerationSettings or a transformers GenerationConfig, "
+            f"not {type(settings).__name__}"
+        )
+    from transformers import GenerationConfig
+
+    ours = {k: kwargs.pop(k) for k in list(kwargs) if k in MERGELAB_GENERATION_KWARGS}
+    config = copy.deepcopy(settings) if settings is not None else GenerationConfig()
+    unused = config.update(**kwargs)
+    if unused:
+        raise ValueError(f"unknown generation arguments {sorted(unused)}")
+    defaults = GenerationConfig().to_dict()
+    given = config.to_dict()
+    refused = sorted(
+        k
+        for k, v in given.items()
+        if k not in GENERATION_CONFIG_FIELDS
+        and k not in GENERATION_CONFIG_IGNORED
+        and k in defaults
+        and v != defaults[k]
+        and not (k in ("num_beams", "num_return_sequences") and v == 1)
+        # transformers too lets max_new_tokens override max_length (which counts the prompt)
+        and not (k == "max_length" and given.get("max_new_tokens") is not None)
+    )
+    if refused:
+        raise ValueError(
+            f"GenerationConfig fields {refused} are not supported by mergelab's decoding loop; "
+            f"supported: {sorted(GENERATION_CONFIG_FIELDS)} (use a LogitsProcessor for others)"
+        )
+    do_sample = bool(given.get("do_sample") or False)
+    top_k = given.get("top_k")
+    out: dict[str, Any] = {
+        "do_sample": do_sample,
+        "temperature": 1.0 if given.get("temperature") is None else given["temperature"],
+        # transformers samples among the 50 most likely tokens unless told otherwise
+        "top_k": (50 if top_k is None else top_k) if do_sample else None,
+        "top_p": given.get("top_p") if (given.get("top_p") or 1.0) < 1.0 else None,
+        "min_new_tokens": given.get("min_new_tokens") or 0,
+        "repetition_penalty": given.get("repetition_penalty") or 1.0,
+        "eos_token_ids": given.get("eos_token_id"),
+        "stop_strings": given.get("stop_strings") or (),
+    }
+    if given.get("max_new_tokens") is not None:
+        out["max_new_tokens"] = given["max_new_tokens"]
+    if not do_sample:
+        out["temperature"] = 1.0  # greedy: sampling settings do not apply (transformers too)
+    return GenerationSettings(**out, **ours)
+
+
+def _is_generation_config(obj: Any) -> bool:
+    try:
+        from transformers import GenerationConfig
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, GenerationConfig)
 
 
 def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
@@ -108,8 +258,8 @@ class Generation:
     """One decoded continuation.
 
     ``text`` excludes the prompt and is cut before any stop string; ``token_ids`` are the
-    generated ids (EOS excluded). ``finish_reason`` is ``"eos"``, ``"stop_string"`` or
-    ``"length"``. ``logprobs[t]`` is the candidate's log-prob (nats) of the t-th generated token;
+    generated ids (EOS excluded). ``finish_reason`` is ``"eos"``, ``"stop_string"``,
+    ``"stopping_criteria"`` (a transformers stopping criterion ended the row) or ``"length"``. ``logprobs[t]`` is the candidate's log-prob (nats) of the t-th generated token;
     ``component_logprobs[t][j]`` that of component ``j`` (base first) when requested.
     """
 

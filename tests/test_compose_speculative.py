@@ -475,3 +475,15 @@ def test_bad_drafts_are_refused(tok):
     lora = ComposedDecoder.from_lora(base, [_lora(base, "gpt2", 1)], tok)
     with pytest.raises(ValueError, match="LoRA composition's base"):
         SpeculativeDecoder(lora, ModelCandidate(base, tok))
+
+
+def test_transformers_style_calls_work_as_for_the_composition(tok):
+    """Id tensors with an attention mask and generation kwargs, as for any RunnerCandidate."""
+    composed = ComposedDecoder(
+        tiny_causal_lm(len(tok), seed=0), [tiny_causal_lm(len(tok), seed=i) for i in (1, 2)], tok
+    )
+    enc = tok(["hello", "ab"], return_tensors="pt", padding=True)
+    call = dict(attention_mask=enc["attention_mask"], max_new_tokens=12)
+    fast = SpeculativeDecoder(composed).generate(enc["input_ids"], **call)
+    plain = composed.generate(enc["input_ids"], **call)
+    assert [g.token_ids for g in fast] == [g.token_ids for g in plain]

@@ -41,6 +41,8 @@ class ModelCandidate(RunnerCandidate):
     """One causal LM (a base, an expert or a weight merge) as a Candidate.
 
     ``use_cache=False`` recomputes the prefix at every step (a reference for tests).
+    ``eos_token_ids``: the ids that end a generation; default the tokenizer's EOS id plus every id
+    in the model's ``generation_config.eos_token_id`` (transformers' convention: a list is fine).
     """
 
     def __init__(
@@ -76,7 +78,10 @@ class ComposedDecoder(RunnerCandidate):
     experts. Every model keeps its own KV cache. ``tokenizers`` (optional, one per model, base
     first) are checked to be identical to ``tokenizer``. ``eos_policy`` is one of
     :data:`mergelab.compose.eos.EOS_POLICIES`. ``token_masks`` maps expert names to bool ``[V]``
-    masks for projective (token-mask) composition.
+    masks for projective (token-mask) composition. ``eos_token_ids``: the ids that end a
+    generation; default the tokenizer's EOS id plus every id in any model's
+    ``generation_config.eos_token_id`` (the models share one vocabulary, so an expert's
+    end-of-turn id ends the composition's turn too).
     """
 
     def __init__(

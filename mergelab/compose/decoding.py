@@ -18,6 +18,31 @@ Conventions:
   the order of batching.
 * A stop string ends a row as soon as it appears in the generated text; ``text`` is cut before
   it, ``token_ids`` keep the token that completed it.
+
+transformers' conventions (``generate`` takes what ``model.generate`` takes, within reason):
+
+* Settings: a :class:`~mergelab.candidate.GenerationSettings`, a ``GenerationConfig`` or keyword
+  arguments, mapped by :func:`mergelab.candidate.generation_settings` (unsupported fields are
+  refused by name). Prompts: strings, a tensor of input ids ``[B, T]`` (with ``attention_mask``
+  for padded rows, on either side), or lists of ids.
+* EOS: a candidate stops on its tokenizer's EOS id and on every id any of its models lists in
+  ``generation_config.eos_token_id`` — the union, because the models share one vocabulary and an
+  expert's end-of-turn id ends the composition's turn too (an explicit ``eos_token_ids`` replaces
+  the union; per call, ``eos_token_id`` replaces it for that call).
+* ``logits_processor`` / ``stopping_criteria`` (transformers' lists) act on the candidate's
+  next-token scores with transformers' signatures: ``input_ids`` is the left-padded prompt plus
+  the tokens so far (rows already finished continue with the pad id), ``scores [B, V]`` are, for
+  one model, its logits — exactly what transformers passes — and, for a composition, its composed
+  log-probabilities (a composition has no logits of its own; only shift-sensitive processors such
+  as the repetition penalty see the difference). Order, as in transformers: repetition penalty and
+  ``min_new_tokens`` (transformers' own processors), then the given processors, then temperature /
+  top-k / top-p when sampling. Processors choose tokens; ``Generation.logprobs`` stay the
+  candidate's own.
+* Sampled tokens are not transformers' for the same seed: transformers draws
+  ``torch.multinomial`` from the global generator for the whole batch, mergelab draws per row (see
+  above) so that a prompt's sample does not depend on its batch. The distribution drawn from is
+  the same (``tests/test_generation_conventions.py`` checks it step by step); greedy decoding is
+  token-identical.
 """
 
 from __future__ import annotations
@@ -28,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ..candidate import Generation, GenerationSettings
+from ..candidate import Generation, GenerationSettings, generation_settings
 from .eos import apply_eos_policy, check_eos_policy
 from .formula import Composition
 from .projective import project_onto_mask
@@ -126,8 +151,7 @@ class RunnerCandidate:
         self.vocab_size = tokenizer_vocab_size(tokenizer)
         self.device = _first_device(runner)
         if eos_token_ids is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-            eos_token_ids = [] if eos is None else [eos]
+            eos_token_ids = default_eos_token_ids(tokenizer, runner.models.values())
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -202,14 +226,49 @@ class RunnerCandidate:
     # ---------------------------------------------------------------- tokenisation
     def encode_prompt(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if not ids:  # nothing to condition on: start from BOS (or EOS, as lm-eval does)
-            start = getattr(self.tokenizer, "bos_token_id", None)
-            if start is None:
-                start = self.eos_token_ids[0] if self.eos_token_ids else None
-            if start is None:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens and there is no BOS/EOS")
-            ids = [int(start)]
-        return ids
+        return ids or self._start_ids(repr(prompt))
+
+    def _start_ids(self, what: str) -> list[int]:
+        """Nothing to condition on: start from BOS (or EOS, as lm-eval does)."""
+        start = getattr(self.tokenizer, "bos_token_id", None)
+        if start is None:
+            start = self.eos_token_ids[0] if self.eos_token_ids else None
+        if start is None:
+            raise ValueError(f"prompt {what} encodes to no tokens and there is no BOS/EOS")
+        return [int(start)]
+
+    def encode_prompts(
+        self, prompts: Any, attention_mask: torch.Tensor | None = None
+    ) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, token ids) for strings, an id tensor ``[B, T]`` (``attention_mask``
+        marks its real tokens, padding may sit on either side) or lists of ids."""
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a list of prompts, not one string")
+        if isinstance(prompts, torch.Tensor):
+            ids = prompts if prompts.dim() == 2 else prompts.reshape(1, -1)
+            if attention_mask is None:
+                mask = torch.ones_like(ids, dtype=torch.bool)
+            else:
+                mask = torch.as_tensor(attention_mask)
+                if mask.numel() != ids.numel():
+                    raise ValueError(
+                        f"attention_mask has shape {tuple(mask.shape)}, the input ids "
+                        f"{tuple(ids.shape)}"
+                    )
+                mask = mask.reshape(ids.shape).bool()
+            rows = [ids[r][mask[r].to(ids.device)].tolist() for r in range(ids.shape[0])]
+        else:
+            if attention_mask is not None:
+                raise ValueError("attention_mask goes with a tensor of input ids")
+            prompts = list(prompts)
+            if all(isinstance(p, str) for p in prompts):
+                return prompts, [self.encode_prompt(p) for p in prompts]
+            if not all(isinstance(p, (list, tuple)) for p in prompts):
+                raise TypeError("prompts must all be strings or all be lists of token ids")
+            rows = [[int(t) for t in p] for p in prompts]
+        encoded = [r or self._start_ids(f"row {i}") for i, r in enumerate(rows)]
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        return texts, encoded
 
     def encode_continuation(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -240,26 +299,48 @@ class RunnerCandidate:
 
     # ---------------------------------------------------------------- generation
     def generate(
-        self, prompts: Sequence[str], settings: GenerationSettings | None = None
+        self,
+        prompts: Sequence[str] | torch.Tensor | Sequence[Sequence[int]],
+        settings: GenerationSettings | Any | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        logits_processor: Any = None,
+        stopping_criteria: Any = None,
+        **kwargs: Any,
     ) -> list[Generation]:
-        settings = settings or GenerationSettings()
-        if isinstance(prompts, str):
-            raise TypeError("generate takes a list of prompts, not one string")
-        encoded = [self.encode_prompt(p) for p in prompts]
+        """One :class:`~mergelab.candidate.Generation` per prompt (input order).
+
+        ``settings``: :class:`GenerationSettings`, a transformers ``GenerationConfig`` or None,
+        updated by ``kwargs`` (transformers' names, plus ``seed``/``batch_size``); prompts:
+        strings, an id tensor with its ``attention_mask``, or id lists; ``logits_processor`` /
+        ``stopping_criteria``: transformers' lists (see the module docstring).
+        """
+        settings = generation_settings(settings, **kwargs)
+        texts, encoded = self.encode_prompts(prompts, attention_mask)
+        hooks = _Hooks(logits_processor, stopping_criteria)
+        if (hooks or _needs_processors(settings)) and not self._plain_loop:
+            raise NotImplementedError(
+                f"{self.kind} does not apply logits processors, stopping criteria, "
+                "repetition_penalty or min_new_tokens; generate with the composition itself"
+            )
         # Batch prompts of similar length together; results return in input order.
-        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
-        results: list[Generation | None] = [None] * len(prompts)
-        if settings.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
+        order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
+        results: list[Generation | None] = [None] * len(texts)
         for start in range(0, len(order), settings.batch_size):
             rows = order[start : start + settings.batch_size]
-            batch = self._generate_batch(
-                [prompts[i] for i in rows], [encoded[i] for i in rows], rows, settings
+            args = ([texts[i] for i in rows], [encoded[i] for i in rows], rows, settings)
+            batch = (
+                self._generate_batch(*args, hooks=hooks) if hooks else self._generate_batch(*args)
             )
             for i, g in zip(rows, batch):
                 results[i] = g
         assert all(g is not None for g in results)
         return results  # type: ignore[return-value]
+
+    @property
+    def _plain_loop(self) -> bool:
+        """Whether this class decodes with the loop below (others, e.g. speculative, do not)."""
+        return type(self)._generate_batch is RunnerCandidate._generate_batch
 
     def _row_generators(
         self, indices: list[int], settings: GenerationSettings
@@ -281,33 +362,91 @@ class RunnerCandidate:
         encoded: list[list[int]],
         indices: list[int],
         settings: GenerationSettings,
+        hooks: _Hooks | None = None,
     ) -> list[Generation]:
         ids, mask = left_pad(encoded, self.pad_id, self.device)
         positions = positions_from_mask(mask)
         batch = len(prompts)
         generators = self._row_generators(indices, settings)
         rows = RowOutputs(self, batch, settings)
+        processors = self._processors(settings, ids, mask, hooks)
+        criteria = hooks.stopping_criteria if hooks else None
+        sequences = ids  # prompt + tokens so far, what transformers' processors see
         passes_before = self.runner.forward_passes
         started = time.perf_counter()
         with self.runner.session():
             comps = self.runner.prefill(ids, mask, positions)
             for step in range(settings.max_new_tokens):
                 lp = self.compose(comps)
+                scores = lp
+                if processors:
+                    # One model: its logits, as transformers passes them; a composition: its
+                    # log-probs.
+                    scores = processors(sequences, comps[0] if self._identity else lp)
                 if settings.do_sample:
-                    scores = warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p)
-                    next_ids = sample_tokens(scores, generators)
+                    warped = warp_logprobs(
+                        scores, settings.temperature, settings.top_k, settings.top_p
+                    )
+                    next_ids = sample_tokens(warped, generators)
                 else:
-                    next_ids = lp.argmax(dim=-1)
-                chosen = next_ids.unsqueeze(-1)
+                    next_ids = scores.argmax(dim=-1)
+                if processors or criteria:
+                    # Finished rows continue with the pad id (transformers does the same).
+                    finished = torch.tensor(rows.done, device=next_ids.device)
+                    appended = next_ids.masked_fill(finished, self.pad_id)
+                    sequences = torch.cat([sequences, appended.unsqueeze(-1)], dim=1)
                 rows.add_step(next_ids, lp, comps)
+                if criteria:
+                    stop = criteria(sequences, scores).tolist()
+                    for row in range(batch):
+                        if stop[row]:
+                            rows.stop(row, "stopping_criteria")
                 if all(rows.done) or step == settings.max_new_tokens - 1:
                     break
                 mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
                 positions = positions[:, -1:] + 1
-                comps = self.runner.step(chosen, mask, positions)
+                comps = self.runner.step(next_ids.unsqueeze(-1), mask, positions)
         return rows.generations(
             prompts, self.runner.forward_passes - passes_before, time.perf_counter() - started
         )
+
+    def _processors(
+        self,
+        settings: GenerationSettings,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        hooks: _Hooks | None,
+    ) -> Any:
+        """transformers' repetition-penalty and min-new-tokens processors (as ``model.generate``
+        builds them), then the given ones; None when there are none."""
+        if not (_needs_processors(settings) or (hooks and hooks.logits_processor)):
+            return None
+        from transformers import LogitsProcessorList
+        from transformers.generation.logits_process import (
+            MinNewTokensLengthLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+        )
+
+        processors = LogitsProcessorList()
+        if settings.repetition_penalty != 1.0:
+            padding = (mask != 0).int().argmax(dim=1)  # left padding is not a repetition
+            processors.append(
+                RepetitionPenaltyLogitsProcessor(
+                    float(settings.repetition_penalty), prompt_ignore_length=padding
+                )
+            )
+        eos = _eos_of(self, settings)
+        if settings.min_new_tokens and eos:
+            processors.append(
+                MinNewTokensLengthLogitsProcessor(
+                    ids.shape[1],
+                    settings.min_new_tokens,
+                    torch.tensor(eos, device=ids.device),
+                    device=ids.device,
+                )
+            )
+        processors.extend(hooks.logits_processor if hooks and hooks.logits_processor else [])
+        return processors
 
     # ---------------------------------------------------------------- identity
     def describe(self) -> dict[str, Any]:
@@ -334,12 +473,13 @@ class RowOutputs:
 
     Shared by the plain loop and the speculative one (:mod:`mergelab.compose.speculative`), so
     both end rows, cut text and report log-probs the same way. A row takes tokens until it is
-    ``done`` (EOS, a stop string or ``max_new_tokens`` decided tokens, EOS included).
+    ``done`` (EOS, a stop string, a stopping criterion or ``max_new_tokens`` decided tokens, EOS
+    included). The EOS ids are the call's (``settings.eos_token_ids``), else the candidate's.
     """
 
     def __init__(self, candidate: RunnerCandidate, batch: int, settings: GenerationSettings):
         self.tokenizer = candidate.tokenizer
-        self.eos = set(candidate.eos_token_ids)
+        self.eos = set(_eos_of(candidate, settings))
         self.stops = tuple(settings.stop_strings)
         self.window = 2 * max((len(s) for s in self.stops), default=0) + 8  # tokens to re-decode
         self.max_new_tokens = settings.max_new_tokens
@@ -372,6 +512,11 @@ class RowOutputs:
                 return
         if self.steps[row] >= self.max_new_tokens:
             self.done[row] = True
+
+    def stop(self, row: int, reason: str) -> None:
+        """End ``row`` now (e.g. a stopping criterion said so), keeping its tokens."""
+        if not self.done[row]:
+            self.done[row], self.reason[row] = True, reason
 
     def add_step(
         self, next_ids: torch.Tensor, lp: torch.Tensor, comps: Sequence[torch.Tensor]
@@ -430,6 +575,59 @@ def component_logprobs_of(comps: Sequence[torch.Tensor], chosen: torch.Tensor) -
     return torch.cat(
         [c.gather(-1, chosen) - torch.logsumexp(c, -1, keepdim=True) for c in comps], dim=-1
     )
+
+
+def default_eos_token_ids(tokenizer: Any, models: Any) -> list[int]:
+    """The tokenizer's EOS id, then every id in the models' ``generation_config.eos_token_id``
+    (an int or a list), without repeats; ids outside the tokenizer's vocabulary (which can never
+    be generated) are left out."""
+    vocab = tokenizer_vocab_size(tokenizer)
+    found: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    for model in models:
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        found += declared if isinstance(declared, (list, tuple)) else [declared]
+    out: list[int] = []
+    for i in found:
+        if i is not None and 0 <= int(i) < vocab and int(i) not in out:
+            out.append(int(i))
+    return out
+
+
+def _eos_of(candidate: RunnerCandidate, settings: GenerationSettings) -> list[int]:
+    """The ids that end a row in this call."""
+    if settings.eos_token_ids is not None:
+        return list(settings.eos_token_ids)
+    return list(candidate.eos_token_ids)
+
+
+def _needs_processors(settings: GenerationSettings) -> bool:
+    return settings.repetition_penalty != 1.0 or settings.min_new_tokens > 0
+
+
+class _Hooks:
+    """transformers' ``LogitsProcessorList`` / ``StoppingCriteriaList`` given to one call."""
+
+    def __init__(self, logits_processor: Any, stopping_criteria: Any):
+        self.logits_processor = _as_list(logits_processor, "logits_processor")
+        self.stopping_criteria = _as_list(stopping_criteria, "stopping_criteria")
+
+    def __bool__(self) -> bool:
+        return bool(self.logits_processor or self.stopping_criteria)
+
+
+def _as_list(hooks: Any, what: str) -> Any:
+    if hooks is None:
+        return None
+    if callable(hooks) and not isinstance(hooks, list):
+        hooks = [hooks]
+    if not isinstance(hooks, list) or not all(callable(h) for h in hooks):
+        raise TypeError(f"{what} must be a list of callables (transformers' {what} list)")
+    if not hooks:
+        return None
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    wrap = LogitsProcessorList if what == "logits_processor" else StoppingCriteriaList
+    return hooks if isinstance(hooks, wrap) else wrap(hooks)
 
 
 def _first_device(runner: Any) -> torch.device:

@@ -11,6 +11,9 @@ rescales the other tokens so the distribution still sums to 1:
 * ``"min"`` — the smallest: stop only when every component is ready to.
 * ``"most_confident"`` — the EOS probability of the component whose top-1 probability is
   highest at this step (the one most sure of what comes next).
+
+"Each EOS id" is every id of the candidate's EOS set: its tokenizer's EOS and every id its models
+declare in ``generation_config.eos_token_id`` (see :mod:`mergelab.compose.decoding`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ shared by the rows of a batch). ``score`` and ``token_logprobs`` are the composi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -418,12 +417,13 @@ class SpeculativeDecoder(RunnerCandidate):
 
     # ---------------------------------------------------------------- generation
     def generate(
-        self, prompts: Sequence[str], settings: GenerationSettings | None = None
+        self, prompts: Any, settings: GenerationSettings | Any | None = None, **kwargs: Any
     ) -> list[Generation]:
-        settings = settings or GenerationSettings()
-        if self._one_row_at_a_time and settings.batch_size > 1:
-            settings = dataclasses.replace(settings, batch_size=1)
-        return super().generate(prompts, settings)
+        """As :meth:`RunnerCandidate.generate` (settings, a ``GenerationConfig``, kwargs, id
+        prompts); one prompt at a time for models with sliding-window layers."""
+        if self._one_row_at_a_time:
+            kwargs["batch_size"] = 1
+        return super().generate(prompts, settings, **kwargs)
 
     @torch.no_grad()
     def _generate_batch(

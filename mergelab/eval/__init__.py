@@ -1,6 +1,9 @@
 """Evaluation harness: benchmarks, prompts, scoring, a sandbox for generated code, one
 ``evaluate()`` entry point with an on-disk resume cache, and bootstrap statistics.
 
+The lm-evaluation-harness bridge (:mod:`mergelab.eval.lm_eval_bridge`, needs the ``lm_eval``
+extra) and candidate spec files (:mod:`mergelab.eval.spec`) are imported from their modules.
+
 Typical use::
 
     from mergelab.eval import EvalSettings, evaluate, load_benchmark
@@ -21,7 +24,13 @@ from mergelab.eval.benchmarks import (
     load_mbpp,
     load_mbpp_plus,
 )
-from mergelab.eval.harness import EvalResult, EvalSettings, cache_key, evaluate
+from mergelab.eval.harness import (
+    EvalResult,
+    EvalSettings,
+    cache_key,
+    evaluate,
+    export_evalplus_samples,
+)
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
 from mergelab.eval.sandbox import (
     ExecutionResult,
@@ -32,16 +41,19 @@ from mergelab.eval.sandbox import (
 )
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k
 from mergelab.eval.scoring_math import (
+    MATH_CHECKERS,
     extract_gsm8k,
     extract_math_answer,
     gsm8k_correct,
     math_answers_equal,
     math_correct,
+    math_verify_correct,
     normalize_math_answer,
 )
 from mergelab.eval.stats import bootstrap_ci, compare, mcnemar_exact, paired_bootstrap
 
 __all__ = [
+    "MATH_CHECKERS",
     "Benchmark",
     "BenchmarkFormatError",
     "CodeTests",
@@ -59,6 +71,7 @@ __all__ = [
     "cache_key",
     "compare",
     "evaluate",
+    "export_evalplus_samples",
     "extract_gsm8k",
     "extract_math_answer",
     "gsm8k_correct",
@@ -71,6 +84,7 @@ __all__ = [
     "load_mbpp_plus",
     "math_answers_equal",
     "math_correct",
+    "math_verify_correct",
     "mcnemar_exact",
     "normalize_math_answer",
     "paired_bootstrap",

@@ -1,14 +1,18 @@
-"""``mergelab eval``: evaluate a saved model, compare two results, check a benchmark's data.
+"""``mergelab eval``: evaluate a candidate, compare two results, check a benchmark's data.
 
     mergelab eval run --model merged/ --benchmark humaneval --limit 20 --out results/he-merged
     mergelab eval run --model base/ --benchmark gsm8k --data gsm8k_test.jsonl --n-shots 8
+    mergelab eval run --spec compose.yaml --benchmark humaneval+ --sample --temperature 0.8 \
+        --top-p 0.95 --n-samples 10 --pass-k 1 --pass-k 10 --evalplus-samples samples.jsonl
     mergelab eval compare results/he-merged results/he-base
     mergelab eval canonical --benchmark humaneval+ --data HumanEvalPlus.jsonl.gz
 
-``run`` loads a local transformers folder (offline) as a :class:`mergelab.compose.ModelCandidate`;
-compositions and other candidates are evaluated from Python with :func:`mergelab.eval.evaluate`.
-``canonical`` runs every item's reference solution through the tests in the sandbox: a check of
-the data file and of the sandbox on this machine (all should pass).
+``run`` evaluates a local transformers folder (``--model``) or any candidate a spec file names
+(``--spec``: one model, a composition of a base and experts, or a merge made in memory; the format
+is in :mod:`mergelab.eval.spec`, the same file ``lm_eval --model mergelab`` takes), offline.
+Decoding is greedy unless ``--sample``; ``--n-samples`` completions per item give pass@k for
+every ``--pass-k``. ``canonical`` runs every item's reference solution through the tests in the
+sandbox: a check of the data file and of the sandbox on this machine (all should pass).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 from pathlib import Path
 
 from mergelab.compose.cli import positive_int
+from mergelab.eval.scoring_math import MATH_CHECKERS
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,16 +34,46 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     sub = p.add_subparsers(dest="eval_command", required=True)
 
-    run = sub.add_parser("run", help="evaluate a saved model on a benchmark")
-    run.add_argument("--model", required=True, help="local transformers model folder")
-    run.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
-    run.add_argument("--name", help="row label (default: the folder name)")
+    run = sub.add_parser("run", help="evaluate a saved model, a composition or a merge")
+    which = run.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="local transformers model folder")
+    which.add_argument(
+        "--spec", help="candidate spec file (model, composition or merge; see mergelab.eval.spec)"
+    )
+    run.add_argument("--tokenizer", help="tokenizer folder (default: the model's / base's)")
+    run.add_argument("--name", help="row label (default: the folder name or the formula)")
+    run.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the spec's, else cpu)")
+    run.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default: the spec's, else as transformers loads the checkpoint)",
+    )
     _benchmark_args(run)
     run.add_argument("--max-new-tokens", type=positive_int, default=512)
     run.add_argument("--batch-size", type=positive_int, default=8)
+    run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    run.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    run.add_argument("--top-p", type=float, help="nucleus sampling: keep this much mass")
+    run.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    run.add_argument(
+        "--n-samples", type=positive_int, default=1, help="completions per item (needs --sample)"
+    )
+    run.add_argument(
+        "--pass-k",
+        type=positive_int,
+        action="append",
+        help="k of pass@k for code, each <= --n-samples (repeat; default 1)",
+    )
     run.add_argument("--n-shots", type=int, help="few-shot examples (default: the protocol's)")
     run.add_argument("--chat-template", choices=["never", "auto", "always"], default="never")
     run.add_argument("--strict", action="store_true", help="GSM8K: strict '####' extraction")
+    run.add_argument(
+        "--math-checker",
+        choices=list(MATH_CHECKERS),
+        default="hybrid",
+        help="MATH answers: math-verify plus MATH's string normalisation (hybrid, default), "
+        "math-verify alone, or mergelab's own checker (docs/evaluators.md)",
+    )
     run.add_argument("--timeout", type=float, default=10.0, help="seconds per test program")
     run.add_argument(
         "--workers", type=positive_int, help="parallel test programs (default: all cores)"
@@ -55,9 +90,18 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
     )
     run.add_argument(
-        "--force", action="store_true", help="replace an existing --out folder mergelab wrote"
+        "--evalplus-samples",
+        help="code benchmarks: also write the samples as EvalPlus's samples.jsonl here",
     )
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--force", action="store_true", help="replace an existing --out that mergelab wrote"
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed (sample j of an item uses seed + j) and bootstrap seed",
+    )
     run.set_defaults(func=_run)
 
     cmp = sub.add_parser("compare", help="paired comparison of two results folders")
@@ -94,46 +138,76 @@ def _benchmark_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergelab.candidate import GenerationSettings
-    from mergelab.compose import ModelCandidate
     from mergelab.eval.benchmarks import load_benchmark
-    from mergelab.eval.harness import EvalSettings, evaluate
+    from mergelab.eval.harness import EvalSettings, evaluate, export_evalplus_samples
     from mergelab.eval.prompts import PromptConfig
     from mergelab.eval.sandbox import SandboxLimits
-    from mergelab.outputs import check_output_path
+    from mergelab.eval.spec import build_candidate, parse_candidate_spec
+    from mergelab.outputs import check_output_file, check_output_path
 
-    model_dir = Path(args.model)
-    for folder in [args.model, args.tokenizer]:
-        if folder is not None and not Path(folder).is_dir():
-            raise FileNotFoundError(f"model folder {folder} not found")
-    if args.output:  # before any model is loaded or any item generated
-        inputs = [args.model, args.tokenizer, args.data, args.cache_dir]
-        check_output_path(args.output, force=args.force, inputs=inputs)
-    bench = load_benchmark(args.benchmark, args.data)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
-    torch.manual_seed(args.seed)
-    candidate = ModelCandidate(model, tokenizer, name=args.name or model_dir.name)
+    if args.model is not None and not Path(args.model).is_dir():
+        raise FileNotFoundError(f"model folder {args.model} not found")
+    spec = parse_candidate_spec(args.spec if args.spec else {"model": args.model})
+    if args.tokenizer is not None:
+        spec = dataclasses.replace(spec, tokenizer=str(Path(args.tokenizer).resolve()))
+    if args.name:
+        spec = dataclasses.replace(spec, name=args.name)
+    for folder in spec.inputs():
+        if not Path(folder).exists():
+            raise FileNotFoundError(f"{folder} not found")
+    # Every setting is checked before any model is loaded or any item generated.
+    sampling_flags = [
+        ("--temperature", args.temperature != 1.0),
+        ("--top-p", args.top_p is not None),
+        ("--top-k", args.top_k is not None),
+    ]
+    given = [flag for flag, is_set in sampling_flags if is_set]
+    if given and not args.sample:
+        raise ValueError(f"{', '.join(given)} only apply when sampling: add --sample")
     settings = EvalSettings(
         generation=GenerationSettings(
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            do_sample=args.sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed if args.sample else None,  # greedy runs keep their cache keys
         ),
         prompt=PromptConfig(n_shots=args.n_shots, chat_template=args.chat_template),
+        n_samples=args.n_samples,
+        pass_k=tuple(args.pass_k or (1,)),
         gsm8k_extraction="strict" if args.strict else "flexible",
+        math_checker=args.math_checker,
         sandbox=SandboxLimits(timeout_s=args.timeout),
         isolation=args.isolation,
         workers=args.workers,
         seed=args.seed,
     )
+    inputs = [*spec.inputs(), args.data, args.cache_dir]
+    if args.output:
+        check_output_path(args.output, force=args.force, inputs=inputs)
+    if args.evalplus_samples:
+        check_output_file(args.evalplus_samples, force=args.force, inputs=inputs)
+    bench = load_benchmark(args.benchmark, args.data)
+    if args.evalplus_samples and bench.task != "code":
+        raise ValueError(f"--evalplus-samples: {bench.name} is not a code benchmark")
+    torch.manual_seed(args.seed)
+    candidate = build_candidate(spec, device=args.device, dtype=args.dtype)
     result = evaluate(
         candidate, bench, settings, cache_dir=args.cache_dir, limit=args.limit,
         output_dir=args.output, force=args.force,
     )  # fmt: skip
     _print_metrics(result.summary)
     print(f"results: {result.output_dir}")
+    if args.evalplus_samples:
+        path = export_evalplus_samples(result.items, args.evalplus_samples, force=args.force)
+        print(f"EvalPlus samples: {path}")
     return 0
 
 

@@ -45,7 +45,7 @@ from mergelab.eval.benchmarks import Benchmark
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
 from mergelab.eval.sandbox import ISOLATION_MODES, Sandbox, SandboxLimits
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k, solution_code
-from mergelab.eval.scoring_math import gsm8k_correct, math_correct
+from mergelab.eval.scoring_math import MATH_CHECKERS, gsm8k_correct, math_correct
 from mergelab.eval.stats import bootstrap_ci
 from mergelab.outputs import (
     atomic_output_dir,
@@ -79,7 +79,10 @@ class EvalSettings:
     benchmark's stop strings are added to ``generation.stop_strings``. ``n_samples``
     completions per item (sample ``j`` decodes with seed ``generation.seed + j``); ``pass_k``:
     the k of pass@k for code (each ≤ n_samples). ``gsm8k_extraction``: "flexible" or
-    "strict". ``sandbox``: limits per test program; ``workers``: parallel programs;
+    "strict". ``math_checker``: how MATH answers are compared — "hybrid" (math-verify, plus
+    MATH's string normalisation where math-verify misses), "math-verify" or "mergelab" (see
+    :mod:`mergelab.eval.scoring_math` and docs/evaluators.md). ``sandbox``: limits per test
+    program; ``workers``: parallel programs;
     ``isolation``: "namespaces" (the default: refused where the kernel has none) or "weak"
     (resource limits only; see :mod:`mergelab.eval.sandbox`). ``bootstrap_samples``/``confidence``/``seed``: the CIs.
     """
@@ -89,6 +92,7 @@ class EvalSettings:
     n_samples: int = 1
     pass_k: tuple[int, ...] = (1,)
     gsm8k_extraction: str = "flexible"
+    math_checker: str = "hybrid"
     sandbox: SandboxLimits = SandboxLimits()
     workers: int | None = None
     isolation: str = "namespaces"
@@ -108,6 +112,10 @@ class EvalSettings:
             )
         if self.gsm8k_extraction not in ("flexible", "strict"):
             raise ValueError("gsm8k_extraction must be 'flexible' or 'strict'")
+        if self.math_checker not in MATH_CHECKERS:
+            raise ValueError(
+                f"math_checker must be one of {MATH_CHECKERS}, got {self.math_checker!r}"
+            )
         if self.n_samples > 1 and not self.generation.do_sample:
             raise ValueError("n_samples > 1 with greedy decoding gives identical samples; "
                              "set generation.do_sample=True")  # fmt: skip
@@ -125,6 +133,7 @@ class EvalSettings:
             **self.generation_key(),
             "pass_k": list(self.pass_k),
             "gsm8k_extraction": self.gsm8k_extraction,
+            "math_checker": self.math_checker,
             "sandbox": self.sandbox.to_job(),
             "workers": self.workers,
             "isolation": self.isolation,
@@ -457,7 +466,7 @@ def evaluate(
         items, metrics, primary, extra = _score_code(bench, samples, settings, sandbox, progress)
     else:
         items, metrics, primary = _score_math(bench, samples, settings)
-        extra = {}
+        extra = {"math_checker": _math_checker_versions(settings)} if bench.task == "math" else {}
     for it in items:
         it["prompt"] = prompts[it["item_id"]]
 
@@ -491,7 +500,7 @@ def _score_math(bench: Benchmark, samples, settings: EvalSettings):
             if bench.task == "gsm8k":
                 ok, pred = gsm8k_correct(rec["text"], it.answer, settings.gsm8k_extraction)
             else:
-                ok, pred = math_correct(rec["text"], it.answer)
+                ok, pred = math_correct(rec["text"], it.answer, settings.math_checker)
             recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
                          "extracted": pred, "correct": ok})  # fmt: skip
         acc = float(np.mean([r["correct"] for r in recs]))
@@ -499,6 +508,19 @@ def _score_math(bench: Benchmark, samples, settings: EvalSettings):
         items.append({"item_id": it.item_id, "reference": it.answer,
                       "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
     return items, {"accuracy": per_item}, "accuracy"
+
+
+def _math_checker_versions(settings: EvalSettings) -> dict[str, Any]:
+    """Which MATH checker scored the run, with the math-verify version it used (if any)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    record: dict[str, Any] = {"checker": settings.math_checker}
+    if settings.math_checker != "mergelab":
+        try:
+            record["math_verify"] = version("math-verify")
+        except PackageNotFoundError:  # math_correct has already said how to install it
+            record["math_verify"] = None
+    return record
 
 
 def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, progress: bool):
@@ -553,6 +575,40 @@ def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, prog
     )  # fmt: skip
     isolation = sorted({tag for r in results for tag in r.isolation})
     return items, metrics, primary, {"sandbox_isolation": isolation}
+
+
+def export_evalplus_samples(
+    items: list[dict[str, Any]], path: str | os.PathLike, *, force: bool = False
+) -> Path:
+    """Write a code evaluation's samples as EvalPlus's ``samples.jsonl`` and return its path.
+
+    One ``{"task_id", "solution"}`` line per sample, items in order and samples in order (EvalPlus
+    numbers completions by their order in the file); ``solution`` is the whole program mergelab
+    tested, so ``evalplus.evaluate --dataset humaneval|mbpp --samples <path>`` runs the same code.
+    ``items`` are :attr:`EvalResult.items` or the lines of a results folder's ``items.jsonl``.
+    """
+    lines = []
+    for it in items:
+        for sample in it.get("samples", []):
+            if "program" not in sample:
+                raise ValueError(f"item {it.get('item_id')!r} has no program: not a code result")
+            lines.append(json.dumps({"task_id": it["item_id"], "solution": sample["program"]}))
+    if not lines:
+        raise ValueError("no code samples to export")
+    with atomic_output_file(path, force=force, written_by_mergelab=_is_evalplus_samples) as tmp:
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return Path(path)
+
+
+def _is_evalplus_samples(path: Path) -> bool:
+    """True for a samples file :func:`export_evalplus_samples` wrote (``--force`` may replace)."""
+    try:
+        records = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
+    except (OSError, ValueError):
+        return False
+    return bool(records) and all(
+        isinstance(r, dict) and set(r) == {"task_id", "solution"} for r in records
+    )
 
 
 def _write_results(run_dir, output_dir, force, summary, items) -> Path:

@@ -5,17 +5,26 @@ GSM8K (as lm-evaluation-harness scores it):
   * ``flexible``: the last number anywhere in the generation;
   and numbers compare by value (``$1,000.00`` equals ``1000``).
 
-MATH (Hendrycks et al., 2021): the answer is the last ``\\boxed{...}`` (or ``\\fbox{...}``),
-braces matched; both sides are normalised (``\\dfrac``→``\\frac``, ``\\left``/``\\right``,
-units in ``\\text{}``, degrees, spaces, ``\\!``, trailing ``.0``, ...) and compared as strings;
-when they differ and both parse as expressions, they are compared symbolically with sympy
-(through a small LaTeX-to-sympy converter: sympy's own LaTeX parser needs an antlr4 runtime
-version pinned to the sympy release, which this environment does not have).
+MATH (Hendrycks et al., 2021), three checkers (``MATH_CHECKERS``; docs/evaluators.md has the
+parity table that chose the default):
+
+* ``"hybrid"`` (default) — math-verify's verdict (the checker most harnesses use now: the model's
+  whole generation against ``\\boxed{reference}``); where it says no, the answers still count as
+  equal when MATH's string normalisation below makes them identical. That rescues what the parity
+  table shows math-verify missing (units written as words, decimal percentages) and nothing else.
+* ``"math-verify"`` — math-verify alone (math-verify is one of mergelab's dependencies).
+* ``"mergelab"`` — the own checker alone: the answer is the last ``\\boxed{...}`` (or
+  ``\\fbox{...}``), braces matched; both sides are normalised (``\\dfrac``→``\\frac``,
+  ``\\left``/``\\right``, units in ``\\text{}``, degrees, spaces, ``\\!``, trailing ``.0``,
+  ...) and compared as strings; when they differ and both parse as expressions, they are compared
+  symbolically with sympy (through a small LaTeX-to-sympy converter). It orders sets and gets
+  half-open intervals wrong, which is why it is no longer the default.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 
 # ---------------------------------------------------------------- GSM8K
@@ -359,7 +368,46 @@ def math_answers_equal(pred: str | None, ref: str | None) -> bool:
     return symbolically_equal(a, b)
 
 
-def math_correct(generation: str, reference: str) -> tuple[bool, str | None]:
-    """(correct, extracted answer) for one MATH generation."""
+# ---------------------------------------------------------------- MATH: math-verify
+
+MATH_CHECKERS = ("hybrid", "math-verify", "mergelab")
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's default, per parse / comparison
+
+
+def math_verify_correct(generation: str, reference: str) -> bool:
+    """math-verify's verdict on a whole generation, as harnesses call it: the gold is parsed
+    from ``\\boxed{reference}`` (what a MATH solution ends with), the prediction from the text.
+
+    math-verify bounds each step with ``signal.alarm``, which only the main thread may use;
+    elsewhere it runs without its timeout.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError(
+            "the MATH checker 'math-verify' needs the math-verify package: "
+            "pip install math-verify (or choose the checker 'mergelab')"
+        ) from None
+    timeout = (
+        MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    )
+    gold = parse("\\boxed{" + reference + "}", parsing_timeout=timeout)
+    pred = parse(generation, parsing_timeout=timeout)
+    return bool(verify(gold, pred, timeout_seconds=timeout))
+
+
+def math_correct(
+    generation: str, reference: str, checker: str = "hybrid"
+) -> tuple[bool, str | None]:
+    """(correct, extracted answer) for one MATH generation, by ``checker`` (see the module
+    docstring). The extracted answer is always the own extraction (last box), for reports."""
     pred = extract_math_answer(generation)
-    return math_answers_equal(pred, reference), pred
+    if checker == "mergelab":
+        return math_answers_equal(pred, reference), pred
+    if checker not in MATH_CHECKERS:
+        raise ValueError(f"MATH checker must be one of {MATH_CHECKERS}, got {checker!r}")
+    if math_verify_correct(generation, reference):
+        return True, pred
+    if checker == "hybrid" and pred is not None:
+        return normalize_math_answer(pred) == normalize_math_answer(reference), pred
+    return False, pred

@@ -1,0 +1,359 @@
+"""lm-evaluation-harness bridge: any :class:`~mergelab.candidate.Candidate` as an lm-eval model.
+
+From Python (a model, a merge, a composition, a LoRA composition — any candidate)::
+
+    import lm_eval
+    from mergelab.eval.lm_eval_bridge import MergelabLM
+    results = lm_eval.simple_evaluate(model=MergelabLM(candidate), tasks=["arc_easy"])
+
+From the shell, with a spec file (:mod:`mergelab.eval.spec`) naming the candidate::
+
+    mergelab-lm-eval --model mergelab --model_args spec=compose.yaml --tasks arc_easy
+    python -m mergelab.eval.lm_eval_bridge --model mergelab --model_args spec=compose.yaml ...
+
+lm-eval 0.4.x finds models only in its own registry, filled when a module defining them is
+imported; it does not read entry points. ``mergelab-lm-eval`` (and ``python -m``) import this
+module, which registers ``"mergelab"``, then run lm-eval's own command line unchanged; in your
+own scripts, ``import mergelab.eval.lm_eval_bridge`` before calling lm-eval does the same.
+
+What each request type runs on (``requests`` come from lm-eval; numbers are in nats):
+
+* ``loglikelihood`` — lm-eval's own tokenisation (:class:`lm_eval.api.model.TemplateLM`: context
+  and continuation encoded together, then split; an empty context is the BOS/EOS prefix token),
+  then the candidate's teacher-forced ``token_logprobs`` on left-padded batches; ``is_greedy``
+  is the per-token argmax of the candidate's own distribution. Sequences longer than
+  ``max_length + 1`` lose tokens on the left, as in lm-eval's ``hf`` model.
+* ``loglikelihood_rolling`` — lm-eval's disjoint rolling windows of ``max_length`` tokens, each
+  scored as above, summed.
+* ``generate_until`` — ``Candidate.generate``: ``until`` → stop strings (lm-eval adds the EOS
+  text), ``max_gen_toks`` → ``max_new_tokens``, every other argument read as transformers reads
+  a ``GenerationConfig`` (``do_sample``, ``temperature``, ``top_p``, ``top_k`` — 50 when sampling
+  without it, as in the ``hf`` model —, ``repetition_penalty``, ``min_new_tokens``; others are
+  refused by name); greedy when ``do_sample`` is false. Prompts longer than ``max_length`` minus
+  the generation length keep their last tokens. The text is cut at the first stop string, as
+  lm-eval's ``hf`` model cuts it. Sampling draws from mergelab's seeded per-prompt
+  generators (``seed`` model argument, default 1234, or a ``seed`` generation argument), not
+  from torch's global RNG, so sampled texts differ from the ``hf`` model's.
+
+So for one model the log-likelihoods, greedy flags and greedy generations equal lm-eval's ``hf``
+model on the same checkpoint (``tests/test_lm_eval_bridge.py`` checks it), and for a composition
+they are the composition's: equal to ``Candidate.score`` wherever lm-eval's joint tokenisation
+splits as the candidate's separate one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from tqdm.auto import tqdm
+
+from mergelab.candidate import Candidate, GenerationSettings, generation_settings
+from mergelab.compose.decoding import RunnerCandidate, left_pad
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model falls back to this too
+DEFAULT_BATCH_SIZE = 8
+
+
+@register_model("mergelab")
+class MergelabLM(TemplateLM):
+    """A candidate seen by lm-eval. Give ``candidate`` (Python) or ``spec`` (a spec file or model
+    folder, :mod:`mergelab.eval.spec`; what ``--model_args spec=...`` passes).
+
+    ``batch_size``: prompts / sequences per forward (lm-eval's ``auto`` means the default, 8).
+    ``max_length``: context window in tokens (default: the smallest of the models' configured
+    positions, as lm-eval's ``hf`` model reads them). ``max_gen_toks``: default generation length
+    when a task gives none (lm-eval's default, 256). ``device``/``dtype``: for a spec.
+    """
+
+    def __init__(
+        self,
+        candidate: Candidate | None = None,
+        *,
+        spec: str | os.PathLike | None = None,
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        seed: int = 1234,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_batch_size: int | None = None,  # passed by lm-eval; mergelab batches are fixed
+    ):
+        super().__init__()
+        if (candidate is None) == (spec is None):
+            raise ValueError("give a candidate (Python) or spec=<spec file or model folder>")
+        if candidate is None:
+            from mergelab.eval.spec import build_candidate
+
+            if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's command line passes cuda:0 unless told otherwise (its hf model
+                # falls back the same way).
+                warnings.warn(
+                    f"device {device} requested but CUDA is unavailable: using CPU", stacklevel=2
+                )
+                device = "cpu"
+            candidate = build_candidate(str(spec), device=device, dtype=dtype)
+        elif device is not None or dtype is not None:
+            raise ValueError("device/dtype apply to a spec; move the candidate's models instead")
+        self.candidate = candidate
+        self.tokenizer = candidate.tokenizer
+        self.batch_size = _batch_size(batch_size)
+        self._max_length = max_length
+        self._max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+        self._device = getattr(candidate, "device", None) or torch.device("cpu")
+
+    # ------------------------------------------------------------------ what lm-eval asks
+    @property
+    def eot_token_id(self) -> int:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = (getattr(self.candidate, "eos_token_ids", None) or [None])[0]
+        return eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        # What an empty context is conditioned on: BOS, else EOS (lm-eval's hf model, and
+        # Candidate.encode_prompt, do the same).
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        if self._max_length:
+            return int(self._max_length)
+        from lm_eval.models.utils import resolve_max_length
+
+        configs = [getattr(m, "config", None) for m in _models(self.candidate)]
+        lengths = [
+            resolve_max_length(c, self.tokenizer, default=DEFAULT_MAX_LENGTH)
+            for c in configs
+            if c is not None
+        ]
+        return min(lengths) if lengths else DEFAULT_MAX_LENGTH
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "")).replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Recorded in lm-eval's results config: the candidate's identity (formula, checksums)."""
+        return {"mergelab_candidate": self.candidate.describe()}
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kw
+    ) -> list[int]:
+        """The tokenizer's ids; BOS is not added twice to a string that starts with it."""
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if add_special_tokens is None and bos and string.startswith(bos):
+            kwargs["add_special_tokens"] = False
+        ids = list(self.tokenizer.encode(string, **kwargs))
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
+        disable_tqdm: bool = False,
+    ) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), continuation is the greedy path)`` per request."""
+        pad_id = _pad_id(self.candidate, self.tokenizer)
+        # Longest first: similar lengths share a batch (little padding), results keep input order.
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1] + requests[i][2]))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (mergelab)")
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            inputs, continuations = [], []
+            for i in rows:
+                _, context, continuation = requests[i]
+                if not context or not continuation:
+                    raise ValueError("lm-eval sent an empty context or continuation")
+                # Left-truncate to the window; the last continuation token is never an input.
+                inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
+                continuations.append(continuation)
+            ids, mask = left_pad(inputs, pad_id, self.device)
+            logprobs = self.candidate.token_logprobs(ids, mask).float()
+            for row, i in enumerate(rows):
+                n = len(continuations[row])
+                target = torch.tensor(continuations[row], device=logprobs.device)
+                scored = logprobs[row, -n:]  # position t predicts token t + 1
+                total = float(scored.gather(-1, target[:, None]).sum())
+                greedy = bool((scored.argmax(dim=-1) == target).all())
+                results[i] = (total, greedy)
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+            bar.update(len(rows))
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each string, in disjoint windows of ``max_length`` tokens."""
+        windows: list[tuple[None, list[int], list[int]]] = []
+        counts = []
+        for (string,) in [req.args for req in requests]:
+            pairs = [
+                lm_utils.make_disjoint_window(pair)
+                for pair in lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            windows += [(None, context, continuation) for context, continuation in pairs]
+            counts.append(len(pairs))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals, at = [], 0
+        for req, n in zip(requests, counts):
+            total = sum(s for s, _ in scores[at : at + n])
+            at += n
+            totals.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    def decoding_settings(self, gen_kwargs: dict[str, Any]) -> tuple[GenerationSettings, list]:
+        """(settings, stop sequences) for one set of lm-eval generation arguments.
+
+        lm-eval's names (``until``, ``max_gen_toks``) become stop strings and ``max_new_tokens``;
+        the rest are transformers' generation arguments, read as a ``GenerationConfig`` is
+        (:func:`mergelab.candidate.generation_settings`: sampling without ``top_k`` means top-k 50,
+        as in the ``hf`` model), plus ``seed``. Anything else is refused by name.
+        """
+        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks))
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_new_tokens = int(kwargs.pop("max_gen_toks"))
+        temperature = kwargs.pop("temperature", None)
+        if kwargs.get("do_sample") and temperature:
+            kwargs["temperature"] = float(temperature)
+        settings = generation_settings(
+            None,
+            max_new_tokens=max_new_tokens,
+            # The EOS text never appears in decoded text (special tokens are skipped): EOS
+            # itself ends a row.
+            stop_strings=[s for s in until if s and s != eos] or None,
+            seed=int(kwargs.pop("seed", self.seed)),
+            batch_size=self.batch_size,
+            **kwargs,
+        )
+        return settings, until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Continuations of each context, cut at the first stop sequence."""
+        args = [req.args for req in requests]
+        groups: dict[str, list[int]] = {}  # one settings object per distinct gen_kwargs
+        for i, (_, gen_kwargs) in enumerate(args):
+            groups.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
+        results: list[str | None] = [None] * len(args)
+        bar = tqdm(total=len(args), disable=disable_tqdm, desc="generate_until (mergelab)")
+        for indices in groups.values():
+            settings, until = self.decoding_settings(args[indices[0]][1])
+            room = self.max_length - settings.max_new_tokens
+            if room <= 0:
+                raise ValueError(
+                    f"max_gen_toks {settings.max_new_tokens} leaves no room for a prompt in a "
+                    f"context of {self.max_length} tokens"
+                )
+            prompts = self._fit_contexts([args[i][0] for i in indices], room)
+            generations = self.candidate.generate(prompts, settings)
+            for i, gen in zip(indices, generations):
+                text = postprocess_generated_text(gen.text, until, None)
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", args[i], text)
+            bar.update(len(indices))
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def _fit_contexts(self, contexts: list[str], room: int) -> list[str] | list[list[int]]:
+        """The contexts, left-truncated to ``room`` tokens as lm-eval's hf model truncates them:
+        as strings when all fit, else as token ids (mergelab's candidates take ids; any other
+        candidate gets the kept ids decoded back to text)."""
+        encoded = [self.tok_encode(c) for c in contexts]
+        if all(len(ids) <= room for ids in encoded):
+            return contexts
+        longest = max(len(ids) for ids in encoded)
+        warnings.warn(
+            f"prompts of up to {longest} tokens are cut to their last {room} (max_length "
+            f"{self.max_length} minus the generation length)",
+            stacklevel=3,
+        )
+        kept = [ids[-room:] for ids in encoded]
+        if isinstance(self.candidate, RunnerCandidate):
+            return kept
+        return [self.tok_decode(ids, skip_special_tokens=False) for ids in kept]
+
+
+def _batch_size(value: Any) -> int:
+    if value is None or (isinstance(value, str) and value.startswith("auto")):
+        return DEFAULT_BATCH_SIZE
+    size = int(value)
+    if size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {value!r}")
+    return size
+
+
+def _pad_id(candidate: Any, tokenizer: Any) -> int:
+    for value in (getattr(candidate, "pad_id", None), getattr(tokenizer, "pad_token_id", None)):
+        if value is not None:
+            return int(value)
+    return 0  # any id: padded positions are masked out
+
+
+def _models(candidate: Any) -> list[Any]:
+    """The transformers models inside a candidate (for their configured context length)."""
+    runner = getattr(candidate, "runner", None)
+    if runner is not None and hasattr(runner, "models"):
+        return list(runner.models.values())
+    model = getattr(candidate, "model", None)
+    return [model] if model is not None else []
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``mergelab-lm-eval``: lm-eval's command line, with ``--model mergelab`` registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
