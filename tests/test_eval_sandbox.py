@@ -319,3 +319,39 @@ def test_refusal_is_raised_at_creation(monkeypatch):
     with pytest.raises(SandboxUnavailableError, match="cannot isolate programs"):
         Sandbox(workers=1)
     Sandbox(workers=1, isolation="weak").close()  # weak mode does not probe
+
+
+def test_a_python_installed_under_tmp_is_still_there_read_only(tmp_path):
+    """A virtual environment in /tmp (pytest's tmp_path is there too) survives the private /tmp:
+    programs that start ``sys.executable`` find it, and cannot write into it."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+        check=True,
+    )
+    harness = r"""
+from mergelab.eval import Sandbox
+prog = '''
+import errno, os, subprocess, sys
+out = subprocess.run([sys.executable, "-c", "print(40 + 2)"], capture_output=True, text=True)
+print(out.stdout.strip(), sys.prefix)
+try:
+    open(os.path.join(sys.prefix, "written"), "w")
+except OSError as e:
+    print(errno.errorcode[e.errno])
+'''
+with Sandbox(workers=1) as s:
+    r = s.run(prog)
+print(r.status, r.stdout.split())
+"""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", harness], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == f"passed ['42', '{venv}', 'EROFS']", out.stdout
+    assert not (venv / "written").exists()

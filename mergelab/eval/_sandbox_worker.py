@@ -324,6 +324,11 @@ def _unescape(field):
 
 
 def _private_tmp(size):
+    # A Python installation inside one of the dirs about to be replaced (a virtual environment
+    # in /tmp, say) is bound back at its own path, read-only like the rest of the tree.
+    covered = ["/tmp", *PRIVATE_DIRS]
+    keep = [p for p in PYTHON_DIRS if any(p == d or p.startswith(d + "/") for d in covered)]
+    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]  # before covering
     opts = f"size={int(size)},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts, "tmpfs on /tmp")
     for target, name in PRIVATE_DIRS.items():
@@ -336,6 +341,11 @@ def _private_tmp(size):
                 os.mkdir("/run/lock")
                 os.chmod("/run/lock", 0o1777)
     os.mkdir(SCRATCH, 0o700)
+    for path, fd in zip(keep, fds):
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        # A bind of a read-only mount is read-only too: the installation stays unwritable.
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind {path}")
+        os.close(fd)
 
 
 def _weak_setup(job):
@@ -349,6 +359,13 @@ def _weak_setup(job):
     return scratch, isolation
 
 
+def _python_dirs():
+    """The Python installation the programs run on: prefix, base prefix, exec prefix (real
+    paths, none inside another)."""
+    dirs = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    return [p for p in dirs if not any(p.startswith(q + "/") for q in dirs)]
+
+
 def _hidden_dirs():
     """{directory to cover with an empty tmpfs: [Python install dirs to expose inside it]}, and
     whether the caller's home is among them.
@@ -356,8 +373,7 @@ def _hidden_dirs():
     The caller's home (a non-root program runs as the caller and needs nothing from there: keys,
     tokens, shell history), and any directory other users cannot enter that holds the Python
     installation (e.g. a pyenv under /root, mode 0700: root's programs run as another uid)."""
-    exposed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
-    exposed = [p for p in exposed if not any(p.startswith(q + "/") for q in exposed)]
+    exposed = PYTHON_DIRS
     homes = [os.environ.get("HOME", "")]
     try:
         homes.append(pwd.getpwuid(os.geteuid()).pw_dir)
@@ -792,14 +808,15 @@ def _reply(rep, out, err, backstop_kill, seconds):
     return {**result, "status": report["status"], "error": error}
 
 
-HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST = {}, False, 40
+HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PYTHON_DIRS = {}, False, 40, []
 PROTOCOL_FDS = (0, 1)
 
 
 def main():
-    global HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PROTOCOL_FDS
+    global HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS
     # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    PYTHON_DIRS = _python_dirs()
     HIDDEN_DIRS, HOME_HIDDEN = _hidden_dirs()
     with open("/proc/sys/kernel/cap_last_cap") as f:
         CAP_LAST = int(f.read())
