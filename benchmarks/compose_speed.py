@@ -14,7 +14,7 @@ Ratios are seconds per generated token relative to ``hf_generate`` at the same b
 Paths are timed round-robin, best of ``--repeats``, so drifting load on a shared machine hits
 all of them alike. On a CPU shared with other jobs, prefer ``--threads 1``: with 2 threads on
 an oversubscribed machine we measured OpenMP contention making a tiny model's forward 17× slower.
-Targets (issue 3): compose_full ≤ 3.3 (1.1 × the 3× bound); compose_lora ≤ 1.15 × base_batch_k+1.
+Targets: compose_full ≤ 3.3 (1.1 × the 3× bound); compose_lora ≤ 1.15 × base_batch_k+1.
 
     python benchmarks/compose_speed.py                      # everything, writes benchmarks/results/compose_speed.json
     python benchmarks/compose_speed.py --sizes tiny --batches 1

@@ -39,7 +39,7 @@ token, mean γ and tokens per block, and a cost breakdown from separately timed 
 ``--forward-repeats``): one draft step, verification blocks of 1…9 tokens, the ratio these
 predict for the measured acceptance, and — from the forward costs alone — the ratio at each
 acceptance rate with its best γ (when speculative composition pays off).
-Targets (issue 16, batch 1): spec_full ≤ 2.0×, spec_lora ≤ 1.5× one model's time.
+Targets (batch 1): spec_full ≤ 2.0×, spec_lora ≤ 1.5× one model's time.
 
     python benchmarks/speculative_speed.py                      # writes benchmarks/results/speculative_speed.json
     python benchmarks/speculative_speed.py --settings mini --mini-new-tokens 32 --prompts 2 --out /tmp/s.json

@@ -1,4 +1,4 @@
-"""When is task arithmetic logit composition? The linear testbed (issue 4, PAPER.md §1).
+"""When is task arithmetic logit composition? The linear testbed (docs/composition.md §3).
 
 If logits are linear in the parameters (z = Φ(x)θ), merging θ_b + Σ_i (θ_i − θ_b) gives exactly the
 composed distribution p_b · Π_i p_i / p_b. This recipe measures how far that breaks for networks:

@@ -1,4 +1,4 @@
-"""The LLM study: logit composition vs weight merges of a math and a code expert (PAPER.md §1).
+"""The LLM study: logit composition vs weight merges of a math and a code expert (docs/composition.md §4).
 
 One recipe, three scales (``--scale``):
 

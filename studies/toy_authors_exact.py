@@ -1,4 +1,4 @@
-"""The authors' letter-replacement protocol at their exact settings (PAPER.md §1), nothing else.
+"""The authors' letter-replacement protocol at their exact settings (docs/composition.md §4), nothing else.
 
 Base = identity, experts A→B and C→D, each trained from scratch on 2000 random strings of
 length 16 over A–Z + space, target aligned with the input; GPT-2 with 2 layers, 2 heads, width

@@ -1,6 +1,6 @@
 """Toy studies: letter replacement, sequential span skills, length generalisation, failures.
 
-Logit composition (PAPER.md §1) next to the weight merges the paper did not run, on tiny GPT-2
+Logit composition (docs/composition.md) next to the weight merges the paper did not run, on tiny GPT-2
 models trained here on CPU. Every row — base, expert, composition, each merge — is a
 ``mergelab.candidate.Candidate`` evaluated by the same calls (``mergelab.toy.evaluate``).
 

@@ -93,7 +93,7 @@ def no_model_loading(monkeypatch):
 
 
 def test_output_may_not_overwrite_an_input(checkpoints, tmp_path, capsys, no_model_loading):
-    """The issue's data loss: --out <base>/model.safetensors --force overwrote the base."""
+    """Data loss once reproduced: --out <base>/model.safetensors --force overwrote the base."""
     paths, _ = checkpoints
     weights = paths["base"] / "model.safetensors"
     before = weights.read_bytes()

@@ -222,7 +222,7 @@ def test_lora_adapters_through_the_cli(models, tmp_path, capsys):
 
 
 def test_force_refuses_a_folder_of_unrelated_files(models, tmp_path, monkeypatch, capsys):
-    """The issue's data loss: `mergelab merge --out . --force` replaced a folder of user files."""
+    """Data loss once reproduced: `mergelab merge --out . --force` replaced a folder of user files."""
     root, _ = models
     work = tmp_path / "work"
     work.mkdir()

@@ -107,7 +107,7 @@ parameters: {normalize: true, int8_mask: true}
 
 
 def test_the_method_key_decides_the_semantics(models, capsys):
-    """The issue's case: one TIES config, spelled two ways. mergekit's spelling gets mergekit's
+    """One TIES config, spelled two ways. mergekit's spelling gets mergekit's
     per-tensor trim, weighted sign and weight-sum normalisation (density default 1.0);
     mergelab's keeps the paper's whole-model trim, unweighted sign and division by count."""
     theirs = explain(write(models, "merge_method: ties\n" + TIES + "dtype: float16\n"), capsys)

@@ -93,7 +93,7 @@ def test_existing_output_needs_force(tmp_path):
 
 
 def test_force_never_replaces_what_mergelab_did_not_write(tmp_path):
-    """The issue's data loss: `--out . --force` in a folder of unrelated files deleted them."""
+    """Data loss once reproduced: `--out . --force` in a folder of unrelated files deleted them."""
     out = tmp_path / "work"
     out.mkdir()
     (out / "a.txt").write_text("thesis")

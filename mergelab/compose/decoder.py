@@ -70,7 +70,7 @@ class ModelCandidate(RunnerCandidate):
 
 
 class ComposedDecoder(RunnerCandidate):
-    """Logit composition of a base and experts as a Candidate (PAPER.md §1).
+    """Logit composition of a base and experts as a Candidate (docs/composition.md §1).
 
     Default formula: ``base + Σ_i w_i·(expert_i − base)`` with ``weights`` (all 1 = the paper).
     Pass ``composition=`` for any other :class:`Composition` over the names ``"base"`` and

@@ -1,6 +1,6 @@
 """When should composition work? Measure how "factorised" a base and its experts are.
 
-The theory (PAPER.md §1) says composition is exact when each expert differs from the base only
+The theory (docs/composition.md §2) says composition is exact when each expert differs from the base only
 where it is active, and the experts' active sets do not overlap. On a set of texts (teacher
 forced) :func:`composition_diagnostics` measures, per predicted token,
 

@@ -1,4 +1,4 @@
-"""The composition rule over next-token log-probabilities (arXiv 2605.28304, §1 of PAPER.md).
+"""The composition rule over next-token log-probabilities (arXiv 2605.28304; docs/composition.md §1).
 
     log p̂ = log p_b + Σ_i w_i (log p_i − log p_b) − log Z
 

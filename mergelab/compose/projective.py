@@ -3,7 +3,7 @@
 Split the vocabulary into disjoint masks M_1..M_k (the rest is the background M_b). If expert i
 differs from the base only on M_i — p_i(y) = c·p_b(y) for every y outside M_i — then the
 composition p̂ ∝ p_b Π_i p_i/p_b is *projective*: restricted to M_i and renormalised it equals
-p_i restricted to M_i, and on M_b it equals p_b (PAPER.md §1; Bradley et al. 2025).
+p_i restricted to M_i, and on M_b it equals p_b (docs/composition.md §2; Bradley et al. 2025).
 
 * :func:`project_onto_mask` turns any expert into one that satisfies the assumption exactly:
   it keeps p_i on M_i and puts the base's shape (with p_i's total mass) outside. Passing

@@ -1,4 +1,4 @@
-"""Prompts per benchmark, following the paper's protocols (PAPER.md §1):
+"""Prompts per benchmark, following the paper's protocols (docs/composition.md §4):
 
 * GSM8K: 8-shot chain of thought with the standard exemplars of Wei et al. (2022)
   (``data/gsm8k_cot_8shot.json``): ``Q: ...\\nA: ... The answer is N.``; stop at the next ``Q:``.

@@ -3,7 +3,7 @@
 All take contexts ``[N, context_length]`` (token ids) and return logits ``[N, V]``.
 
 * :class:`LogLinearModel` — z = Φ(x)·θ: logits are *linear in the parameters*, so task arithmetic
-  on θ is exactly logit composition (PAPER.md §1, "Link to task arithmetic").
+  on θ is exactly logit composition (docs/composition.md §3).
 * :class:`MLPModel` — Φ(x) → depth × (Linear, σ_α) → Linear. σ_α(u) = (1 − α)·u + α·act(u)
   interpolates from the identity (α = 0) to GELU or ReLU (α = 1). Even at α = 0 the logits are
   *not* linear in the parameters for depth ≥ 1 (products of weight matrices).

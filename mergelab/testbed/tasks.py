@@ -8,7 +8,7 @@ distribution p(y | a, b), stored as a table of logits of shape ``[V, V, V]`` ind
 * **Expert i** adds a boost γ to one token, ``π_i(b)``, whenever the last token ``b`` is one of its
   trigger tokens ``S_i`` ("after b, say π_i(b)", like the paper's letter-replacement experts) and
   equals the background everywhere else: it differs from the base only on its own contexts, the
-  factorised setting in which logit composition is projective (PAPER.md §1).
+  factorised setting in which logit composition is projective (docs/composition.md §2).
 * ``overlap`` ρ ∈ [0, 1] makes all experts share ``round(ρ·m)`` of their ``m`` trigger tokens. On a
   shared trigger the experts want *different* tokens: that is where interference is predicted.
 """

@@ -1,4 +1,4 @@
-"""Toy compositional tasks on tiny GPT-2 models (arXiv 2605.28304 §toy, PAPER.md §1).
+"""Toy compositional tasks on tiny GPT-2 models (arXiv 2605.28304; docs/composition.md §4).
 
 Components only; the recipes that run the studies are ``studies/toy_*.py``.
 
