@@ -200,7 +200,14 @@ def test_composition_and_models_must_match(models, tok):
         None, models[1:], tok, composition=Composition.product_of_experts(["expert1", "expert2"])
     )
     out = poe.generate(["ab"], GenerationSettings(max_new_tokens=3))[0]
-    assert len(out.token_ids) <= 3
+    # Greedy product of experts: each token is the argmax of log_softmax(Σ_i log p_i).
+    ids = poe.encode_prompt("ab")
+    for token in out.token_ids:
+        x = torch.tensor([ids])
+        scores = sum(torch.log_softmax(m(x).logits[0, -1].float(), -1) for m in models[1:])
+        assert token == int(torch.log_softmax(scores, -1).argmax())
+        ids.append(token)
+    assert len(out.token_ids) == 3 or out.finish_reason != "length"
     with pytest.raises(ValueError, match="needs a composition with a base"):
         ComposedDecoder(
             None,

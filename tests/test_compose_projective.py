@@ -3,6 +3,7 @@
 import copy
 import json
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -125,14 +126,29 @@ def test_diagnostics_measure_kl_activity_and_new_top1():
     assert torch.allclose(got, kl[0, :-1], atol=1e-4)
     fractions = same.active_fraction["expert2"]
     assert fractions["0.01"] >= fractions["0.1"] >= fractions["1"]
-    assert fractions["0.01"] == float((got > 0.01).float().mean()) or len(texts) > 1
+    every_kl = torch.tensor([row[1] for text in same.per_position_kl for row in text])
+    assert every_kl.numel() == same.n_positions
+    for t in ("0.01", "0.1", "1"):
+        assert fractions[t] == pytest.approx(float((every_kl > float(t)).float().mean()))
     # With a copy of the base, the composition is the other expert: no new top-1 tokens.
     assert same.composed_top1_differs_fraction == 0.0
     both = composition_diagnostics(
         ComposedDecoder(base, [expert, tiny_causal_lm(vocab, seed=2, initializer_range=0.3)], tok),
         texts,
     )
-    assert 0.0 <= both.composed_top1_differs_fraction <= 1.0
+    # The same fraction from the single-model candidates, one text at a time.
+    other = tiny_causal_lm(vocab, seed=2, initializer_range=0.3)
+    decoder = ComposedDecoder(base, [expert, other], tok)
+    new_tokens = []
+    for text in texts:
+        ids = torch.tensor([tok(text)["input_ids"]])
+        composed_top1 = decoder.token_logprobs(ids)[0, :-1].argmax(-1)
+        singles = [ModelCandidate(m, tok).token_logprobs(ids)[0, :-1].argmax(-1)
+                   for m in (base, expert, other)]  # fmt: skip
+        new_tokens += [bool((composed_top1[i] != torch.stack(singles)[:, i]).all())
+                       for i in range(len(composed_top1))]  # fmt: skip
+    assert both.composed_top1_differs_fraction == pytest.approx(sum(new_tokens) / len(new_tokens))
+    assert 0 < sum(new_tokens) < len(new_tokens)  # the case is not trivial
     for t in ("0.01", "0.1", "1"):
         pair = both.coactive_fraction["expert1&expert2"][t]
         assert pair <= min(both.active_fraction["expert1"][t], both.active_fraction["expert2"][t])

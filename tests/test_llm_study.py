@@ -159,7 +159,12 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
         (3, "base"),
     }
     assert set(results["diagnostics"]) == {"math", "code", "mixed", "count"}
-    assert 0.0 <= results["diagnostics"]["code"]["coactive_fraction"]["math&code"]["0.1"] <= 1.0
+    diag = results["diagnostics"]["code"]
+    for t in ("0.01", "0.1", "1"):  # two experts are both active no more often than either one
+        both = diag["coactive_fraction"]["math&code"][t]
+        assert both <= min(diag["active_fraction"]["math"][t], diag["active_fraction"]["code"][t])
+    active = diag["active_fraction"]["math"]
+    assert active["0.01"] >= active["0.1"] >= active["1"]
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
     assert on_disk["config"]["scale"] == "mini"
     for name in ("scores", "quality_cost", "termination", "diagnostics"):
@@ -253,6 +258,11 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
         raise AssertionError("paper-scale merges must stream from disk")
 
     monkeypatch.setattr(study, "merge_models", in_memory)
+    settings = []  # the Setting the study builds: its validation and test splits
+    build = study.paper_setting
+    monkeypatch.setattr(
+        study, "paper_setting", lambda *a: settings.append(build(*a)) or settings[-1]
+    )
     out = tmp_path / "paper"
     argv = ["--scale", "paper", "--out", str(out), "--figures", str(tmp_path / "figs"), "--threads", "1",
             "--base-path", str(paths["base"]), "--math-path", str(paths["math"]),
@@ -275,8 +285,17 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
         assert (folder / "mergelab_merge.json").exists() and (folder / "config.json").exists()
         assert list(folder.glob("*.safetensors"))
     assert set(res["benchmarks"]) == {"gsm8k", "math", "humaneval_plus", "mbpp_plus"}
-    # Validation (first item of each file) and test (the rest) never overlap.
+    # Validation (first item of each file) and test (the rest) never overlap, and the test runs
+    # scored exactly the test items.
     assert all(b["n_items"] == 2 for b in res["benchmarks"].values())
+    (setting,) = settings
+    for name in res["benchmarks"]:
+        val_ids = [it.item_id for it in setting.validation[name].items]
+        test_ids = [it.item_id for it in setting.test[name].items]
+        assert val_ids and test_ids and not set(val_ids) & set(test_ids)
+        run = Path(res["candidates"]["base"][name]["cache_dir"]) / "results"
+        scored = [json.loads(line)["item_id"] for line in open(run / "items.jsonl")]
+        assert scored == test_ids
     assert {"base", "math_expert", "code_expert", "composition", "task_arithmetic", "ties",
             "dare_ties", "linear"} <= set(res["candidates"])  # fmt: skip
     # The paper's protocol: GSM8K 8-shot and MATH 2-shot prompts (default shots), greedy decoding.
