@@ -1,20 +1,39 @@
-"""Wall time and peak memory of mergelab's streamed merge against mergekit's, on one checkpoint set.
+"""Wall time and peak memory of mergelab's streamed merges against mergekit's and against the
+time it takes just to read the inputs and write one output.
 
-    python benchmarks/merge_speed.py                 # ~0.5B-parameter Llama, bf16, base + 2 experts
-    python benchmarks/merge_speed.py --threads 2 --methods ties linear
+    python benchmarks/merge_speed.py --repeats 2                 # defaults: each tool's own threads
+    python benchmarks/merge_speed.py --repeats 2 --threads 1     # both pinned to one thread
+    python benchmarks/merge_speed.py --variants ties dare_ties --layers 12   # a quick look
     python benchmarks/merge_speed.py --mergekit-config my/ties.yml   # any mergekit-spelled config
+
+The checkpoints are synthetic: a base and two experts with Llama's tensor names and shapes (59
+layers, hidden 1024, MLP 4096: 0.95B parameters each, bf16), base ~ N(0, 0.02²), expert = base +
+N(0, 0.002²) (dense task vectors), a real ``config.json``. They are written once into
+``--cache-dir`` (git-ignored ``.cache/``) and reused. Each merge runs in its own subprocess
+(``mergelab merge`` and ``mergekit-yaml``), both computing in float32 and storing bf16, interleaved
+(every variant of every tool once per round, ``--repeats`` rounds, the tools' order alternating),
+best wall time kept. Without ``--threads`` each tool runs at its default thread count (what users
+run); ``--threads N`` sets ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and mergekit's ``-j`` for both.
+
+The floors are subprocesses that import torch (both tools do), read every byte of the input
+shards of the variant's models and then write one output of the merged size, flushed to disk
+(``fsync``, as mergelab's output is): the least a tool that reads its inputs and writes its output
+that way can take. "direct" maps the inputs and writes with ``O_DIRECT`` (as mergelab does);
+"buffered" uses ``read()`` and ``write()`` through the page cache (as a plain tool does). They
+run in every round too (``--only-floor`` measures just them, into an existing results file).
+Before the first round the inputs are read once (page cache) and an output-sized file is written
+and deleted: on a VM the first writes into never-used memory cost several times more, whichever
+tool comes first. Every run starts after ``sync`` (nothing of the previous run is still being
+written back to disk) and with its inputs read through once more (still in the page cache).
+
+Peak RSS is the subprocess's maximum resident set size as GNU ``/usr/bin/time`` reports it. The
+machine's load average before and after goes into the results (``--results``, JSON with the
+config that produced them); other processes on the machine add noise to wall times, not to RSS.
 
 ``--mergekit-config`` runs one config written in mergekit's spelling (``merge_method``) with both
 ``mergekit-yaml`` and ``mergelab merge --config`` (which reads it with mergekit's semantics), from
 the config's folder (mergekit resolves relative model paths against the working folder), and
 compares every tensor of the two outputs (largest absolute difference, and how many differ).
-
-The checkpoints are synthetic (random tensors with Llama's tensor names and shapes, a real
-``config.json``), written once into ``--cache-dir`` and reused. Each merge runs in its own
-subprocess (``mergelab merge`` and ``mergekit-yaml``), both limited to ``--threads`` torch
-threads, both computing in float32 and storing bf16. Peak RSS is the subprocess's maximum
-resident set size as GNU ``/usr/bin/time`` reports it. Results go to ``--results`` as JSON (with the config that produced them) and are
-printed as a table. Other processes on the machine add noise to wall times; RSS is not affected.
 """
 
 from __future__ import annotations
@@ -33,39 +52,79 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-# ~0.5B parameters: 28 layers, hidden 1024, MLP 4096, 16 heads with 8 KV heads, vocab 32000.
+# ~0.95B parameters: 59 layers, hidden 1024, MLP 4096, 16 heads with 8 KV heads, vocab 32000.
 LLAMA_SHAPE = dict(
     vocab_size=32000,
     hidden_size=1024,
     intermediate_size=4096,
-    num_hidden_layers=28,
+    num_hidden_layers=59,
     num_attention_heads=16,
     num_key_value_heads=8,
 )
 
-# method -> (mergelab params, mergekit global parameters, mergekit per-model parameters).
-# Both sides do the same maths: TIES trims per tensor (mergekit's only option), density 0.2,
-# disjoint mean by count (= mergekit normalize with unit weights); task arithmetic unnormalised.
-METHODS = {
-    "linear": ({}, {"normalize": True}, {"weight": 1.0}),
-    "task_arithmetic": ({"lambda": 1.0}, {"normalize": False, "lambda": 1.0}, {"weight": 1.0}),
+# variant -> (mergelab method, mergelab params, mergekit method or None, mergekit global
+# parameters, mergekit per-model parameters). density 0.2 throughout (breadcrumbs: 0.9 with
+# gamma 0.01, the method's usual setting).
+# * ties: mergekit's semantics (per-tensor trim, sign election and division weighted), the same
+#   maths in both tools; ties_count / ties_model / ties_model_count: the other sign rule and the
+#   paper's whole-model trim, which mergekit does not offer.
+# * dare_*: each tool's own default rescale (mergelab: the paper's 1/density; mergekit: the L1
+#   norm), so the draws and the outputs differ; the work per entry is the same.
+MERGEKIT_TIES = {"density": 0.2, "lambda": 1.0, "trim_scope": "tensor", "weighted_sign": True}
+VARIANTS: dict[str, tuple[str, dict, str | None, dict, dict]] = {
+    "linear": ("linear", {}, "linear", {"normalize": True}, {"weight": 1.0}),
+    "task_arithmetic": (
+        "task_arithmetic",
+        {"lambda": 1.0},
+        "task_arithmetic",
+        {"normalize": False, "lambda": 1.0},
+        {"weight": 1.0},
+    ),
     "ties": (
-        {
-            "density": 0.2,
-            "lambda": 1.0,
-            "trim_scope": "tensor",
-            "weighted_sign": True,
-            "divide_by": "weight_sum",
-        },
+        "ties",
+        {**MERGEKIT_TIES, "divide_by": "weight_sum"},
+        "ties",
         {"normalize": True, "lambda": 1.0},
+        {"weight": 1.0, "density": 0.2},
+    ),
+    "ties_count": (
+        "ties",
+        {"density": 0.2, "trim_scope": "tensor", "majority_sign": "count"},
+        None,
+        {},
+        {},
+    ),
+    "ties_model": ("ties", {"density": 0.2, "trim_scope": "model"}, None, {}, {}),
+    "ties_model_count": (
+        "ties",
+        {"density": 0.2, "trim_scope": "model", "majority_sign": "count"},
+        None,
+        {},
+        {},
+    ),
+    "dare_linear": (
+        "dare_linear",
+        {"density": 0.2, "lambda": 1.0},
+        "dare_linear",
+        {"lambda": 1.0},
         {"weight": 1.0, "density": 0.2},
     ),
     "dare_ties": (
+        "dare_ties",
         {"density": 0.2, "lambda": 1.0},
+        "dare_ties",
         {"normalize": True, "lambda": 1.0},
         {"weight": 1.0, "density": 0.2},
     ),
+    "breadcrumbs": (
+        "breadcrumbs",
+        {"density": 0.9, "gamma": 0.01},
+        "breadcrumbs",
+        {"lambda": 1.0},
+        {"weight": 1.0, "density": 0.9, "gamma": 0.01},
+    ),
 }
+DEFAULT_VARIANTS = list(VARIANTS)
 
 
 def llama_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -142,20 +201,25 @@ def write_checkpoint_set(folder: Path, shape: dict, shard_bytes: int = 2 * 10**8
 
 
 GNU_TIME = "/usr/bin/time"
-RSS_TAG = "mergelab-bench-maxrss-kb="
+RSS_TAG = "mergelab-bench="
 
 
 def run_measured(
-    cmd: list[str], env: dict[str, str], cwd: str | None = None
-) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MiB, exit code) of one subprocess.
+    cmd: list[str], env: dict[str, str], cwd: str | None = None, warm: list[Path] = ()
+) -> tuple[float, float, float, int]:
+    """(wall seconds, peak RSS in MiB, CPU seconds (user + system), exit code) of one subprocess.
 
-    Peak RSS comes from GNU time when present: Linux carries a process's ``ru_maxrss`` across
-    fork + exec, so a child forked straight from this (torch-importing) script would report at
-    least this script's own RSS. ``wait4`` is the fallback, with that floor.
+    RSS and CPU time come from GNU time when present: Linux carries a process's ``ru_maxrss``
+    across fork + exec, so a child forked straight from this (torch-importing) script would
+    report at least this script's own RSS. ``wait4`` is the fallback, with that floor.
     """
     use_time = os.path.exists(GNU_TIME)
-    full = [GNU_TIME, "-f", RSS_TAG + "%M", *cmd] if use_time else cmd
+    full = [GNU_TIME, "-f", RSS_TAG + "%M %U %S", *cmd] if use_time else cmd
+    # the previous run's output still being written back to disk would slow this one's writes
+    # (mergekit does not flush its output): every run starts with nothing left to write, and
+    # with its inputs in the page cache (a 3 GiB mergekit run can push some out)
+    os.sync()
+    read_through(warm)
     start = time.perf_counter()
     proc = subprocess.Popen(
         full, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -166,12 +230,12 @@ def run_measured(
     wall = time.perf_counter() - start
     if returncode != 0:
         print(f"command failed ({returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
-    rss_kib = usage.ru_maxrss  # KiB on Linux
-    if use_time:
-        tagged = [line for line in stderr.splitlines() if line.startswith(RSS_TAG)]
-        if tagged:
-            rss_kib = int(tagged[-1].removeprefix(RSS_TAG))
-    return wall, rss_kib / 1024, returncode
+    rss_kib, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime  # KiB on Linux
+    tagged = [line for line in stderr.splitlines() if line.startswith(RSS_TAG)]
+    if use_time and tagged:
+        kib, user, system = tagged[-1].removeprefix(RSS_TAG).split()
+        rss_kib, cpu = int(kib), float(user) + float(system)
+    return wall, rss_kib / 1024, cpu, returncode
 
 
 def run_repeated(
@@ -180,8 +244,300 @@ def run_repeated(
     """Best wall time and highest peak RSS over ``repeats`` runs (the best time is the least
     disturbed by other processes; RSS does not depend on them)."""
     runs = [run_measured(cmd, env, cwd) for _ in range(repeats)]
-    failed = [rc for _, _, rc in runs if rc != 0]
-    return min(w for w, _, _ in runs), max(r for _, r, _ in runs), failed[0] if failed else 0
+    failed = [rc for *_, rc in runs if rc != 0]
+    return min(r[0] for r in runs), max(r[1] for r in runs), failed[0] if failed else 0
+
+
+def _threads_flag(threads: int | None) -> list[str]:
+    return [] if threads is None else ["-j", str(threads)]
+
+
+def tool_env(threads: int | None) -> dict[str, str]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(key, None)
+        if threads is not None:
+            env[key] = str(threads)
+    return env
+
+
+# --- the read-and-write floor ------------------------------------------------------------------
+
+
+def shard_files(folders: list[Path]) -> list[Path]:
+    return sorted(f for folder in folders for f in folder.glob("*.safetensors"))
+
+
+def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "direct") -> None:
+    """Read every byte of every shard of ``inputs``, write ``out_bytes`` into a file in
+    ``out_dir`` and flush it to disk, one after the other (run in a subprocess: ``--io-floor``).
+
+    ``mode`` "direct": the inputs memory-mapped and every 8-byte word loaded once (a sum), the
+    output written with ``O_DIRECT`` (mergelab's way of reading and writing); "buffered":
+    ``read()`` into a buffer and ``write()`` through the page cache (a plain tool's way).
+    """
+    import mmap
+
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    block = mmap.mmap(-1, 64 << 20)  # page-aligned, as O_DIRECT needs
+    view = memoryview(block)
+    for shard in shard_files(inputs):
+        with open(shard, "rb", buffering=0) as f:
+            if mode == "buffered":
+                while f.readinto(view):
+                    pass
+                continue
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+            words = torch.frombuffer(mapped, dtype=torch.int64, count=size // 8)
+            words.sum()  # every byte from the page cache through the CPU, once
+            del words
+            mapped.close()
+    path = out_dir / "floor.bin"
+    direct = getattr(os, "O_DIRECT", 0) if mode == "direct" else 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct)
+    left = out_bytes - out_bytes % 4096 if direct else out_bytes
+    while left:
+        left -= os.write(fd, view[: min(left, len(view))])
+    os.close(fd)
+    with open(path, "ab") as f:  # the unaligned tail, then everything flushed
+        f.write(view[: out_bytes - os.path.getsize(path)])
+        os.fsync(f.fileno())
+    view.release()
+    block.close()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def read_through(folders: list[Path]) -> None:
+    """Read every shard of ``folders`` (into the page cache, where they mostly are already)."""
+    buffer = bytearray(64 << 20)
+    for shard in shard_files(folders):
+        with open(shard, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+
+def warm_up(folder: Path, out_bytes: int, work: Path) -> None:
+    """Inputs into the page cache; an output-sized file written and deleted (see docstring)."""
+    models = [folder / n for n in ("base", "expert_0", "expert_1")]
+    io_floor(models, out_bytes, work / "warm-up", mode="buffered")
+
+
+FLOORS = ("direct", "buffered")
+
+
+# --- the benchmark --------------------------------------------------------------------------
+
+
+def mergelab_command(variant: str, folder: Path, work: Path) -> tuple[list[str], Path]:
+    method, params, *_ = VARIANTS[variant]
+    experts = [str(folder / "expert_0"), str(folder / "expert_1")]
+    cfg = {"method": method, "models": experts, "parameters": params, "dtype": "float32"}
+    cfg["seed"] = 0
+    if method != "linear":
+        cfg["base"] = str(folder / "base")
+    path = work / f"mergelab-{variant}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = work / f"mergelab-{variant}"
+    cmd = [sys.executable, "-m", "mergelab.cli", "merge", "--config", str(path)]
+    return [*cmd, "--out", str(out), "--force", "--no-progress"], out
+
+
+def mergekit_command(
+    variant: str, folder: Path, work: Path, threads: int | None
+) -> tuple[list[str], Path] | None:
+    _, _, method, global_params, model_params = VARIANTS[variant]
+    if method is None:
+        return None
+    experts = [str(folder / "expert_0"), str(folder / "expert_1")]
+    cfg = {
+        "merge_method": method,
+        "models": [{"model": e, "parameters": dict(model_params)} for e in experts],
+        "parameters": global_params,
+        "dtype": "float32",
+        "out_dtype": "bfloat16",
+    }
+    if method != "linear":
+        cfg["base_model"] = str(folder / "base")
+    path = work / f"mergekit-{variant}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = work / f"mergekit-{variant}"
+    cmd = ["mergekit-yaml", str(path), str(out), *_threads_flag(threads), "--quiet"]
+    return [*cmd, "--random-seed", "0", "--no-write-model-card", "--no-copy-tokenizer"], out
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    shape = {**LLAMA_SHAPE, "num_hidden_layers": args.layers}
+    folder = Path(args.cache_dir).resolve() / f"llama-{args.layers}L"  # configs need absolute
+    if (
+        not (folder / "spec.json").is_file()
+        or json.loads((folder / "spec.json").read_text()) != shape
+    ):
+        print(f"writing synthetic checkpoints to {folder} (once)")
+        write_checkpoint_set(folder, shape)
+    n_params = sum(torch.Size(s).numel() for _, s in llama_tensors(shape))
+    out_bytes = 2 * n_params
+    print(f"checkpoints: {folder} ({n_params / 1e9:.3f}B parameters each, bf16)")
+    env = tool_env(args.threads)
+    work = Path(args.cache_dir).resolve() / "outputs"
+    work.mkdir(parents=True, exist_ok=True)
+    load_before = load_average()
+    print(f"load average before: {load_before}")
+    warm_up(folder, out_bytes, work)
+
+    models = [folder / n for n in ("base", "expert_0", "expert_1")]
+
+    def floor_command(n_inputs: int, mode: str) -> list[str]:
+        names = ["expert_0", "expert_1"] if n_inputs == 2 else ["base", "expert_0", "expert_1"]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--io-floor", mode, str(out_bytes)]
+        cmd += [str(work / "floor"), *[str(folder / n) for n in names]]
+        return cmd
+
+    runs: dict[tuple[str, str], list[tuple[float, float, float, int]]] = {}
+    sample = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    diffs: dict[str, float] = {}
+    for round_ in range(args.repeats):
+        for n_inputs in (2, 3):
+            for mode in FLOORS:
+                runs.setdefault((f"floor_{mode}_{n_inputs}", "floor"), []).append(
+                    run_measured(floor_command(n_inputs, mode), env, warm=models)
+                )
+        for i, variant in enumerate(args.variants if not args.only_floor else []):
+            ours, out_ours = mergelab_command(variant, folder, work)
+            theirs = mergekit_command(variant, folder, work, args.threads)
+            if args.skip_mergekit:
+                theirs = None
+            tools = [("mergelab", ours, out_ours)]
+            if theirs is not None:
+                tools.append(("mergekit", *theirs))
+            if (round_ + i) % 2:
+                tools.reverse()
+            for tool, cmd, out in tools:
+                shutil.rmtree(out, ignore_errors=True)
+                result = run_measured(cmd, env, warm=models)
+                runs.setdefault((variant, tool), []).append(result)
+                print(
+                    f"round {round_ + 1} {variant:18s} {tool:9s} {result[0]:7.1f} s "
+                    f"{result[1]:7.0f} MiB  cpu {result[2]:6.1f} s  load {load_average()}",
+                    flush=True,
+                )
+            if theirs is not None and not variant.startswith("dare") and round_ == 0:
+                if all(runs[(variant, t)][-1][3] == 0 for t in ("mergelab", "mergekit")):
+                    diffs[variant] = compare_outputs(out_ours, theirs[1], sample)
+            for _, _, out in tools:
+                if not args.keep_outputs:  # 2 GB each; the inputs stay cached
+                    shutil.rmtree(out, ignore_errors=True)
+    load_after = load_average()
+
+    def best(key: tuple[str, str]) -> dict | None:
+        got = runs.get(key)
+        if not got:
+            return None
+        ok = all(r[3] == 0 for r in got)
+        return {
+            "s": min(r[0] for r in got),
+            "runs_s": [round(r[0], 2) for r in got],
+            "cpu_s": min(r[2] for r in got),
+            "rss_mib": max(r[1] for r in got),
+            "ok": ok,
+        }
+
+    floors = {
+        f"{mode}_{n}_inputs": best((f"floor_{mode}_{n}", "floor"))
+        for mode in FLOORS
+        for n in (2, 3)
+    }
+    results = Path(args.results)
+    if args.only_floor:  # new floors for the rows already measured
+        record = json.loads(results.read_text())
+        record["floor"] = floors
+        record["config"]["floor_load_average"] = [load_before, load_average()]
+        add_ratios(record["rows"], floors)
+        results.write_text(json.dumps(record, indent=2) + "\n")
+        print_table(record["rows"], floors)
+        print(f"\nresults: {results}")
+        return 0
+    linear = best(("linear", "mergelab"))
+    rows = []
+    for variant in args.variants:
+        row: dict = {"variant": variant, "method": VARIANTS[variant][0]}
+        row["mergelab"], row["mergekit"] = best((variant, "mergelab")), best((variant, "mergekit"))
+        if row["mergelab"] is not None and linear is not None:
+            row["over_linear"] = row["mergelab"]["s"] / linear["s"]
+        if row["mergekit"] is not None and row["mergelab"] is not None:
+            row["speedup"] = row["mergekit"]["s"] / row["mergelab"]["s"]
+            row["rss_ratio"] = row["mergelab"]["rss_mib"] / row["mergekit"]["rss_mib"]
+        if variant in diffs:
+            row["max_abs_diff_sample"] = diffs[variant]
+        rows.append(row)
+    add_ratios(rows, floors)
+
+    print_table(rows, floors)
+    record = {
+        "config": {
+            "shape": shape,
+            "n_params": n_params,
+            "dtype": "bfloat16 stored, float32 compute",
+            "threads": args.threads if args.threads is not None else "each tool's default",
+            "torch_default_threads": torch.get_num_threads(),
+            "repeats": args.repeats,
+            "variants": {v: VARIANTS[v] for v in args.variants},
+            "machine": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
+        "floor": floors,
+        "rows": rows,
+    }
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nload average after: {load_after}\nresults: {results}")
+    return 0 if all((r["mergelab"] or {}).get("ok", True) for r in rows) else 1
+
+
+def add_ratios(rows: list[dict], floors: dict[str, dict]) -> None:
+    """Each row's time over the floors of its number of inputs (linear reads two models)."""
+    for row in rows:
+        n = 2 if row["variant"] == "linear" else 3
+        for mode in FLOORS:
+            floor = floors.get(f"{mode}_{n}_inputs")
+            if row["mergelab"] is not None and floor is not None:
+                row[f"over_floor_{mode}"] = row["mergelab"]["s"] / floor["s"]
+
+
+def print_table(rows: list[dict], floors: dict[str, dict]) -> None:
+    def s(x: dict | None, key: str = "s", fmt: str = "{:.1f}") -> str:
+        return "–" if x is None else fmt.format(x[key])
+
+    def r(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}×"
+
+    print()
+    for name, floor in floors.items():
+        print(f"floor {name}: {s(floor)} s, {s(floor, 'rss_mib', '{:.0f}')} MiB")
+    print(
+        f"{'variant':18s} {'mergelab s':>10s} {'mergekit s':>10s} {'speed-up':>9s} "
+        f"{'/linear':>8s} {'/floor':>7s} {'/buffered':>9s} {'mergelab MiB':>12s} "
+        f"{'mergekit MiB':>12s}"
+    )
+    for row in rows:
+        print(
+            f"{row['variant']:18s} {s(row['mergelab']):>10s} {s(row['mergekit']):>10s} "
+            f"{r(row.get('speedup')):>9s} {r(row.get('over_linear')):>8s} "
+            f"{r(row.get('over_floor_direct')):>7s} {r(row.get('over_floor_buffered')):>9s} "
+            f"{s(row['mergelab'], 'rss_mib', '{:.0f}'):>12s} "
+            f"{s(row['mergekit'], 'rss_mib', '{:.0f}'):>12s}"
+        )
 
 
 def compare_outputs(a: Path, b: Path, names: list[str]) -> float:
@@ -230,7 +586,7 @@ def run_mergekit_config(args: argparse.Namespace, env: dict[str, str]) -> int:
     )
     row["mergelab_ok"] = rc == 0
     shutil.rmtree(theirs, ignore_errors=True)
-    cmd = ["mergekit-yaml", str(config), str(theirs), "-j", str(args.threads), "--quiet"]
+    cmd = ["mergekit-yaml", str(config), str(theirs), *_threads_flag(args.threads), "--quiet"]
     cmd += ["--random-seed", "0", "--no-write-model-card"]
     row["mergekit_s"], row["mergekit_rss_mib"], rc = run_repeated(
         cmd, env, args.repeats, cwd=str(config.parent)
@@ -261,141 +617,47 @@ def run_mergekit_config(args: argparse.Namespace, env: dict[str, str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--io-floor"]:  # the floor's subprocess: MODE OUT_BYTES OUT_DIR INPUT...
+        io_floor([Path(p) for p in argv[4:]], int(argv[2]), Path(argv[3]), mode=argv[1])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/mergelab/merge_speed"))
-    parser.add_argument("--methods", nargs="+", default=["linear", "task_arithmetic", "ties"])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache-dir", default=".cache/merge_speed")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument(
+        "--threads", type=int, help="threads for both tools (default: each tool's own default)"
+    )
     parser.add_argument("--layers", type=int, default=LLAMA_SHAPE["num_hidden_layers"])
     parser.add_argument(
         "--results",
-        help="JSON results file (default benchmarks/results/merge_speed.json, or "
-        "merge_speed_config.json with --mergekit-config)",
+        help="JSON results file (default benchmarks/results/merge_speed.json, "
+        "merge_speed_threads<N>.json with --threads, merge_speed_config.json with "
+        "--mergekit-config)",
     )
     parser.add_argument("--skip-mergekit", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per tool; best time kept")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; best time kept")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the merged checkpoints")
+    parser.add_argument(
+        "--only-floor",
+        action="store_true",
+        help="measure only the floors, into the existing --results file (its rows stay)",
+    )
     parser.add_argument(
         "--mergekit-config",
         metavar="YAML",
         help="run this mergekit-spelled config with both tools instead (see the module docstring)",
     )
     args = parser.parse_args(argv)
-    default_name = "merge_speed_config.json" if args.mergekit_config else "merge_speed.json"
+    if args.mergekit_config:
+        default_name = "merge_speed_config.json"
+    elif args.threads is not None:
+        default_name = f"merge_speed_threads{args.threads}.json"
+    else:
+        default_name = "merge_speed.json"
     args.results = args.results or f"benchmarks/results/{default_name}"
     if args.mergekit_config:
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(args.threads),
-            "MKL_NUM_THREADS": str(args.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-        }
-        return run_mergekit_config(args, env)
-
-    shape = {**LLAMA_SHAPE, "num_hidden_layers": args.layers}
-    folder = Path(args.cache_dir) / f"llama-{args.layers}L"
-    if (
-        not (folder / "spec.json").is_file()
-        or json.loads((folder / "spec.json").read_text()) != shape
-    ):
-        print(f"writing synthetic checkpoints to {folder} (once)")
-        write_checkpoint_set(folder, shape)
-    n_params = sum(torch.Size(s).numel() for _, s in llama_tensors(shape))
-    print(f"checkpoints: {folder} ({n_params / 1e9:.3f}B parameters each, bf16)")
-
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "MKL_NUM_THREADS": str(args.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-    }
-    work = Path(args.cache_dir) / "outputs"
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    last = min(3, args.layers - 1)
-    sample = ["model.layers.0.self_attn.q_proj.weight", f"model.layers.{last}.mlp.down_proj.weight"]
-    for method in args.methods:
-        ours, theirs_global, theirs_model = METHODS[method]
-        base = None if method == "linear" else str(folder / "base")
-        experts = [str(folder / "expert_0"), str(folder / "expert_1")]
-        row = {"method": method}
-        # mergelab
-        cfg = {
-            "method": method,
-            "models": experts,
-            "parameters": ours,
-            "dtype": "float32",
-            "seed": 0,
-        }
-        if base:
-            cfg["base"] = base
-        cfg_path = work / f"mergelab-{method}.yaml"
-        cfg_path.write_text(yaml.safe_dump(cfg))
-        out_ours = work / f"mergelab-{method}"
-        cmd = [sys.executable, "-m", "mergelab.cli", "merge", "--config", str(cfg_path)]
-        cmd += ["--out", str(out_ours), "--force", "--no-progress"]
-        row["mergelab_s"], row["mergelab_rss_mib"], rc = run_repeated(cmd, env, args.repeats)
-        row["mergelab_ok"] = rc == 0
-        # mergekit
-        if not args.skip_mergekit:
-            kcfg = {
-                "merge_method": method,
-                "models": [{"model": e, "parameters": dict(theirs_model)} for e in experts],
-                "parameters": theirs_global,
-                "dtype": "float32",
-                "out_dtype": "bfloat16",
-            }
-            if base:
-                kcfg["base_model"] = base
-            kcfg_path = work / f"mergekit-{method}.yaml"
-            kcfg_path.write_text(yaml.safe_dump(kcfg))
-            out_theirs = work / f"mergekit-{method}"
-            shutil.rmtree(out_theirs, ignore_errors=True)
-            cmd = ["mergekit-yaml", str(kcfg_path), str(out_theirs), "-j", str(args.threads)]
-            cmd += ["--quiet", "--random-seed", "0", "--no-write-model-card", "--no-copy-tokenizer"]
-            row["mergekit_s"], row["mergekit_rss_mib"], rc = run_repeated(cmd, env, args.repeats)
-            row["mergekit_ok"] = rc == 0
-            if row["mergekit_ok"]:
-                row["speedup"] = row["mergekit_s"] / row["mergelab_s"]
-                row["rss_ratio"] = row["mergelab_rss_mib"] / row["mergekit_rss_mib"]
-                if row["mergelab_ok"] and not method.startswith("dare"):
-                    row["max_abs_diff_sample"] = compare_outputs(out_ours, out_theirs, sample)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if not args.keep_outputs:  # 1 GB each; the inputs stay cached for the next run
-            shutil.rmtree(out_ours, ignore_errors=True)
-            shutil.rmtree(work / f"mergekit-{method}", ignore_errors=True)
-
-    print()
-    header = f"{'method':16s} {'mergelab s':>11s} {'mergekit s':>11s} {'speed-up':>9s} "
-    header += f"{'mergelab RSS':>13s} {'mergekit RSS':>13s} {'RSS ratio':>10s}"
-    print(header)
-    for r in rows:
-        print(
-            f"{r['method']:16s} {r['mergelab_s']:11.1f} {r.get('mergekit_s', float('nan')):11.1f} "
-            f"{r.get('speedup', float('nan')):8.2f}x {r['mergelab_rss_mib']:10.0f} MiB "
-            f"{r.get('mergekit_rss_mib', float('nan')):9.0f} MiB {r.get('rss_ratio', float('nan')):10.2f}"
-        )
-    record = {
-        "config": {
-            "shape": shape,
-            "n_params": n_params,
-            "dtype": "bfloat16 stored, float32 compute",
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "methods": {m: METHODS[m] for m in args.methods},
-            "machine": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-        },
-        "rows": rows,
-    }
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nresults: {results}")
-    return 0
+        return run_mergekit_config(args, tool_env(args.threads))
+    return run_benchmark(args)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ Tolerances:
   within rounding of zero. The test checks that every entry is equal, one rounding step apart,
   or at such a tie, and that the same config in float32 agrees to 1e-6.
 
-Random methods (della, della_linear): mergelab draws from a generator seeded by (seed, tensor
-name); mergekit from torch's global generator. mergekit's task-arithmetic kernel is wrapped so
-that torch's global generator is seeded like mergelab's before each tensor: then both draw the
-same masks and the results are compared like the deterministic ones.
+Random methods: mergelab draws from generators seeded by (seed, tensor name); mergekit from
+torch's global generator. mergekit's task-arithmetic kernel is wrapped so that it draws what
+mergelab draws for the same tensor: for DELLA torch's global generator is seeded like mergelab's
+torch generator, for DARE (whose masks mergelab draws with a faster generator of its own)
+mergekit's ``torch.bernoulli`` returns mergelab's masks. The results are then compared like the
+deterministic ones.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from safetensors.torch import load_file
 from test_merge_config_dialects import WORDS, tiny_tokenizer, write_model  # tiny checkpoints
 
 from mergelab.cli import main
-from mergelab.merge import TensorContext, list_merge_methods
+from mergelab.merge import TensorContext, list_merge_methods, ops
 
 pytest.importorskip("mergekit")
 from mergekit.config import MergeConfiguration  # noqa: E402
@@ -47,6 +49,7 @@ from mergekit.merge import MergeOptions, run_merge  # noqa: E402
 from mergekit.merge_methods.generalized_task_arithmetic import (  # noqa: E402
     GeneralizedTaskArithmeticMerge,
 )
+from mergekit.sparsify import SparsificationMethod  # noqa: E402
 
 EXAMPLES = Path(__file__).parent / "fixtures" / "mergekit_examples"
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -85,14 +88,30 @@ def read(folder: Path) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def mergekit_draws_like_mergelab(seed: int):
-    """Seed torch's global generator as mergelab's per-tensor generator before each of
-    mergekit's task-arithmetic merges (DARE, DELLA draw from it)."""
+    """mergekit's task-arithmetic merges draw what mergelab draws for the same tensor: DELLA's
+    masks by seeding torch's global generator as mergelab's per-tensor torch generator (both call
+    ``torch.bernoulli`` on the same probabilities), DARE's by handing mergekit's
+    ``torch.bernoulli`` mergelab's masks (``ops.dare_keep_mask``, its own faster generator), one
+    per model with density < 1, in order."""
     original = GeneralizedTaskArithmeticMerge.merge_group
 
     def seeded(self, group, /, **parameters):
         ctx = TensorContext(name=group.metadata.name, seed=seed)
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), contextlib.ExitStack() as stack:
             torch.manual_seed(ctx.generator().initial_seed())
+            if self.sparsification_method == SparsificationMethod.random:
+                shape = group.base.tensor.shape
+                densities = [parameters["density"][e.id] for e in group.non_base]
+                masks = iter(
+                    [
+                        ops.dare_keep_mask(shape, d, ctx.tensor_seed, i)
+                        for i, d in enumerate(densities)
+                        if d < 1
+                    ]
+                )
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    torch, "bernoulli", lambda p, *a, **k: next(masks).to(p.dtype)
+                )
             return original(self, group, **parameters)
 
     GeneralizedTaskArithmeticMerge.merge_group = seeded

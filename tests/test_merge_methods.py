@@ -56,7 +56,9 @@ def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density,
         return ((f"t{i}", b, [e[i] for e in experts]) for i, b in enumerate(base))
 
     thresholds = ops.global_magnitude_thresholds(make_iter, [density, 0.5])
-    assert len(calls) == 2  # exactly two passes over the "model"
+    # a sampled pass, then one exact pass over a band, or (a sample this small rarely pins the
+    # band down) the two exact radix passes
+    assert len(calls) in (2, 3)
     n = sum(sizes)
     for e, d, threshold in zip(experts, [density, 0.5], thresholds):
         flat = torch.cat([x - b for x, b in zip(e, base)])

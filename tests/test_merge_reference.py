@@ -9,7 +9,7 @@ the threshold may therefore differ; the data below are continuous random values,
 test asserts there is no tie at its threshold, so the results must agree everywhere.
 
 DARE: no two libraries share a random stream, so the tests pin the maths after the draw by giving
-every implementation the same keep masks: ours come from ``ctx.generator()`` (reproduced here
+every implementation the same keep masks: ours come from the tensor's seed (reproduced here
 with the same seed and tensor name through ``ops.dare_keep_mask``), and PEFT's and mergekit's
 ``torch.bernoulli`` draw is replaced for the duration of the call by a stand-in that returns
 those masks in expert order (and checks it was asked for the right shape and keep rate).
@@ -69,9 +69,9 @@ def mergekit_ties_count(normalize: bool):
 
 
 def our_dare_masks(name, seed, shape, densities):
-    """The keep masks our DARE draws for tensor ``name`` (same generator, same order)."""
-    generator = TensorContext(name=name, seed=seed).generator()
-    return [ops.dare_keep_mask(shape, d, generator) for d in densities if d < 1]
+    """The keep masks our DARE draws for tensor ``name`` (same seed, expert by expert)."""
+    seed = TensorContext(name=name, seed=seed).tensor_seed
+    return [ops.dare_keep_mask(shape, d, seed, i) for i, d in enumerate(densities) if d < 1]
 
 
 class InjectedBernoulli:

@@ -2,14 +2,18 @@
 
 Conventions: ``base`` is θ_b, ``experts`` are θ_i, a *task vector* is τ_i = θ_i − θ_b, ``weight``
 is w_i and ``lambda_`` is λ. All tensors arrive in the compute dtype (float32 by default); the
-engine casts the result back to the checkpoint's dtype. Where the TIES/DARE papers and the tools
+engine casts the result back to the checkpoint's dtype. The methods registered with
+``chunked=True`` (linear, task arithmetic, TIES, DARE, breadcrumbs) are element-wise passes over
+chunks on every core (``ops.for_chunks``); the streaming engine hands them the inputs in their
+stored dtype and an output buffer (``ctx.dtype``, ``ctx.out``), so each chunk is cast in cache
+and no full-size float32 copy of any input exists. Where the TIES/DARE papers and the tools
 (PEFT 0.21 ``merge_utils``, mergekit 0.1.5) disagree the choice is a parameter, the paper's choice
 is the default, and each docstring says which setting reproduces which tool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -43,6 +47,32 @@ def _weighted_sum(
     return merged
 
 
+def _compute_dtype(ctx: TensorContext, like: torch.Tensor) -> torch.dtype:
+    return ctx.dtype or like.dtype
+
+
+def _output(ctx: TensorContext, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat buffer a chunked method writes into: ``ctx.out``, or a new one in ``dtype``."""
+    if ctx.out is not None:
+        return ctx.out.view(-1)
+    return torch.empty(like.numel(), dtype=dtype, device=like.device)
+
+
+def _result(out: torch.Tensor, part: slice, dtype: torch.dtype) -> torch.Tensor:
+    """Where a chunk's result is computed: ``out[part]`` itself, or (when ``out`` has another
+    dtype) a scratch buffer that :func:`_emit` then rounds into ``out[part]``."""
+    target = out[part]
+    if target.dtype == dtype:
+        return target
+    return ops.scratch("result", part.stop - part.start, dtype, out.device)
+
+
+def _emit(out: torch.Tensor, part: slice, result: torch.Tensor) -> None:
+    target = out[part]
+    if result.data_ptr() != target.data_ptr():
+        target.copy_(result)
+
+
 def _combine(
     base: torch.Tensor | None,
     tensors: list[torch.Tensor],
@@ -50,37 +80,61 @@ def _combine(
     *,
     normalize: bool,
     lambda_: float = 1.0,
+    ctx: TensorContext,
 ) -> torch.Tensor:
     """θ_b + λ Σ_i w_i (x_i − θ_b), or Σ_i w_i x_i without a base; Σ divided by Σ_i w_i when
     ``normalize`` (unless |Σ w_i| < 1e-8, mergekit's rule).
 
-    Walks the tensors chunk by chunk with two reused cache-sized buffers: no task-vector stack,
-    no full-size temporaries besides the output.
+    Walks the tensors chunk by chunk on every core (``ops.for_chunks``) with reused cache-sized
+    buffers per thread: no task-vector stack, no full-size temporaries besides the output.
     """
     total = sum(weight)
     divide = normalize and abs(total) >= 1e-8
+    dtype = _compute_dtype(ctx, tensors[0])
     flat_base = base.reshape(-1) if base is not None else None
     flat = [x.reshape(-1) for x in tensors]
-    out = torch.empty_like(flat[0])
-    width = min(ops.CHUNK, out.numel())
-    delta = torch.empty(width, dtype=out.dtype, device=out.device)
-    acc = torch.empty(width, dtype=out.dtype, device=out.device)
-    for part in ops.chunks(out.numel()):
+    out = _output(ctx, tensors[0], dtype)
+
+    def combine(part: slice) -> None:
         n = part.stop - part.start
-        d, a = delta[:n], acc[:n]
+        d = ops.scratch("delta", n, dtype, out.device)
+        a = ops.scratch("acc", n, dtype, out.device)
+        b = None if flat_base is None else ops.as_dtype(flat_base[part], dtype, "in-base")
         for i, (x, w) in enumerate(zip(flat, weight)):
-            term = x[part] if flat_base is None else torch.sub(x[part], flat_base[part], out=d)
+            term = ops.as_dtype(x[part], dtype, "in-expert")
+            if b is not None:
+                term = torch.sub(term, b, out=d)
             if i == 0:
                 torch.mul(term, w, out=a)
             else:
                 a.add_(term, alpha=w)
         if divide:
             a.div_(total)
-        if flat_base is None:
+        if b is None:
             out[part] = a
         else:
-            torch.add(flat_base[part], a, alpha=lambda_, out=out[part])
+            result = _result(out, part, dtype)
+            torch.add(b, a, alpha=lambda_, out=result)
+            _emit(out, part, result)
+
+    ops.for_chunks(out.numel(), combine)
     return out.view(tensors[0].shape)
+
+
+def _sum_rows_into(
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    weight: list[float],
+    normalize: bool,
+    lambda_: float,
+    base: torch.Tensor,
+) -> None:
+    """out = θ_b + λ Σ_i w_i rows_i (Σ divided by Σ w_i when ``normalize``), for one chunk: the
+    same operations, in the same order, as ``_add_scaled_(_weighted_sum(rows, ...), λ, θ_b)``."""
+    acc = _weighted_sum(rows, weight, normalize)
+    if lambda_ != 1:
+        acc.mul_(lambda_)
+    torch.add(acc, base, out=out)
 
 
 def _add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torch.Tensor:
@@ -95,7 +149,7 @@ def _check_linear(params: dict[str, Any]) -> None:
         raise ValueError("merge method 'linear': weights sum to zero, cannot normalise")
 
 
-@merge_method("linear", per_model=("weight",), needs_base=False, check=_check_linear)
+@merge_method("linear", per_model=("weight",), needs_base=False, check=_check_linear, chunked=True)
 def linear(
     base: torch.Tensor | None,
     experts: list[torch.Tensor],
@@ -111,7 +165,7 @@ def linear(
     """
     if normalize and sum(weight) == 0:
         raise ValueError("linear merge: weights sum to zero, cannot normalise")
-    return _combine(None, experts, weight, normalize=normalize)
+    return _combine(None, experts, weight, normalize=normalize, ctx=ctx)
 
 
 def _check_slerp(params: dict[str, Any]) -> None:
@@ -156,7 +210,7 @@ def slerp(
     )
 
 
-@merge_method("task_arithmetic", per_model=("weight",))
+@merge_method("task_arithmetic", per_model=("weight",), chunked=True)
 def task_arithmetic(
     base: torch.Tensor,
     experts: list[torch.Tensor],
@@ -173,12 +227,16 @@ def task_arithmetic(
     With λ = 1 and w_i = 1 on a model whose logits are linear in θ this is exactly logit
     composition.
     """
-    return _combine(base, experts, weight, normalize=normalize, lambda_=lambda_)
+    return _combine(base, experts, weight, normalize=normalize, lambda_=lambda_, ctx=ctx)
 
 
-def _ties_prepare(params: dict[str, Any], make_iter) -> dict[str, Any]:
-    """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops)."""
-    return {"ties_thresholds": ops.global_magnitude_thresholds(make_iter, params["density"])}
+def _ties_prepare(
+    params: dict[str, Any], make_iter, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops); τ in
+    ``dtype`` when the engine streams stored-dtype tensors."""
+    thresholds = ops.global_magnitude_thresholds(make_iter, params["density"], dtype)
+    return {"ties_thresholds": thresholds}
 
 
 def _elect_merge_into(
@@ -193,9 +251,16 @@ def _elect_merge_into(
     divide_by: DivideBy,
 ) -> None:
     """out = θ_b + λ · disjoint_merge(elect(stack)) for one chunk (``stack`` is overwritten)."""
-    elected = ops.elect_sign(stack, majority_sign, weight if weighted_sign else None)
+    n = out.numel()
+    votes = ops.scratch("votes", n, stack.dtype, stack.device).view(out.shape)
+    elected = ops.elect_sign(stack, majority_sign, weight if weighted_sign else None, out=votes)
     merged = ops.disjoint_merge_(
-        stack, elected, weight, divide_by=divide_by, weighted_sign=weighted_sign
+        stack,
+        elected,
+        weight,
+        divide_by=divide_by,
+        weighted_sign=weighted_sign,
+        out=ops.scratch("merged", n, stack.dtype, stack.device).view(out.shape),
     )
     torch.add(base, merged, alpha=lambda_, out=out)
 
@@ -205,37 +270,49 @@ def _trim_elect_merge(
     experts: list[torch.Tensor],
     thresholds: list[float],
     weight: list[float],
+    ctx: TensorContext,
     **options: Any,
 ) -> torch.Tensor:
-    """θ_b + λ · disjoint_merge(elect(trim(τ))) with known |τ_i| thresholds, chunk by chunk.
+    """θ_b + λ · disjoint_merge(elect(trim(τ))) with known |τ_i| thresholds, chunk by chunk on
+    every core.
 
-    Only the output and an ``[n_experts, CHUNK]`` scratch buffer are allocated: τ_i is formed per
-    chunk, so no full-size stack of task vectors exists (lower peak memory than stacking, and
-    the temporaries stay in cache). ``options``: those of :func:`_elect_merge_into`.
+    Only the output and an ``[n_experts, CHUNK]`` scratch buffer per thread are allocated: τ_i is
+    formed per chunk, so no full-size stack of task vectors exists (lower peak memory than
+    stacking, and the temporaries stay in cache). ``options``: those of :func:`_elect_merge_into`.
     """
+    dtype = _compute_dtype(ctx, base)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
-    out = torch.empty_like(flat_base)
-    width = min(ops.CHUNK, flat_base.numel())
-    scratch = torch.empty((len(experts), width), dtype=base.dtype, device=base.device)
-    for part in ops.chunks(flat_base.numel()):
-        stack = scratch[:, : part.stop - part.start]
+    out = _output(ctx, base, dtype)
+
+    def merge(part: slice) -> None:
+        n = part.stop - part.start
+        stack = ops.scratch("stack", len(experts) * n, dtype, out.device).view(-1, n)
+        b = ops.as_dtype(flat_base[part], dtype, "in-base")
         for tau, expert, threshold in zip(stack, flat_experts, thresholds):
-            torch.sub(expert[part], flat_base[part], out=tau)
+            torch.sub(ops.as_dtype(expert[part], dtype, "in-expert"), b, out=tau)
             ops.threshold_trim_(tau, threshold)
-        _elect_merge_into(out[part], flat_base[part], stack, weight, **options)
+        result = _result(out, part, dtype)
+        _elect_merge_into(result, b, stack, weight, **options)
+        _emit(out, part, result)
+
+    ops.for_chunks(flat_base.numel(), merge)
     return out.view(base.shape)
 
 
 def _elect_merge(
     base: torch.Tensor, stack: torch.Tensor, weight: list[float], **options: Any
 ) -> torch.Tensor:
-    """θ_b + λ · disjoint_merge(elect(stack)) for a full ``[n, *shape]`` stack, chunk by chunk."""
+    """θ_b + λ · disjoint_merge(elect(stack)) for a full ``[n, *shape]`` stack (overwritten),
+    chunk by chunk on every core."""
     flat_base = base.reshape(-1)
     flat_stack = stack.reshape(stack.shape[0], -1)
     out = torch.empty_like(flat_base)
-    for part in ops.chunks(flat_base.numel()):
+
+    def merge(part: slice) -> None:
         _elect_merge_into(out[part], flat_base[part], flat_stack[:, part], weight, **options)
+
+    ops.for_chunks(flat_base.numel(), merge)
     return out.view(base.shape)
 
 
@@ -246,6 +323,7 @@ def _elect_merge(
     ranges=_DENSITY_RANGE,
     prepare=_ties_prepare,
     needs_prepare=lambda p: p["trim_scope"] == "model" and any(d < 1 for d in p["density"]),
+    chunked=True,
 )
 def ties(
     base: torch.Tensor,
@@ -286,17 +364,36 @@ def ties(
             )
         thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
     else:  # the same exact selection, over this tensor only
-        thresholds = ops.global_magnitude_thresholds(lambda: [(ctx.name, base, experts)], density)
+        ranks = [[ops.kept_count(d, base.numel())] if d < 1 else [] for d in density]
+        found = ops.tau_kth_largest_abs(base, experts, ranks, _compute_dtype(ctx, base))
+        thresholds = [values[0] if values else 0.0 for values in found]
     return _trim_elect_merge(
         base,
         experts,
         thresholds,
         weight,
+        ctx,
         lambda_=lambda_,
         majority_sign=majority_sign,
         weighted_sign=weighted_sign,
         divide_by=divide_by,
     )
+
+
+def _whole(
+    base: torch.Tensor, experts: list[torch.Tensor], ctx: TensorContext
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The inputs in the compute dtype as whole tensors (for the paths that need whole-tensor
+    statistics, e.g. DARE's "l1" rescale)."""
+    dtype = _compute_dtype(ctx, base)
+    return base.to(dtype), [e.to(dtype) for e in experts]
+
+
+def _into_out(merged: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+    if ctx.out is None:
+        return merged
+    ops.parallel_copy_(ctx.out, merged)
+    return ctx.out
 
 
 def _dare_drop(
@@ -306,13 +403,48 @@ def _dare_drop(
     rescale: DareRescale,
     ctx: TensorContext,
 ) -> torch.Tensor:
-    """Stack of DARE-sparsified task vectors; masks drawn from ``ctx.generator()`` in expert order."""
+    """Stack of DARE-sparsified task vectors (whole tensors: "l1" needs τ_i's norms before and
+    after the drop). Masks from ``ops.dare_keep_mask`` with the tensor's seed, one per expert."""
     tv = ops.task_vectors(base, experts)
-    generator = ctx.generator(base.device)
-    for tau, d in zip(tv, density):
+    for i, (tau, d) in enumerate(zip(tv, density)):
         if d < 1:  # no draw when nothing is dropped, as in mergekit and PEFT
-            ops.random_drop_(tau, ops.dare_keep_mask(tau.shape, d, generator), d, rescale)
+            keep = ops.dare_keep_mask(tau.shape, d, ctx.tensor_seed, i).to(tau.device)
+            ops.random_drop_(tau, keep, d, rescale)
     return tv
+
+
+def _dare_chunks(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    density: list[float],
+    rescale: DareRescale,
+    ctx: TensorContext,
+    merge_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> torch.Tensor:
+    """DARE's drop (and a per-entry rescale) fused with ``merge_into(result, base, stack)``
+    chunk by chunk on every core: τ_i and its mask exist for one chunk at a time. The masks are
+    those of :func:`_dare_drop` (``ops.dare_keep_range`` per chunk)."""
+    dtype = _compute_dtype(ctx, base)
+    flat_base = base.reshape(-1)
+    flat_experts = [e.reshape(-1) for e in experts]
+    out = _output(ctx, base, dtype)
+    seed = ctx.tensor_seed
+
+    def merge(part: slice) -> None:
+        n = part.stop - part.start
+        stack = ops.scratch("stack", len(experts) * n, dtype, out.device).view(-1, n)
+        b = ops.as_dtype(flat_base[part], dtype, "in-base")
+        for i, (tau, expert, d) in enumerate(zip(stack, flat_experts, density)):
+            torch.sub(ops.as_dtype(expert[part], dtype, "in-expert"), b, out=tau)
+            if d < 1:
+                keep = ops.dare_keep_range(seed, i, part.start, n, d)
+                ops.random_drop_(tau, keep.to(tau.device), d, rescale)
+        result = _result(out, part, dtype)
+        merge_into(result, b, stack)
+        _emit(out, part, result)
+
+    ops.for_chunks(flat_base.numel(), merge)
+    return out.view(base.shape)
 
 
 @merge_method(
@@ -320,6 +452,7 @@ def _dare_drop(
     per_model=("weight", "density"),
     per_model_defaults={"density": 0.1},
     ranges=_DENSITY_RANGE,
+    chunked=True,
 )
 def dare_linear(
     base: torch.Tensor,
@@ -342,8 +475,18 @@ def dare_linear(
     ``normalize`` divides by Σ w_i (mergekit's option). mergekit's ``dare_linear`` is
     ``rescale="l1"``; PEFT's returns Σ w_i DARE(τ_i) only.
     """
+    if rescale != "l1":  # a per-entry rescale: drop and merge in one chunked pass
+        return _dare_chunks(
+            base,
+            experts,
+            density,
+            rescale,
+            ctx,
+            lambda out, b, stack: _sum_rows_into(out, stack, weight, normalize, lambda_, b),
+        )
+    base, experts = _whole(base, experts, ctx)
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    return _add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base)
+    return _into_out(_add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base), ctx)
 
 
 @merge_method(
@@ -351,6 +494,7 @@ def dare_linear(
     per_model=("weight", "density"),
     per_model_defaults={"density": 0.1},
     ranges=_DENSITY_RANGE,
+    chunked=True,
 )
 def dare_ties(
     base: torch.Tensor,
@@ -372,16 +516,24 @@ def dare_ties(
     ``dare_ties`` is ``rescale="l1", weighted_sign=True, divide_by="none"`` (``normalize: false``
     is its default here; ``normalize: true`` is ``divide_by="weight_sum"``).
     """
-    tv = _dare_drop(base, experts, density, rescale, ctx)
-    return _elect_merge(
-        base,
-        tv,
-        weight,
+    options = dict(
         lambda_=lambda_,
         majority_sign=majority_sign,
         weighted_sign=weighted_sign,
         divide_by=divide_by,
     )
+    if rescale != "l1":  # a per-entry rescale: drop, elect and merge in one chunked pass
+        return _dare_chunks(
+            base,
+            experts,
+            density,
+            rescale,
+            ctx,
+            lambda out, b, stack: _elect_merge_into(out, b, stack, weight, **options),
+        )
+    base, experts = _whole(base, experts, ctx)
+    tv = _dare_drop(base, experts, density, rescale, ctx)
+    return _into_out(_elect_merge(base, tv, weight, **options), ctx)
 
 
 @merge_method(
@@ -389,6 +541,7 @@ def dare_ties(
     per_model=("weight", "density", "gamma"),
     per_model_defaults={"density": 0.9, "gamma": 0.01},
     ranges={**_DENSITY_RANGE, "gamma": Interval(0.0, 1.0)},
+    chunked=True,
 )
 def breadcrumbs(
     base: torch.Tensor,
@@ -408,10 +561,29 @@ def breadcrumbs(
     Defaults density 0.9, gamma 0.01 are mergekit's documented example (its parameter default
     density = 1.0 disables the mask altogether). ``normalize`` divides by Σ w_i as in mergekit.
     """
-    tv = ops.task_vectors(base, experts)
-    for tau, d, g in zip(tv, density, gamma):
-        ops.magnitude_outlier_trim_(tau, d, g)
-    return _add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base)
+    ranks = [ops.outlier_ranks(base.numel(), d, g) for d, g in zip(density, gamma)]
+    dtype = _compute_dtype(ctx, base)
+    found = ops.tau_kth_largest_abs(base, experts, [r or [] for r in ranks], dtype)
+    flat_base = base.reshape(-1)
+    flat_experts = [e.reshape(-1) for e in experts]
+    out = _output(ctx, base, dtype)
+
+    def merge(part: slice) -> None:  # τ_i trimmed to its band, chunk by chunk on every core
+        n = part.stop - part.start
+        stack = ops.scratch("stack", len(experts) * n, dtype, out.device).view(-1, n)
+        b = ops.as_dtype(flat_base[part], dtype, "in-base")
+        for tau, expert, r, band in zip(stack, flat_experts, ranks, found):
+            torch.sub(ops.as_dtype(expert[part], dtype, "in-expert"), b, out=tau)
+            if r is None:
+                tau.zero_()
+            elif r:
+                ops.band_trim_(tau, *band)
+        result = _result(out, part, dtype)
+        _sum_rows_into(result, stack, weight, normalize, lambda_, b)
+        _emit(out, part, result)
+
+    ops.for_chunks(flat_base.numel(), merge)
+    return out.view(base.shape)
 
 
 @merge_method("model_stock", per_model=())

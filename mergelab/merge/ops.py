@@ -15,30 +15,212 @@ whole-model ("global") TIES trimming needs.
 Speed notes (CPU): the hot loops walk tensors in chunks of :data:`CHUNK` entries so temporaries
 stay in cache and are reused, and they use float arithmetic (``hardshrink``, ``relu``, ``sign``)
 rather than boolean masks, ``where`` or indexing, which are several times slower per element.
+The chunks run on :func:`for_chunks`' worker threads, one per torch thread
+(``torch.get_num_threads()``), each running torch single-threaded: every core is busy with
+whole chunks, and no op waits at an OpenMP barrier for a thread the OS has given to another
+process (on a shared 2-core machine that stall made intra-op threading slower than one thread).
+Results never depend on the number of workers: chunk boundaries are fixed and every reduction is
+combined in chunk order.
+
+DARE's random masks come from NumPy's SFC64 generator, one stream per block of
+:data:`CHUNK` entries (see :func:`dare_keep_mask`): blocks are drawn in parallel, and the raw
+64-bit output NumPy guarantees stable across versions is turned into masks here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-from collections.abc import Callable, Iterable
-from typing import Literal
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
+R = TypeVar("R")
 
 _HIGH_BUCKETS = 1 << 15  # |x| has sign bit 0, so the top 16 bits of its float32 pattern are < 2¹⁵
 _LOW_BUCKETS = 1 << 16
-CHUNK = 1 << 16  # entries per chunk in the elementwise loops: 256 KiB of float32, cache-sized
-# Histogram passes pay a fixed cost per chunk (the 2¹⁵/2¹⁶-bin output), so they take bigger ones.
-HISTOGRAM_CHUNK = 1 << 18
+# Entries per chunk in the elementwise loops: 1 MiB of float32, so temporaries stay in the
+# (shared) L3 cache, and big enough that the worker threads rarely wait for each other's Python
+# (the GIL) between ops: 2¹⁶ was ~2× slower on two workers here.
+CHUNK = 1 << 18
+# Histogram passes take bigger chunks where a tensor has enough of them for every worker: each
+# bincount call allocates and zeroes its output (up to 4 × 2¹⁶ bins), which at 2¹⁸ entries per
+# call cost as much as the counting.
+HISTOGRAM_CHUNK = 1 << 20
+
+
+def histogram_chunk(numel: int) -> int:
+    """Chunk size of a histogram pass over ``numel`` entries: the largest power of two from
+    :data:`CHUNK` to :data:`HISTOGRAM_CHUNK` that still gives every worker about four chunks."""
+    size = HISTOGRAM_CHUNK
+    while size > CHUNK and numel < 8 * size:
+        size //= 2
+    return size
+
+
+# DARE's masks are drawn in blocks of this many entries, one random stream per block.
+DARE_BLOCK = CHUNK
+# torch runs an op over fewer entries than this on the calling thread (at::internal::GRAIN_SIZE);
+# below it, for_chunks does too.
+GRAIN = 1 << 15
 
 
 def chunks(numel: int, size: int | None = None) -> Iterable[slice]:
     """Consecutive slices of ``size`` (default :data:`CHUNK`) entries covering ``range(numel)``."""
     size = size or CHUNK
     return (slice(start, min(start + size, numel)) for start in range(0, numel, size))
+
+
+# --- running chunks on every core ----------------------------------------------------------------
+
+_workers_lock = threading.Lock()
+_workers: tuple[int, ThreadPoolExecutor] | None = None
+_on_worker = threading.local()
+
+
+def _start_worker(barrier: threading.Barrier) -> None:
+    # torch reads its thread count into a new thread lazily, on its first parallel op, from the
+    # process-wide setting; that must happen before this thread's own setting, or the lazy read
+    # (after chunk_workers set the process-wide value back) would undo it.
+    torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's ops run on this thread only
+    _on_worker.active = True
+    barrier.wait()
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc's malloc to keep freed blocks of up to 32 MiB for reuse instead of returning
+    them to the OS: the chunk workers allocate and free chunk-sized temporaries all the time,
+    and each block given back had to be faulted in and zeroed again by the kernel (a third of
+    a TIES merge's CPU time went to the kernel before). Process-wide; no-op without glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: trim a heap only above 1 GiB free
+        libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from heaps
+    except (OSError, AttributeError):
+        pass
+
+
+def chunk_workers() -> ThreadPoolExecutor | None:
+    """The worker threads of :func:`for_chunks`, one per torch thread (``None`` for one thread).
+
+    Each worker runs torch single-threaded. ``torch.set_num_threads(1)`` in a worker also lowers
+    the default that threads started later inherit, so it is set back once all workers started.
+    """
+    global _workers
+    n = torch.get_num_threads()
+    if n <= 1:
+        return None
+    with _workers_lock:
+        if _workers is None or _workers[0] != n:
+            if _workers is not None:
+                _workers[1].shutdown(wait=False)
+            if _workers is None:
+                _keep_freed_memory()
+            barrier = threading.Barrier(n + 1)
+            pool = ThreadPoolExecutor(n, thread_name_prefix="mergelab-chunks")
+            for _ in range(n):  # n blocking tasks: the pool starts n threads
+                pool.submit(_start_worker, barrier)
+            barrier.wait()
+            torch.set_num_threads(n)
+            _workers = (n, pool)
+        return _workers[1]
+
+
+def for_chunks(numel: int, fn: Callable[[slice], R], size: int | None = None) -> list[R]:
+    """``[fn(part) for part in chunks(numel, size)]``, the chunks spread over every core.
+
+    The chunks run on :func:`chunk_workers` (in a few contiguous runs per worker, taken in
+    turn), single-threaded each, so results never depend on the thread count; results come back
+    in chunk order. ``fn`` must only write to its own chunk of shared outputs, and must not call
+    ``for_chunks`` itself (a nested call runs serially). With one torch thread, or fewer than
+    :data:`GRAIN` entries, everything runs on the calling thread.
+    """
+    parts = list(chunks(numel, size))
+    workers = None if numel < GRAIN or getattr(_on_worker, "active", False) else chunk_workers()
+    if workers is None or len(parts) == 1:
+        if workers is not None:  # one chunk, still single-threaded: the same results either way
+            return [workers.submit(fn, parts[0]).result()]
+        return [fn(part) for part in parts]
+    n_runs = min(len(parts), 4 * _workers[0])
+    bounds = [round(i * len(parts) / n_runs) for i in range(n_runs + 1)]
+    runs = [parts[a:b] for a, b in zip(bounds, bounds[1:])]
+    futures = [workers.submit(lambda run: [fn(part) for part in run], run) for run in runs]
+    results: list[R] = []
+    for future in futures:
+        results.extend(future.result())
+    return results
+
+
+def parallel_copy_(
+    dst: torch.Tensor, src: torch.Tensor, *, check: Literal["src", "dst"] | None = None
+) -> bool:
+    """``dst.copy_(src)`` (casting) chunk by chunk on every core; ``dst`` contiguous, same numel.
+
+    With ``check`` ("src" or "dst"), returns whether every entry of that side is finite (one
+    cheap sum per chunk while it is in cache, see :func:`all_finite_chunk`); otherwise True.
+    """
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+
+    def copy(part: slice) -> bool:
+        out = flat_dst[part].copy_(flat_src[part])
+        if check is None:
+            return True
+        return all_finite_chunk(out if check == "dst" else flat_src[part])
+
+    return all(for_chunks(flat_dst.numel(), copy))
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``, checked chunk by chunk on every core."""
+    flat = x.reshape(-1)
+    return all(for_chunks(flat.numel(), lambda part: all_finite_chunk(flat[part])))
+
+
+def abs_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ |x| as a 0-d tensor of x's dtype: chunk sums on every core, added in chunk order, so the
+    rounding does not depend on the number of threads."""
+    flat = x.reshape(-1)
+    partial = for_chunks(flat.numel(), lambda part: flat[part].abs().sum())
+    return torch.stack(partial).sum() if partial else flat.new_zeros(())
+
+
+def all_finite_chunk(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``: a sum is finite whenever ``x`` is (unless it overflows); only a
+    non-finite sum needs the exact element-wise check."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
+_scratch = threading.local()
+
+
+def scratch(
+    key: str, numel: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> torch.Tensor:
+    """A per-thread reusable flat buffer of ``numel`` entries (valid until the same thread asks
+    for ``key`` again)."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    device = torch.device("cpu") if device is None else device
+    buf = buffers.get((key, dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, CHUNK), dtype=dtype, device=device)
+        buffers[(key, dtype, device)] = buf
+    return buf[:numel]
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+    """``x`` (a chunk) in ``dtype``: itself, or a copy in this thread's scratch buffer ``key``."""
+    if x.dtype == dtype:
+        return x
+    return scratch(key, x.numel(), dtype, x.device).view(x.shape).copy_(x)
 
 
 # --- task vectors and per-expert scalars -------------------------------------------------------
@@ -74,14 +256,6 @@ def kept_count(density: float, numel: int) -> int:
 # --- exact k-th largest |x| by radix histograms ------------------------------------------------
 
 
-def _abs_bits(x: torch.Tensor) -> torch.Tensor:
-    """|x| as float32 reinterpreted as int32, flattened; for |x| ≥ 0 the order of bits = of values."""
-    a = x.detach().abs()
-    if a.dtype != torch.float32:
-        a = a.float()  # exact for bf16/fp16; float64 is compared after rounding to float32
-    return a.reshape(-1).view(torch.int32)
-
-
 def _bits_to_float(bits: int) -> float:
     return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32).item())
 
@@ -95,69 +269,178 @@ def _locate(counts: torch.Tensor, k: int) -> tuple[int, int]:
     return bucket, k - above
 
 
-class KthLargestAbs:
-    """Exact k-th largest |x| over values seen in two passes (e.g. tensors streamed from disk).
+# The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large.
+SAMPLE_STRIDE = 8
+SAMPLE_MIN_NUMEL = 1 << 21
+# A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each).
+_MAX_BAND_BUCKETS = 4
 
-    Pass 1: ``observe(x)`` for every chunk of values; then ``select(k)``; pass 2: ``observe(x)``
-    again for the same values (any order, any chunking); ``value()`` returns the threshold as a
-    float. Memory: two histograms (2¹⁵ + 2¹⁶ int64 counters), whatever the number of values.
-    ``observe_`` does the same but may overwrite ``x`` (a float32 scratch buffer), saving a copy.
+
+class KthLargestAbs:
+    """Exact k-th largest |x| over values streamed in passes (e.g. tensors read from disk).
+
+    Radix histograms of the float32 bit patterns of |x| (which order like the values):
+
+    * pass 1 counts the top 16 bits (2¹⁵ buckets) and ``end_pass(k)`` finds the bucket of the
+      k-th largest; pass 2 counts the low 16 bits inside that bucket: exact;
+    * with ``sample_stride`` > 1, pass 1 sees only every ``sample_stride``-th value (the caller
+      gives ``add`` the full count): from that sample, a band of at most a few buckets that holds
+      the k-th largest with overwhelming probability (±4 standard deviations of the sample
+      quantile), and one full pass counts the values above the band and histograms the band
+      exactly. If the k-th largest is not in the band after all, the two full passes follow. The
+      result is exact either way; the sample only decides how many passes it takes.
+
+    Usage: ``while finder.wants_pass():`` feed every value (every ``finder.stride``-th one, in any
+    order and chunking) to ``observe``, then ``finder.end_pass(k)`` (``k`` is read at the end of
+    the first pass, when ``count`` is known); then ``value()``. For parallel passes, split
+    ``observe`` in two: ``histogram_(x)`` counts one chunk (it only reads the finder's state, so
+    chunks can be counted on several threads at once, and it overwrites ``x``, a float32 scratch
+    buffer), ``add(counts, numel)`` adds the counts up (``numel``: the values the chunk stands
+    for, sampled or not).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sample_stride: int = 1) -> None:
         self.count = 0
-        self._high = torch.zeros(_HIGH_BUCKETS, dtype=torch.int64)
-        self._low: torch.Tensor | None = None
-        self._bucket = 0
-        self._rank = 0
+        self._first = True
         self._k = 0
+        self._mode = "sample" if sample_stride > 1 else "high"
+        self._sample_stride = sample_stride
+        self._counts = torch.zeros(_HIGH_BUCKETS, dtype=torch.int64)
+        self._bucket = 0  # "low": the top-16-bit bucket; "band": the band's lowest bucket
+        self._rank = 0
+        self._width = 0  # "band": bins in the band
+        self._value: float | None = None
+
+    @property
+    def stride(self) -> int:
+        """Which values this pass needs: every ``stride``-th."""
+        return self._sample_stride if self._mode == "sample" else 1
+
+    def wants_pass(self) -> bool:
+        return self._mode != "done"
 
     def observe(self, x: torch.Tensor) -> None:
-        self.observe_(_abs_bits(x).view(torch.float32))
+        flat = x.detach().reshape(-1)
+        for part in chunks(flat.numel(), HISTOGRAM_CHUNK):
+            self.observe_(flat[part].to(torch.float32, copy=True))
 
     def observe_(self, x: torch.Tensor) -> None:
+        """``observe`` for a float32 scratch buffer that may be overwritten."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             return self.observe(x)
+        self.add(self.histogram_(x), x.numel() * self.stride)
+
+    def histogram_(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This pass's counts for the float32 contiguous chunk ``x`` (overwritten)."""
         bits = x.abs_().view(-1).view(torch.int32)
-        if self._low is None:  # pass 1: histogram of the top 16 bits
-            self.count += bits.numel()
+        if self._mode in ("sample", "high"):  # the top 16 bits
             # without minlength the output only spans the buckets present: less to allocate/add
-            counts = torch.bincount(bits.bitwise_right_shift_(16)).cpu()
-            self._high[: counts.numel()] += counts
-        elif self._k > 0:  # pass 2: low 16 bits inside the chosen bucket; the rest go to the ends
-            bits.sub_((self._bucket << 16) - 1).clamp_(0, _LOW_BUCKETS + 1)
-            counts = torch.bincount(bits, minlength=_LOW_BUCKETS + 2)
-            self._low += counts[1:-1].cpu()
+            return torch.bincount(bits.bitwise_right_shift_(16))
+        if self._mode in ("low", "band"):  # bins of the bucket(s); the rest go to the two ends
+            width = self._width if self._mode == "band" else _LOW_BUCKETS
+            bits.sub_((self._bucket << 16) - 1).clamp_(0, width + 1)
+            return torch.bincount(bits, minlength=width + 2)
+        return None
+
+    def add(self, counts: torch.Tensor | None, numel: int) -> None:
+        """Add the counts :meth:`histogram_` returned for a chunk standing for ``numel`` values."""
+        if self._first:
+            self.count += numel
+        if counts is not None:
+            self._counts[: counts.numel()] += counts.cpu()
+
+    def end_pass(self, k: int | None = None) -> None:
+        """End a pass; after the first, ``k`` (1-based, clipped to ``count``) is required."""
+        if self._first:
+            self._first = False
+            if k is None:
+                raise ValueError("KthLargestAbs.end_pass(k): k is needed after the first pass")
+            self._k = max(0, min(k, self.count))
+            if self._k == 0:
+                self._finish(math.inf)
+                return
+            if self._mode == "sample":
+                self._enter_band()
+                return
+        if self._mode == "high":
+            self._bucket, self._rank = _locate(self._counts, self._k)
+            self._switch("low", _LOW_BUCKETS + 2)
+        elif self._mode == "low":
+            low, _ = _locate(self._counts[1:-1], self._rank)
+            self._finish(_bits_to_float((self._bucket << 16) | low))
+        elif self._mode == "band":
+            above = int(self._counts[-1])
+            inside = self._counts[1:-1]
+            if above < self._k <= above + int(inside.sum()):
+                offset, _ = _locate(inside, self._k - above)
+                self._finish(_bits_to_float((self._bucket << 16) + offset))
+            else:  # the sample misled us (or the values changed): two exact passes
+                self._switch("high", _HIGH_BUCKETS)
 
     def select(self, k: int) -> None:
-        """End pass 1: remember which bucket holds the k-th largest value."""
-        self._k = min(k, self.count)
-        self._low = torch.zeros(_LOW_BUCKETS, dtype=torch.int64)
-        if self._k > 0:
-            self._bucket, self._rank = _locate(self._high, self._k)
+        """End the first pass (kept for callers of the two-pass protocol)."""
+        self.end_pass(k)
 
     def value(self) -> float:
         """The k-th largest |x| (``inf`` for k = 0: nothing reaches it)."""
-        if self._low is None:
-            raise RuntimeError("KthLargestAbs.value() before select() and a second pass")
-        if self._k == 0:
-            return math.inf
-        low, _ = _locate(self._low, self._rank)
-        return _bits_to_float((self._bucket << 16) | low)
+        if self._value is None:
+            raise RuntimeError("KthLargestAbs.value() before its last pass")
+        return self._value
+
+    def _switch(self, mode: str, bins: int) -> None:
+        self._mode = mode
+        self._counts = torch.zeros(bins, dtype=torch.int64)
+
+    def _finish(self, value: float) -> None:
+        self._mode, self._value = "done", value
+
+    def _enter_band(self) -> None:
+        """From the sampled histogram: the band of buckets that holds the k-th largest of all
+        values with overwhelming probability, or two exact passes if it is too wide."""
+        m = int(self._counts.sum())
+        q = self._k / self.count
+        expected = q * m  # the k-th largest's rank among the sampled values
+        margin = 4 * math.sqrt(m * q * (1 - q)) + 4
+        top, bottom = math.floor(expected - margin), math.ceil(expected + margin)
+        if top >= 1 and bottom <= m:
+            high, _ = _locate(self._counts, top)
+            low, _ = _locate(self._counts, bottom)
+            if high - low + 1 <= _MAX_BAND_BUCKETS:
+                self._bucket, self._width = low, (high - low + 1) << 16
+                self._switch("band", self._width + 2)
+                return
+        self._switch("high", _HIGH_BUCKETS)
+
+
+def sample_stride(numel: int) -> int:
+    """The stride of the sampled first pass for ``numel`` values (1: no sampling)."""
+    return SAMPLE_STRIDE if numel >= SAMPLE_MIN_NUMEL else 1
+
+
+def kth_largest_abs_many(x: torch.Tensor, ks: Sequence[int]) -> list[float]:
+    """Exact k-th largest |x| of one tensor for every k in ``ks`` (1-based; ``k`` ≥ numel gives
+    the smallest |x|, ``k`` ≤ 0 gives ``inf``), with one shared (sampled) first pass, on every
+    core (:func:`for_chunks`)."""
+    flat = x.detach().reshape(-1)
+
+    def histograms(finders: list[KthLargestAbs], _: list[int]) -> Callable[[slice], list]:
+        def count(part: slice) -> list[torch.Tensor | None]:
+            out = []
+            for finder in finders:
+                values = flat[part.start : part.stop : finder.stride]
+                out.append(finder.histogram_(scratch("kth", values.numel()).copy_(values)))
+            return out
+
+        return count
+
+    return _find_many(flat.numel(), [list(ks)], histograms)[0]
 
 
 def kth_largest_abs(x: torch.Tensor, k: int) -> float:
     """Exact k-th largest |x| of one tensor (1-based; ``k`` ≥ numel gives the smallest |x|)."""
     if k <= 0:
         return math.inf
-    finder = KthLargestAbs()
-    flat = x.reshape(-1)
-    for pass_ in range(2):
-        for part in chunks(flat.numel(), HISTOGRAM_CHUNK):
-            finder.observe(flat[part])
-        if pass_ == 0:
-            finder.select(k)
-    return finder.value()
+    return kth_largest_abs_many(x, [k])[0]
 
 
 def magnitude_threshold(x: torch.Tensor, density: float) -> float:
@@ -167,43 +450,132 @@ def magnitude_threshold(x: torch.Tensor, density: float) -> float:
     return kth_largest_abs(x, kept_count(density, x.numel()))
 
 
+def _find_many(
+    numel: int,
+    ranks: list[list[int]],
+    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
+) -> list[list[float]]:
+    """Drive :class:`KthLargestAbs` finders over one tensor: for group g and every k in
+    ``ranks[g]``; ``histograms(finders)`` returns the per-chunk counting function of group
+    members ``finders`` (group index known to it by position). The groups share their first
+    pass (the k only matters after it)."""
+    stride = sample_stride(numel)
+    groups = [[KthLargestAbs(stride) for _ in ks] for ks in ranks]
+    firsts = [g[0] for g in groups if g]
+    order = [i for i, g in enumerate(groups) if g]
+    size = histogram_chunk(numel)
+    parts = list(chunks(numel, size))
+
+    def run(active: list[tuple[int, KthLargestAbs]]) -> None:
+        counted = for_chunks(numel, histograms_for(active), size)
+        for part, counts in zip(parts, counted):
+            for (_, finder), c in zip(active, counts):
+                finder.add(c, part.stop - part.start)
+
+    def histograms_for(active: list[tuple[int, KthLargestAbs]]) -> Callable[[slice], list]:
+        return histograms([f for _, f in active], [g for g, _ in active])
+
+    run([(g, f) for g, f in zip(order, firsts)])
+    for group, ks in zip(groups, ranks):
+        if not group:
+            continue
+        count, counts = group[0].count, group[0]._counts.clone()  # noqa: SLF001
+        for finder, k in zip(group, ks):
+            if finder is not group[0]:  # the same values: the same first pass
+                finder.count, finder._counts = count, counts.clone()  # noqa: SLF001
+            finder.end_pass(k)
+    while True:
+        active = [(g, f) for g, group in enumerate(groups) for f in group if f.wants_pass()]
+        if not active:
+            break
+        run(active)
+        for _, finder in active:
+            finder.end_pass()
+    return [[f.value() for f in group] for group in groups]
+
+
+def _tau_histograms(
+    base: torch.Tensor, experts: list[torch.Tensor], dtype: torch.dtype | None = None
+) -> Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]]:
+    """For finders of τ_i = θ_i − θ_b: a per-chunk counting function (``finders[j]`` counts
+    τ of expert ``indices[j]``), τ formed in ``dtype`` (default: the base's) in scratch
+    buffers, inputs cast chunk by chunk, only the entries each finder's pass needs (its
+    ``stride``), then widened to float32."""
+    dtype = dtype or base.dtype
+    flat_base = base.reshape(-1)
+    flat_experts = [e.reshape(-1) for e in experts]
+
+    def histograms(finders: list[KthLargestAbs], indices: list[int]) -> Callable[[slice], list]:
+        def count(part: slice) -> list[torch.Tensor | None]:
+            cast: dict[int, torch.Tensor] = {}
+            out = []
+            for finder, i in zip(finders, indices):
+                step = finder.stride
+                if step not in cast:
+                    cast[step] = as_dtype(
+                        flat_base[part.start : part.stop : step], dtype, f"b{step}"
+                    )
+                b = cast[step]
+                e = as_dtype(flat_experts[i][part.start : part.stop : step], dtype, "in-expert")
+                if dtype == torch.float32:
+                    tau = torch.sub(e, b, out=scratch("tau", b.numel()))
+                else:  # τ is formed in the compute dtype, then widened
+                    tau = (e - b).float()
+                out.append(finder.histogram_(tau))
+            return out
+
+        return count
+
+    return histograms
+
+
+def tau_kth_largest_abs(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    ranks: list[list[int]],
+    dtype: torch.dtype | None = None,
+) -> list[list[float]]:
+    """For every expert i and every k in ``ranks[i]``: the exact k-th largest |τ_i| of this
+    tensor, τ_i = θ_i − θ_b formed chunk by chunk in ``dtype`` (default: the base's), with no
+    full-size task vector, on every core. The ranks of one expert share a (sampled) first pass
+    (:class:`KthLargestAbs`)."""
+    return _find_many(base.numel(), ranks, _tau_histograms(base, experts, dtype))
+
+
 def global_magnitude_thresholds(
-    make_iter: Callable[[], TensorTriples], densities: list[float]
+    make_iter: Callable[[], TensorTriples],
+    densities: list[float],
+    dtype: torch.dtype | None = None,
 ) -> list[float]:
     """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
-    ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called twice
-    (two passes) and nothing but the current tensor is held; τ_i is formed chunk by chunk in a
-    reused buffer. Expert i keeps the entries with |τ_i| ≥ its threshold, i.e. its
-    ``kept_count(density_i, N)`` largest over all N parameters (plus any exact ties with the
-    k-th). Over the whole model this is the TIES paper's trim; over one tensor, mergekit's.
+    ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called once per
+    pass (two, three at worst: a sampled first pass, see :class:`KthLargestAbs`) and nothing but
+    the current tensor is held; τ_i is formed chunk by chunk, on every core, in reused buffers, in
+    ``dtype`` (default: each base's own). Expert i keeps the entries with |τ_i| ≥ its threshold,
+    i.e. its ``kept_count(density_i, N)`` largest over all N parameters (plus any exact ties with
+    the k-th). Over the whole model this is the TIES paper's trim; over one tensor, mergekit's.
     """
-    finders = [KthLargestAbs() for _ in densities]
-    scratch: torch.Tensor | None = None
-
-    def one_pass() -> None:
-        nonlocal scratch
+    finders = [KthLargestAbs(SAMPLE_STRIDE) for _ in densities]
+    first = True
+    while first or any(f.wants_pass() for f in finders):
+        active = [(i, f) for i, f in enumerate(finders) if first or f.wants_pass()]
         for _, base, experts in make_iter():
-            flat_base = base.reshape(-1)
-            flat_experts = [e.reshape(-1) for e in experts]
-            if base.dtype != torch.float32:  # τ is formed in the compute dtype, then widened
-                for part in chunks(flat_base.numel(), HISTOGRAM_CHUNK):
-                    for finder, expert in zip(finders, flat_experts):
-                        finder.observe(expert[part] - flat_base[part])
-                continue
-            if scratch is None or scratch.device != base.device:
-                scratch = torch.empty(HISTOGRAM_CHUNK, dtype=torch.float32, device=base.device)
-            for part in chunks(flat_base.numel(), HISTOGRAM_CHUNK):
-                buffer = scratch[: part.stop - part.start]
-                for finder, expert in zip(finders, flat_experts):
-                    torch.sub(expert[part], flat_base[part], out=buffer)
-                    finder.observe_(buffer)
-
-    one_pass()
-    for finder, density in zip(finders, densities):
-        finder.select(kept_count(density, finder.count))
-    if any(0 < d < 1 for d in densities):
-        one_pass()
+            numel = base.numel()
+            count = _tau_histograms(base, experts, dtype)(
+                [f for _, f in active], [i for i, _ in active]
+            )
+            size = histogram_chunk(numel)
+            for part, counts in zip(chunks(numel, size), for_chunks(numel, count, size)):
+                for (_, finder), c in zip(active, counts):
+                    finder.add(c, part.stop - part.start)
+        for i, finder in active:
+            density = densities[i]
+            if first:  # a density of 1 keeps everything: no threshold to find
+                finder.end_pass(kept_count(density, finder.count) if density < 1 else 0)
+            else:
+                finder.end_pass()
+        first = False
     return [0.0 if d >= 1 else f.value() for f, d in zip(finders, densities)]
 
 
@@ -240,6 +612,28 @@ def magnitude_trim_(tau: torch.Tensor, density: float) -> torch.Tensor:
     return threshold_trim_(tau, magnitude_threshold(tau, density))
 
 
+def outlier_ranks(numel: int, density: float, gamma: float) -> list[int] | None:
+    """Model Breadcrumbs' kept band as ranks of |τ| from the top: ``[k_low, k_high]``, the
+    smallest kept is the ``k_low``-th largest and the largest kept the ``k_high``-th largest
+    (see :func:`magnitude_outlier_trim_`); ``[]`` keeps everything, ``None`` nothing."""
+    if density >= 1:
+        return []
+    n_keep, n_top = int(density * numel), int(gamma * numel)
+    n_bot = max(0, numel - n_keep - n_top)
+    if n_keep == 0:
+        return None
+    return [numel - n_bot, numel - n_bot - n_keep + 1]
+
+
+def band_trim_(tau: torch.Tensor, smallest: float, largest: float) -> torch.Tensor:
+    """Zero the entries with |τ| < ``smallest`` or |τ| > ``largest`` (in place)."""
+    if tau.dtype != torch.float32:
+        magnitude = tau.abs().float()
+        return tau.masked_fill_((magnitude < smallest) | (magnitude > largest), 0)
+    above = torch.hardshrink(tau, largest)  # τ where |τ| > largest, else 0
+    return threshold_trim_(tau, smallest).sub_(above)  # τ − τ = 0 above the band
+
+
 def magnitude_outlier_trim_(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     """Model Breadcrumbs' mask (mergekit ``magnitude_outliers``), in place.
 
@@ -247,25 +641,60 @@ def magnitude_outlier_trim_(tau: torch.Tensor, density: float, gamma: float) -> 
     ``int(gamma·n)`` are dropped as outliers and ``n_bot = max(0, n − int(density·n) − int(gamma·n))``
     smallest are dropped as noise; ``density`` ≥ 1 keeps everything (as mergekit does).
     """
-    if density >= 1:
-        return tau
-    n = tau.numel()
-    n_keep, n_top = int(density * n), int(gamma * n)
-    n_bot = max(0, n - n_keep - n_top)
-    if n_keep == 0:
+    ranks = outlier_ranks(tau.numel(), density, gamma)
+    if ranks is None:
         return tau.zero_()
-    smallest_kept = kth_largest_abs(tau, n - n_bot)  # the (n_bot+1)-th smallest
-    largest_kept = kth_largest_abs(tau, n - n_bot - n_keep + 1)
-    magnitude = tau.abs() if tau.dtype == torch.float32 else tau.abs().float()
-    tau.masked_fill_((magnitude < smallest_kept) | (magnitude > largest_kept), 0)
-    return tau
+    if not ranks:
+        return tau
+    smallest_kept, largest_kept = kth_largest_abs_many(tau, ranks)  # one shared first pass
+    return band_trim_(tau, smallest_kept, largest_kept)
+
+
+# Keep probabilities are multiples of 2⁻²³: a float in [1, 2) has 23 random mantissa bits.
+_KEEP_RESOLUTION = 1 << 23
+
+
+def dare_keep_block(seed: int, expert: int, block: int, numel: int, density: float) -> torch.Tensor:
+    """DARE's keep mask for entries ``[block · DARE_BLOCK, block · DARE_BLOCK + numel)`` of one
+    tensor's expert ``expert``: float32, 1.0 (kept) or 0.0, each entry kept independently with
+    probability ``density`` rounded to a multiple of 2⁻²³.
+
+    Drawn from NumPy's SFC64 seeded with ``SeedSequence(seed, spawn_key=(expert, block))``: one
+    independent stream per block, so blocks can be drawn in parallel, in any order, and the mask
+    of a tensor depends only on (seed, expert, its size). Each 32-bit half of the raw 64-bit
+    output (low half first) gives u = its low 23 bits; the entry is kept iff u < round(density ·
+    2²³). The comparison runs in float arithmetic: 1 + u·2⁻²³ is a float in [1, 2).
+    """
+    generator = np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(expert, block)))
+    bits = torch.from_numpy(generator.random_raw((numel + 1) // 2).view(np.int32))[:numel]
+    uniform = bits.bitwise_and_(_KEEP_RESOLUTION - 1).bitwise_or_(0x3F800000).view(torch.float32)
+    limit = 1 + round(density * _KEEP_RESOLUTION) / _KEEP_RESOLUTION
+    # (limit − x) · 2²⁴ is ≥ 2 where x < limit and ≤ 0 elsewhere (exact: both lie in [1, 2])
+    return uniform.sub_(limit).mul_(-(2.0**24)).clamp_(0, 1)
+
+
+def dare_keep_range(seed: int, expert: int, start: int, numel: int, density: float) -> torch.Tensor:
+    """The float mask of :func:`dare_keep_block` for entries ``[start, start + numel)``
+    (``start`` a multiple of :data:`DARE_BLOCK`), block by block."""
+    if start % DARE_BLOCK:
+        raise ValueError(f"DARE masks start at a multiple of {DARE_BLOCK}, not {start}")
+    first = start // DARE_BLOCK
+    blocks = [
+        dare_keep_block(seed, expert, first + i, part.stop - part.start, density)
+        for i, part in enumerate(chunks(numel, DARE_BLOCK))
+    ]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def dare_keep_mask(
-    shape: torch.Size | tuple[int, ...], density: float, generator: torch.Generator
+    shape: torch.Size | tuple[int, ...], density: float, seed: int, expert: int = 0
 ) -> torch.Tensor:
-    """DARE's random mask: each entry kept (True) independently with probability ``density``."""
-    return torch.rand(shape, generator=generator, device=generator.device) < density
+    """DARE's random mask for a whole tensor (True = kept), the same as the chunked methods
+    draw (:func:`dare_keep_block`); ``seed`` is the tensor's (``TensorContext.tensor_seed``)."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(tuple(shape), dtype=torch.bool)
+    return dare_keep_range(seed, expert, 0, numel, density).view(tuple(shape)) > 0
 
 
 DareRescale = Literal["keep_rate", "l1", "none"]
@@ -286,9 +715,9 @@ def random_drop_(
     if density <= 0:
         return tau.zero_()
     if rescale == "l1":
-        before = tau.abs().sum()
+        before = abs_sum(tau)
         tau.mul_(keep)
-        after = tau.abs().sum()
+        after = abs_sum(tau)
         if before >= 1e-7 and after >= 1e-7:
             tau.mul_(before / after)
     elif rescale == "keep_rate":
@@ -427,40 +856,49 @@ MajoritySign = Literal["sum", "count"]
 DivideBy = Literal["count", "weight_sum", "none"]
 
 
-def _weighted_rows_sum(stack: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
-    """Σ_i w_i stack_i over the first axis (a plain sum when there are no weights or all are 1)."""
+def _weighted_rows_sum(
+    stack: torch.Tensor, weights: list[float] | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Σ_i w_i stack_i over the first axis (a plain sum when there are no weights or all are 1),
+    into ``out`` when given."""
     if weights is None or all(w == 1 for w in weights):
         if stack.shape[0] == 1:
-            return stack[0].clone()
-        total = torch.add(stack[0], stack[1])  # row by row: faster than sum(0) on strided rows
+            return stack[0].clone() if out is None else out.copy_(stack[0])
+        total = torch.add(stack[0], stack[1], out=out)  # row by row: faster than sum(0)
         for row in stack[2:]:
             total.add_(row)
         return total
-    w = torch.tensor(weights, dtype=stack.dtype, device=stack.device)
-    return torch.tensordot(w, stack, dims=1)
+    # row by row rather than tensordot: a matrix product would start BLAS threads inside the
+    # chunk workers of for_chunks
+    total = torch.mul(stack[0], weights[0], out=out)
+    for row, w in zip(stack[1:], weights[1:]):
+        total.add_(row, alpha=w)
+    return total
 
 
 def elect_sign(
     stack: torch.Tensor,
     method: MajoritySign = "sum",
     sign_weights: list[float] | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The elected sign (+1.0 or −1.0) of every position of a stack ``[n, ...]`` → ``[...]``.
 
     + where Σ_i τ_i ≥ 0 ("sum": TIES paper, PEFT "total", mergekit "sum"), or where
     Σ_i sign(τ_i) ≥ 0, i.e. positives at least as many as negatives ("count": PEFT "frequency",
     mergekit "count"). With ``sign_weights`` the election is on w_i τ_i instead (mergekit).
-    A tie (0) elects +, as in every implementation.
+    A tie (0) elects +, as in every implementation. Written into ``out`` when given.
     """
     if method == "sum":
-        votes = _weighted_rows_sum(stack, sign_weights)
+        votes = _weighted_rows_sum(stack, sign_weights, out)
     elif method == "count":
         flips = (
             None
             if sign_weights is None
             else [math.copysign(1.0, w) * (w != 0) for w in sign_weights]
         )
-        votes = _weighted_rows_sum(stack.sign(), flips)
+        votes = _weighted_rows_sum(stack.sign(), flips, out)
     else:
         raise ValueError(f"unknown majority_sign {method!r}; use 'sum' or 'count'")
     return votes.sign_().add_(0.5).sign_()  # −1, 0, +1 → −1, +1, +1
@@ -473,6 +911,7 @@ def disjoint_merge_(
     *,
     divide_by: DivideBy = "count",
     weighted_sign: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i τ_i over the entries whose sign agrees with ``elected``, divided per entry.
 
@@ -480,7 +919,8 @@ def disjoint_merge_(
     :func:`elect_sign`. Agreement is judged on τ_i, or on w_i τ_i when ``weighted_sign`` (they
     differ only for negative weights); zeros never agree. ``divide_by``: "count" of agreeing
     experts (TIES paper, PEFT), "weight_sum" Σ of their w_i (mergekit ``normalize: true``) or
-    "none" (mergekit ``normalize: false``). A position where nobody agrees gets 0.
+    "none" (mergekit ``normalize: false``). A position where nobody agrees gets 0. The result
+    goes into ``out`` when given.
     """
     if divide_by not in ("count", "weight_sum", "none"):
         raise ValueError(f"unknown divide_by {divide_by!r}; use 'count', 'weight_sum' or 'none'")
@@ -493,14 +933,16 @@ def disjoint_merge_(
         magnitudes.mul_(per_expert(flips, magnitudes))
     magnitudes.relu_()
     # w_i τ_i = (w_i f_i) · e · |τ_i| on the agreeing entries
-    merged = _weighted_rows_sum(magnitudes, [w * f for w, f in zip(weights, flips)])
+    merged = _weighted_rows_sum(magnitudes, [w * f for w, f in zip(weights, flips)], out)
     merged.mul_(elected)
     if divide_by == "none":
         return merged
     agrees = magnitudes.sign_()  # 1 where expert i agrees, else 0
     if divide_by == "count":
         return merged.div_(agrees.sum(0).clamp_(min=1))
-    divisor = _weighted_rows_sum(agrees, weights)
+    divisor = _weighted_rows_sum(
+        agrees, weights, scratch("divisor", merged.numel(), merged.dtype, merged.device)
+    ).view(merged.shape)
     if all(w > 0 for w in weights):  # then divisor is 0 (nobody agrees, merged = 0) or ≥ min w
         return merged.div_(divisor.clamp_(min=min(weights)))
     return merged.div_(divisor.masked_fill_(divisor == 0, 1))

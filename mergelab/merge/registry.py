@@ -34,6 +34,13 @@ returns a FRESH iterable of ``(name, base, experts)`` (compute dtype, as the met
 them) on every call, so a prepare hook may take several passes without the engine ever holding
 the model. The result reaches the method as ``ctx.stats``.
 
+Methods that are element-wise passes over chunks can say so with ``chunked=True``: the streaming
+engine then hands them the inputs in their stored dtype with ``ctx.dtype`` (the compute dtype, to
+cast each chunk to) and ``ctx.out`` (the output buffer, to round each chunk's result into), so no
+full-size compute-dtype copy of a tensor is ever made; their ``prepare`` hook gets
+``dtype=`` too. Without ``ctx.dtype`` (the in-memory engine, a direct call) everything arrives in
+the compute dtype as above.
+
 For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``;
 ``stats = method.compute_stats({**globals_, **lists}, make_iter)`` (``{}`` if not needed); then
 per tensor ``method.fn(base, experts, ctx=TensorContext(name, seed, stats), **globals_, **lists)``.
@@ -118,12 +125,24 @@ class TensorContext:
     seed: int = 0
     # Whole-model statistics from the method's ``prepare`` pass (e.g. global top-k thresholds).
     stats: dict[str, Any] = field(default_factory=dict)
+    # Only for methods registered with ``chunked=True``, which the streaming engine may hand
+    # inputs in their stored dtype: ``dtype`` is then the compute dtype (each chunk is cast to
+    # it), and ``out``, if set, the buffer (shape of the inputs, its own dtype) the result is
+    # written into, rounded chunk by chunk. ``None``: the inputs' dtype, a new output.
+    dtype: torch.dtype | None = None
+    out: torch.Tensor | None = None
+
+    @property
+    def tensor_seed(self) -> int:
+        """A 63-bit seed from (seed, tensor name): reproducible and different per tensor."""
+        digest = hashlib.sha256(f"{self.seed}:{self.name}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A generator seeded from (seed, tensor name): reproducible and different per tensor."""
-        digest = hashlib.sha256(f"{self.seed}:{self.name}".encode()).digest()
+        """A torch generator seeded with :attr:`tensor_seed` (DELLA's and Arcee Fusion's draws;
+        DARE's masks use the same seed with :func:`mergelab.merge.ops.dare_keep_block`)."""
         g = torch.Generator(device=device)
-        g.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        g.manual_seed(self.tensor_seed)
         return g
 
 
@@ -147,6 +166,9 @@ class MergeMethod:
     check: Callable[[dict[str, Any]], None] | None = None
     # How many models besides the base the method takes: (at least, at most or None for any).
     n_experts: tuple[int, int | None] = (1, None)
+    # Reads its inputs chunk by chunk, each cast to ``ctx.dtype``, and writes into ``ctx.out``
+    # when given (see TensorContext): the engine then needs no full-size compute-dtype copies.
+    chunked: bool = False
 
     def resolve(
         self,
@@ -262,16 +284,24 @@ class MergeMethod:
             raise ValueError(f"{name} must lie in {interval}, got {number:g}")
 
     def compute_stats(
-        self, params: dict[str, Any], make_iter: Callable[[], TensorTriples]
+        self,
+        params: dict[str, Any],
+        make_iter: Callable[[], TensorTriples],
+        dtype: torch.dtype | None = None,
     ) -> dict[str, Any]:
         """Run the whole-model first pass if this method needs one for ``params``; else ``{}``.
 
-        ``params``: resolved global parameters and per-model lists merged into one dict.
+        ``params``: resolved global parameters and per-model lists merged into one dict. An
+        engine may pass ``dtype`` (the compute dtype) for a ``chunked`` method, whose
+        ``make_iter`` then yields the tensors in their stored dtype; the hook receives it as
+        ``prepare(params, make_iter, dtype=dtype)``.
         """
         if self.prepare is None or (
             self.needs_prepare is not None and not self.needs_prepare(params)
         ):
             return {}
+        if dtype is not None:
+            return self.prepare(params, make_iter, dtype=dtype)
         return self.prepare(params, make_iter)
 
     def __call__(
@@ -323,6 +353,7 @@ def merge_method(
     prepare: PrepareFn | None = None,
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
     n_experts: tuple[int, int | None] = (1, None),
+    chunked: bool = False,
     replace: bool = False,
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
@@ -332,7 +363,8 @@ def merge_method(
     :class:`Interval`, or ``(low, high)`` for a closed one); ``check(params)`` a rule over several
     resolved parameters that raises ``ValueError``; ``prepare``/``needs_prepare`` a whole-model
     first pass (module docstring); ``n_experts`` how many models besides the base it takes
-    (at least, at most or None), checked with the parameters. The decorated function is
+    (at least, at most or None), checked with the parameters; ``chunked`` that it honours
+    ``ctx.dtype`` and ``ctx.out`` (see :class:`TensorContext`). The decorated function is
     returned unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
@@ -379,6 +411,7 @@ def merge_method(
             },
             check=check,
             n_experts=n_experts,
+            chunked=chunked,
         )
         return fn
 

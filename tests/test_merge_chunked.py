@@ -1,0 +1,285 @@
+"""The fast paths of the merge methods give the same bits as the plain ones.
+
+* chunked work on several worker threads == on one (``ops.for_chunks``);
+* inputs handed over in their stored dtype (``ctx.dtype``, ``ctx.out``: the streaming engine's
+  path) == inputs cast to the compute dtype first (the in-memory engine's);
+* the sampled first pass of the exact k-th largest |x| == a sort, also when the sample misleads
+  it, with heavy ties, and across tensors (whole-model thresholds);
+* DARE's block-wise generator: reproducible, independent across experts, blocks and seeds, and
+  keeping each entry with probability ``density``;
+* the direct-I/O shard writer writes the same bytes as ordinary writes;
+* a checkpoint whose tensors span several chunks streams to the same bits as the in-memory merge.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts, ops
+from mergelab.merge.checkpoint import CheckpointFolder, DirectStream, merge_checkpoints
+
+CHUNKED = {
+    "linear": {"weight": [0.3, 0.7]},
+    "task_arithmetic": {"weight": [0.5, 1.0], "lambda_": 0.8},
+    "ties": {"density": 0.3, "trim_scope": "tensor"},
+    "ties-count": {"density": [0.3, 0.5], "trim_scope": "tensor", "majority_sign": "count"},
+    "ties-mergekit": {
+        "density": 0.2,
+        "weight": [1.0, 0.5],
+        "trim_scope": "tensor",
+        "weighted_sign": True,
+        "divide_by": "weight_sum",
+    },
+    "dare_linear": {"density": 0.3},
+    "dare_ties": {"density": [0.3, 0.6], "weight": [1.0, 0.7]},
+    "dare_ties-l1": {"density": 0.3, "rescale": "l1"},
+    "breadcrumbs": {"density": 0.8, "gamma": 0.05},
+}
+
+
+def inputs(numel: int, seed: int = 0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    base = (0.02 * torch.randn(numel, generator=g)).to(dtype)
+    experts = [(base.float() + 0.002 * torch.randn(numel, generator=g)).to(dtype) for _ in "ab"]
+    return base.view(-1, 64), [e.view(-1, 64) for e in experts]
+
+
+def run(variant: str, base, experts, ctx: TensorContext):
+    method = get_merge_method(variant.split("-")[0])
+    return method(None if variant == "linear" else base, experts, ctx=ctx, **CHUNKED[variant])
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for a test (the chunk workers follow it); restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# 3 chunks and a bit: several workers, a partial last chunk
+NUMEL = 3 * ops.CHUNK + 64 * 37
+
+
+@pytest.mark.parametrize("variant", sorted(CHUNKED))
+def test_workers_do_not_change_a_bit(variant, threads):
+    base, experts = inputs(NUMEL)
+    base, experts = base.float(), [e.float() for e in experts]
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(run(variant, base, experts, TensorContext("w", 3)))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("variant", sorted(CHUNKED))
+def test_stored_dtype_inputs_and_output_buffer_give_the_cast_result(variant):
+    base, experts = inputs(NUMEL, seed=1)
+    expected = run(variant, base.float(), [e.float() for e in experts], TensorContext("w", 5))
+    out = torch.empty(base.shape, dtype=torch.bfloat16)
+    ctx = TensorContext("w", 5, dtype=torch.float32, out=out)
+    got = run(variant, base, experts, ctx)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, expected.to(torch.bfloat16))
+
+
+def test_chunk_results_come_back_in_order(threads):
+    threads(2)
+    parts = ops.for_chunks(10 * ops.CHUNK + 5, lambda part: (part.start, part.stop))
+    assert parts == [(p.start, p.stop) for p in ops.chunks(10 * ops.CHUNK + 5)]
+
+
+# --- exact k-th largest with a sampled first pass ------------------------------------------------
+
+
+def kth_by_sort(x: torch.Tensor, k: int) -> float:
+    return float(x.abs().float().reshape(-1).sort(descending=True).values[k - 1])
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "bf16-differences"])
+def test_sampled_selection_is_exact(kind):
+    n = ops.SAMPLE_MIN_NUMEL + 12345  # large enough to be sampled
+    g = torch.Generator().manual_seed(7)
+    if kind == "continuous":
+        x = torch.randn(n, generator=g)
+    elif kind == "ties":  # few distinct values: the k-th is tied with thousands
+        x = torch.randint(-40, 40, (n,), generator=g).float() / 8
+    else:  # τ of bf16 weights: discrete, like real checkpoints
+        b = (0.02 * torch.randn(n, generator=g)).bfloat16()
+        x = (b.float() + 0.002 * torch.randn(n, generator=g)).bfloat16().float() - b.float()
+    ks = [1, 7, n // 5, n // 2, n - 3, n]
+    assert ops.kth_largest_abs_many(x, ks) == [kth_by_sort(x, k) for k in ks]
+
+
+def test_a_misleading_sample_falls_back_to_exact_passes(monkeypatch):
+    n = ops.SAMPLE_MIN_NUMEL
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    # every sampled entry (stride 8) tiny: the sample puts the band far too low
+    x[:: ops.SAMPLE_STRIDE] *= 1e-6
+    k = n // 5
+    assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
+    monkeypatch.setattr(ops, "_MAX_BAND_BUCKETS", 0)  # no band at all: the two exact passes
+    assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
+
+
+def test_whole_model_thresholds_of_a_large_model_take_two_passes():
+    g = torch.Generator().manual_seed(4)
+    sizes = [ops.CHUNK * 5, 1000, ops.CHUNK * 3 + 17]
+    base = [torch.randn(s, generator=g) for s in sizes]
+    experts = [[b + torch.randn(b.shape, generator=g) for b in base] for _ in range(2)]
+    calls = []
+
+    def make_iter():
+        calls.append(1)
+        return ((f"t{i}", b, [e[i] for e in experts]) for i, b in enumerate(base))
+
+    densities = [0.2, 0.3]
+    thresholds = ops.global_magnitude_thresholds(make_iter, densities)
+    assert len(calls) == 2  # a sampled pass and one exact pass over the band
+    n = sum(sizes)
+    for e, d, threshold in zip(experts, densities, thresholds):
+        flat = torch.cat([x - b for x, b in zip(e, base)])
+        assert threshold == kth_by_sort(flat, ops.kept_count(d, n))
+
+
+# --- DARE's generator -----------------------------------------------------------------------
+
+
+def test_dare_masks_are_reproducible_and_differ_by_seed_expert_and_block():
+    n = 2 * ops.DARE_BLOCK
+    a = ops.dare_keep_mask((n,), 0.3, seed=11, expert=0)
+    assert torch.equal(a, ops.dare_keep_mask((n,), 0.3, seed=11, expert=0))
+    for other in (ops.dare_keep_mask((n,), 0.3, 12, 0), ops.dare_keep_mask((n,), 0.3, 11, 1)):
+        assert not torch.equal(a, other)
+    first, second = a[: ops.DARE_BLOCK], a[ops.DARE_BLOCK :]
+    assert not torch.equal(first, second)  # blocks have streams of their own
+    # a block drawn alone is the same block of the whole mask (the chunked methods draw so)
+    alone = ops.dare_keep_range(11, 0, ops.DARE_BLOCK, ops.DARE_BLOCK, 0.3) > 0
+    assert torch.equal(alone, second)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.1, 0.5, 0.9])
+def test_dare_masks_keep_each_entry_independently_with_probability_density(density):
+    n = 4 * ops.DARE_BLOCK
+    masks = [ops.dare_keep_mask((n,), density, seed=5, expert=i).float() for i in range(2)]
+    sd = math.sqrt(density * (1 - density) / n)
+    for mask in masks:
+        assert abs(mask.mean().item() - density) < 5 * sd
+        # neighbours independent: P(keep j and keep j+1) = density²
+        both = (mask[1:] * mask[:-1]).mean().item()
+        assert abs(both - density**2) < 5 * math.sqrt(density**2 * (1 - density**2) / n)
+        # every block on its own keeps about density too
+        for block in mask.split(ops.DARE_BLOCK):
+            assert abs(block.mean().item() - density) < 6 * sd * 2
+    # the two experts' masks are independent
+    together = (masks[0] * masks[1]).mean().item()
+    assert abs(together - density**2) < 5 * math.sqrt(density**2 * (1 - density**2) / n)
+
+
+def test_dare_keep_probability_resolution():
+    """Keep probabilities are density rounded to a multiple of 2⁻²³: exact for dyadic ones."""
+    n = ops.DARE_BLOCK
+    u = ops.dare_keep_range(9, 0, 0, n, 0.5)
+    assert set(u.unique().tolist()) == {0.0, 1.0}
+    assert ops.dare_keep_range(9, 0, 0, n, 1e-9).sum() == 0  # rounds to 0: nothing kept
+    assert ops.dare_keep_range(9, 0, 0, n, 1 - 1e-9).sum() == n  # rounds to 1: all kept
+
+
+# --- writing and reading ------------------------------------------------------------------------
+
+
+def test_direct_writes_give_the_same_bytes_as_ordinary_writes(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    pieces = [b"header-" * 3]
+    pieces += [
+        torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (5, 9000, 70001)
+    ]
+    pieces.append(torch.randint(0, 256, (3 * 4096,), generator=g, dtype=torch.uint8))
+    expected = b"".join(p if isinstance(p, bytes) else p.numpy().tobytes() for p in pieces)
+
+    def write(path: Path, staging: int) -> bytes:
+        stream = DirectStream(path, staging=staging)
+        for piece in pieces:
+            stream.write(piece)
+        stream.close()
+        return path.read_bytes()
+
+    assert write(tmp_path / "a.bin", staging=8192) == expected  # many staging flushes
+    assert write(tmp_path / "b.bin", staging=1 << 20) == expected
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)  # where the OS has no direct I/O
+    assert write(tmp_path / "c.bin", staging=8192) == expected
+
+
+def test_a_shard_truncated_after_planning_is_an_error_not_a_crash(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    save_file({"w": torch.ones(4096)}, tmp_path / "m" / "model.safetensors")
+    folder = CheckpointFolder(tmp_path / "m")
+    assert torch.equal(folder.map("w"), torch.ones(4096))
+    with open(tmp_path / "m" / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "m" / "model.safetensors") - 100)
+    with pytest.raises(Exception, match="ended inside tensor 'w'"):
+        folder.map("w")
+    folder.close()
+
+
+@pytest.fixture(scope="module")
+def wide_ckpts(tmp_path_factory):
+    """base + two experts (bf16, sharded) whose largest tensor spans several chunks."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("wide")
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed.weight": (20000, 32), "layer.weight": (64, 64), "norm.weight": (32,)}
+    assert 20000 * 32 > 2 * ops.CHUNK
+    base = {k: (0.02 * torch.randn(s, generator=g)).bfloat16() for k, s in shapes.items()}
+    paths, sds = [], []
+    for i, name in enumerate(["base", "expert_0", "expert_1"]):
+        noise = {k: 0.002 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        sd = {k: (v.float() + noise[k] * (i > 0)).bfloat16() for k, v in base.items()}
+        folder = root / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "toy"}))
+        save_file({"embed.weight": sd["embed.weight"]}, folder / "model-00001-of-00002.safetensors")
+        rest = {k: v for k, v in sd.items() if k != "embed.weight"}
+        save_file(rest, folder / "model-00002-of-00002.safetensors")
+        weight_map = {
+            k: f"model-0000{1 if k == 'embed.weight' else 2}-of-00002.safetensors" for k in sd
+        }
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        paths.append(folder)
+        sds.append(sd)
+    return paths, sds
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("linear", {}),
+        ("task_arithmetic", {"lambda": 0.8}),
+        ("ties", {"density": 0.3, "trim_scope": "tensor"}),
+        ("ties", {"density": 0.3, "trim_scope": "model", "majority_sign": "count"}),
+        ("dare_linear", {"density": 0.4}),
+        ("dare_ties", {"density": 0.4}),
+        ("breadcrumbs", {}),
+    ],
+)
+def test_multi_chunk_tensors_stream_to_the_in_memory_bits(wide_ckpts, tmp_path, method, params):
+    (base, e0, e1), (base_sd, sd0, sd1) = wide_ckpts
+    expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params, seed=2)
+    out = merge_checkpoints(
+        method, base, [e0, e1], output=tmp_path / "out", params=params, seed=2, progress=False
+    )
+    with CheckpointFolder(out) as folder:
+        for name, tensor in expected.items():
+            assert torch.equal(folder.read(name), tensor), name
