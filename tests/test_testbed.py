@@ -6,10 +6,7 @@ a max |Δ log p| > 1e-4 nats and a mean KL > 1e-4 nats (observed ~1e-1 and more)
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -266,19 +263,22 @@ def test_mean_kl_and_accuracy():
 # ---------------------------------------------------------------- the study script
 
 
-def _load_study():
-    path = Path(__file__).resolve().parents[1] / "studies" / "linear_testbed.py"
-    spec = importlib.util.spec_from_file_location("linear_testbed", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def test_the_ceiling_counts_each_shared_trigger_once():
+    from studies.testbed.run import experts_accuracy_ceiling
+
+    assert experts_accuracy_ceiling(((1, 2), (3, 4))) == 1.0  # disjoint: every expert can be right
+    assert experts_accuracy_ceiling(((1, 2), (1, 2))) == 0.5  # same triggers, different targets
+    assert experts_accuracy_ceiling(((1, 2, 3, 4), (1, 5, 6, 7))) == 7 / 8
+    assert (
+        experts_accuracy_ceiling(((1,), (1, 2))) == (1 + 1 / 2) / 2
+    )  # the smaller task weighs more
 
 
 def test_study_writes_results_then_figures_from_them_and_refuses_to_overwrite(tmp_path):
-    study = _load_study()
+    from studies.testbed import figures, run
+
     cfg = {
-        **study.CONFIG,
+        **run.CONFIG,
         "n_sequences": 256,
         "base_steps": 20,
         "finetune_steps": 10,
@@ -290,8 +290,8 @@ def test_study_writes_results_then_figures_from_them_and_refuses_to_overwrite(tm
         "overlap_model": {"depth": 1, "alpha": 1.0},
     }
     out = tmp_path / "results"
-    study.run_study(cfg, [0], out, force=False)
-    rows, meta = study.load_rows(out)
+    run.run_study(cfg, [0], out, force=False)
+    rows, meta = figures.load_rows(out)
     assert meta["config"] == cfg and meta["seeds"] == [0]
     tangent = [
         r
@@ -305,7 +305,11 @@ def test_study_writes_results_then_figures_from_them_and_refuses_to_overwrite(tm
         if r["model"] == "loglinear" and r["method"] == "task_arithmetic" and r["lambda"] == 1.0
     ]
     assert len(loglin) == 2 and all(r["max_abs_logprob_diff"] <= ROUNDOFF for r in loglin)
-    paths = study.plot_all(out, tmp_path / "figures")
+    comp = [r for r in rows if r["method"] == "composition"]
+    assert {r["acc_experts_ceiling"] for r in comp if r["overlap"] == 1.0} == {0.5}
+    assert {r["acc_experts_ceiling"] for r in comp if r["overlap"] == 0.0} == {1.0}
+    assert all(r["acc_experts_mean"] <= r["acc_experts_ceiling"] for r in rows)
+    paths = figures.plot_all(out, tmp_path / "figures")
     assert all(p.exists() and p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(OutputExistsError, match="--force"):
-        study.run_study(cfg, [0], out, force=False)
+        run.run_study(cfg, [0], out, force=False)
