@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
+from mergelab import ModelCandidate
 from mergelab.candidate import GenerationSettings
-from mergelab.compose import ComposedDecoder, LoraAdapter, ModelCandidate
+from mergelab.compose import ComposedDecoder
+from mergelab.lora import LoraAdapter, LoraModule
 from mergelab.outputs import atomic_output_file
 
 SHAPES = {
@@ -74,7 +76,7 @@ def random_lora(base, name: str, rank: int, seed: int) -> LoraAdapter:
             in_features, out_features = module.weight.shape  # Conv1D stores [in, out]
             a = torch.randn(rank, in_features, generator=g) * 0.02
             b = torch.randn(out_features, rank, generator=g) * 0.02
-            modules[module_name] = (a, b, 2.0)
+            modules[module_name] = LoraModule(a, b, 2.0)
     return LoraAdapter(name, modules)
 
 

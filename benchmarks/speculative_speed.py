@@ -102,7 +102,7 @@ def small_setting(noise: float, lora_rank: int, seed: int = 0):
 def random_lora(base, name: str, rank: int, noise: float, seed: int):
     """LoRA on every attention and MLP projection (c_attn, c_proj, c_fc) of a GPT-2 model, with
     ``ΔW = s·B A`` of entries about ``noise`` × the layer's weight std, like the full experts."""
-    from mergelab.compose import LoraAdapter
+    from mergelab.lora import LoraAdapter, LoraModule
 
     g = torch.Generator().manual_seed(seed)
     modules = {}
@@ -112,7 +112,7 @@ def random_lora(base, name: str, rank: int, noise: float, seed: int):
             a = torch.randn(rank, in_features, generator=g)
             b = torch.randn(out_features, rank, generator=g)
             b *= noise * float(module.weight.detach().std()) / rank**0.5
-            modules[module_name] = (a, b, 1.0)
+            modules[module_name] = LoraModule(a, b, 1.0)
     return LoraAdapter(name, modules)
 
 
@@ -186,8 +186,9 @@ def run_setting(
     name: str, tokenizer, base, experts, adapters, prompts, args, weights=(1.0, 1.0)
 ) -> dict:
     """Time every path on ``prompts`` (batch ``args.batch``), then the per-forward costs."""
+    from mergelab import ModelCandidate
     from mergelab.candidate import GenerationSettings
-    from mergelab.compose import ComposedDecoder, ModelCandidate, SpeculativeDecoder
+    from mergelab.compose import ComposedDecoder, SpeculativeDecoder
 
     new_tokens = args.new_tokens[name.split("_")[0]]
     weights = list(weights)
@@ -377,7 +378,7 @@ def main(argv=None) -> int:
                 p for task in ("math", "code", "mixed") for p in prompts[task][: args.prompts]
             ]
             experts = [experts["math"], experts["code"]]
-            from mergelab.compose import LoraAdapter
+            from mergelab.lora import LoraAdapter
 
             adapters = [LoraAdapter.from_pretrained(adapter_dirs[s], s) for s in ("math", "code")]
             for w in (float(x) for x in args.mini_weights.split(",")):

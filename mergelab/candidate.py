@@ -20,9 +20,10 @@ The protocol has three calls:
 plus ``name`` (a row label), ``tokenizer`` and ``describe()`` (a JSON-able description that
 identifies the candidate; the evaluation harness keys its on-disk cache on it).
 
-Implementations live next to what they wrap: :class:`mergelab.compose.ModelCandidate` for one
-model (or a merge) and :class:`mergelab.compose.ComposedDecoder` for a composition. Both share one
-decoding loop, so sampling, stop strings and EOS handling are identical for every candidate.
+Implementations: :class:`mergelab.model_candidate.ModelCandidate` for one model — a base, an expert or a weight
+merge — and :class:`mergelab.compose.ComposedDecoder` for a composition. Both run the one decoding
+loop of :mod:`mergelab.compose.decoding`, so sampling, stop strings and EOS handling are identical
+for every candidate.
 """
 
 from __future__ import annotations

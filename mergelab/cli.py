@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = [
     "mergelab.merge.cli",  # mergelab merge
     "mergelab.compose.cli",  # mergelab compose
     "mergelab.eval.cli",  # mergelab eval
+    "mergelab.compare.cli",  # mergelab compare
     "mergelab.demo",  # mergelab demo  (the README's main job)
 ]
 

@@ -60,13 +60,14 @@ def task_batch(task: str, n: int, generator: torch.Generator) -> torch.Tensor:
     return torch.cat([marker, numbers], dim=1)
 
 
-def tiny_llama(seed: int):
-    from mergelab.compose.tiny_models import tiny_causal_lm
+def demo_model(seed: int):
+    """The demo's tiny Llama (hidden 64, 2 layers, grouped-query attention), in train mode."""
+    from mergelab.tiny import tiny_llama
 
-    model = tiny_causal_lm(
-        VOCAB, architecture="llama", hidden_size=64, num_layers=2, num_heads=4, seed=seed,
-        max_positions=SEQ_LEN, intermediate_size=128, num_key_value_heads=2,
-        tie_word_embeddings=False, pad_token_id=None,  # no padding row: every id is a digit
+    model = tiny_llama(
+        VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_positions=SEQ_LEN, seed=seed,
+        pad_token_id=None,  # no padding row: every id is a number or a marker
     )  # fmt: skip
     return model.train()  # the demo trains it
 
@@ -79,15 +80,12 @@ def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
 
 def train(model, task: str, steps: int, seed: int, lr: float = 3e-3):
     """A few Adam steps on one task; returns the model in eval mode."""
+    from mergelab.tiny import train as train_loop
+
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        loss = next_token_loss(model, task_batch(task, 32, generator))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    batches = (task_batch(task, 32, generator) for _ in range(steps))
+    train_loop(model, batches, next_token_loss, lr=lr, optimizer="adam")
+    return model
 
 
 @torch.no_grad()
@@ -137,10 +135,10 @@ def _run_demo(seed: int, steps: int, progress: bool) -> list[DemoRow]:
         t: task_batch(t, 64, torch.Generator().manual_seed(10_000 + i))
         for i, t in enumerate(("count", "skip"))
     }
-    base = train(tiny_llama(seed), "copy", steps, seed)
+    base = train(demo_model(seed), "copy", steps, seed)
     experts = {}
     for i, task in enumerate(("count", "skip")):
-        expert = tiny_llama(seed)
+        expert = demo_model(seed)
         expert.load_state_dict(base.state_dict())
         experts[task] = train(expert, task, steps, seed + 1 + i)
 

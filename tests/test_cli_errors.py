@@ -16,7 +16,7 @@ import yaml
 
 import mergelab.merge.checkpoint as checkpoint
 from mergelab.cli import main
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 
 @pytest.fixture(scope="module")

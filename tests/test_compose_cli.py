@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from mergelab.candidate import GenerationSettings
 from mergelab.cli import main
 from mergelab.compose import ComposedDecoder
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from mergelab.candidate import Candidate, GenerationSettings
-from mergelab.compose import ComposedDecoder, Composition, ModelCandidate
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.compose import ComposedDecoder, Composition
+from mergelab.model_candidate import ModelCandidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["hello world", "ab", "the cat sat"]
 ATOL = 2e-5  # cached vs recomputed attention differ in summation order only

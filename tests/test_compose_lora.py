@@ -7,8 +7,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from mergelab.candidate import GenerationSettings
-from mergelab.compose import ComposedDecoder, LoraAdapter, ModelCandidate
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.compose import ComposedDecoder
+from mergelab.lora import LoraAdapter, LoraAdapterError
+from mergelab.model_candidate import ModelCandidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["hello world", "ab", "the cat sat"]
 TARGETS = {
@@ -86,9 +88,14 @@ def test_adapter_folder_loads_like_the_peft_model(setup, tmp_path):
         from_folder = LoraAdapter.from_pretrained(folder)
         live = LoraAdapter.from_peft_model(peft_model)
         assert set(from_folder.modules) == set(live.modules)
-        for key, (a, b, s) in live.modules.items():
-            fa, fb, fs = from_folder.modules[key]
-            assert torch.equal(a, fa) and torch.equal(b, fb) and fs == pytest.approx(s)
+        for key, lora in live.modules.items():
+            saved = from_folder.modules[key]
+            assert torch.equal(lora.A, saved.A) and torch.equal(lora.B, saved.B)
+            assert (
+                saved.scaling
+                == lora.scaling
+                == peft_model.base_model.model.get_submodule(key).scaling["default"]
+            )  # PEFT's own scaling
 
 
 def test_unsupported_adapters_are_refused(tok):
@@ -96,7 +103,7 @@ def test_unsupported_adapters_are_refused(tok):
     dora = get_peft_model(
         copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
     )
-    with pytest.raises(ValueError, match="DoRA"):
+    with pytest.raises(LoraAdapterError, match="DoRA"):
         LoraAdapter.from_peft_model(dora)
     plain = _lora(base, "llama", ["q_proj"], r=2, seed=0)
     with pytest.raises(ValueError, match="already a PEFT layer"):

@@ -11,13 +11,13 @@ from torch import nn
 
 from mergelab.compose import (
     ComposedDecoder,
-    ModelCandidate,
     check_projectivity,
     compose_logprobs,
     project_onto_mask,
 )
 from mergelab.compose.diagnostics import composition_diagnostics, kl_divergence
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.model_candidate import ModelCandidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 
 def _random_masks(g, vocab, k):

@@ -13,11 +13,12 @@ from peft import LoraConfig, get_peft_model
 from scipy.stats import chisquare
 
 from mergelab.candidate import Candidate, GenerationSettings
-from mergelab.compose import ComposedDecoder, Composition, ModelCandidate, SpeculativeDecoder
+from mergelab.compose import ComposedDecoder, Composition, SpeculativeDecoder
 from mergelab.compose.decoding import warp_logprobs
 from mergelab.compose.speculative import best_gamma, task_arithmetic_draft
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
 from mergelab.merge import merge_models
+from mergelab.model_candidate import ModelCandidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["hello world", "ab", "the cat sat on", "x"]  # different lengths: left padding
 ATOL = 1e-4  # a block forward sums in another order than one-token steps
@@ -197,7 +198,7 @@ def test_sliding_window_models_roll_back_one_row_at_a_time(tok):
     config = MistralConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, sliding_window=6, initializer_range=0.3,
-        eos_token_id=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=1, pad_token_id=0, bos_token_id=2,
     )  # fmt: skip
     base = MistralForCausalLM(config).eval()
     composed = ComposedDecoder(base, [_perturbed(base, 0.1, s) for s in (1, 2)], tok, eos_token_ids=[])  # fmt: skip
@@ -366,7 +367,7 @@ def test_sampling_follows_the_composition_exactly_chi_square():
     an accepted draft, a residual or the bonus token), seeds fixed: the test is deterministic.
     Rejected at p < 0.001. The plain sampler is the control for the enumeration itself.
     """
-    tok = char_tokenizer("abcde")  # <pad> <bos> <eos> a b c d e
+    tok = char_tokenizer("abcde")  # <pad> <eos> <bos> a b c d e
     eos = tok.eos_token_id
     base, e1, e2 = _models(len(tok), "gpt2", scale=0.4)
     composed = ComposedDecoder(base, [e1, e2], tok, weights=[1.0, 0.6], eos_policy="max")
@@ -478,7 +479,7 @@ def test_bad_drafts_are_refused(tok):
 
 
 def test_transformers_style_calls_work_as_for_the_composition(tok):
-    """Id tensors with an attention mask and generation kwargs, as for any RunnerCandidate."""
+    """Id tensors with an attention mask and generation kwargs, as for any DecodingCandidate."""
     composed = ComposedDecoder(
         tiny_causal_lm(len(tok), seed=0), [tiny_causal_lm(len(tok), seed=i) for i in (1, 2)], tok
     )

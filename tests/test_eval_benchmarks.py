@@ -33,7 +33,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 
 def test_bundled_humaneval_loads_out_of_the_box():
     bench = load_humaneval()
-    assert (bench.name, bench.task, len(bench)) == ("humaneval", "code", 164)
+    assert (bench.name, bench.task, len(bench)) == ("humaneval", "humaneval", 164)
     first = bench.items[0]
     assert first.item_id == "HumanEval/0"
     assert first.tests.entry_point == "has_close_elements"

@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from mergelab.cli import main
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
 from mergelab.eval.spec import build_candidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 FIXTURES = __import__("pathlib").Path(__file__).resolve().parent / "fixtures" / "eval"
 

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _reference import require
 
-pytest.importorskip("evalplus")
+require("evalplus")
 
 from mergelab.candidate import Generation, GenerationSettings  # noqa: E402
 from mergelab.eval import EvalSettings, evaluate, export_evalplus_samples  # noqa: E402

@@ -277,13 +277,13 @@ def test_sampled_pass_at_k_uses_every_sample(tmp_path):
 
 
 def test_with_a_real_model_candidate(tmp_path):
-    """Integration: a tiny random GPT-2 wrapped by mergelab.compose.ModelCandidate."""
-    import mergelab.compose as compose
-    from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+    """Integration: a tiny random GPT-2 wrapped by mergelab.ModelCandidate."""
+    from mergelab import ModelCandidate
+    from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
     tok = char_tokenizer()
     model = tiny_causal_lm(len(tok), seed=0)
-    cand = compose.ModelCandidate(model, tok, name="tiny-gpt2")
+    cand = ModelCandidate(model, tok, name="tiny-gpt2")
     bench = Benchmark.from_items(
         "tiny-code", "code",
         [Item(f"t{i}", f"def f{i}(x):\n    return ", tests=CodeTests(f"f{i}", asserts=(f"assert f{i}(1) == 1",)))
@@ -304,7 +304,7 @@ def test_with_a_real_model_candidate(tmp_path):
 def test_cli_run_and_compare(tmp_path, capsys):
     """`mergelab eval run` on a saved tiny model, twice (a resume), then `compare`."""
     from mergelab.cli import main
-    from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+    from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
     tok = char_tokenizer(string.printable)  # GSM8K text has capitals, digits, punctuation
     model_dir = tmp_path / "tiny"
@@ -355,7 +355,7 @@ def test_limit_must_be_at_least_one(tmp_path, limit):
 
 @pytest.fixture
 def saved_tiny_model(tmp_path):
-    from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+    from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
     tok = char_tokenizer(string.printable)
     model_dir = tmp_path / "tiny"

@@ -17,9 +17,10 @@ from transformers import (
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from mergelab.candidate import GenerationSettings, generation_settings
-from mergelab.compose import ComposedDecoder, ModelCandidate
+from mergelab.compose import ComposedDecoder
 from mergelab.compose.decoding import warp_logprobs
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.model_candidate import ModelCandidate
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["hello world", "ab", "the cat sat on"]
 

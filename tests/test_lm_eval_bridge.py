@@ -14,19 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _reference import require
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = require("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from mergelab.candidate import GenerationSettings  # noqa: E402
-from mergelab.compose import ComposedDecoder, ModelCandidate  # noqa: E402
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm  # noqa: E402
+from mergelab.compose import ComposedDecoder  # noqa: E402
 from mergelab.eval.lm_eval_bridge import MergelabLM  # noqa: E402
 from mergelab.eval.spec import build_candidate, parse_candidate_spec  # noqa: E402
 from mergelab.merge import merge_models  # noqa: E402
+from mergelab.model_candidate import ModelCandidate  # noqa: E402
+from mergelab.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "fixtures" / "lm_eval"

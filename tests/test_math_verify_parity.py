@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from _reference import require
 
-pytest.importorskip("math_verify")
+require("math_verify")
 
 from mergelab.eval import EvalSettings  # noqa: E402
 from mergelab.eval.scoring_math import MATH_CHECKERS, math_correct  # noqa: E402

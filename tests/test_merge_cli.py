@@ -14,9 +14,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from mergelab.cli import main
-from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge import merge_state_dicts
 from mergelab.merge.checkpoint import CheckpointFolder
+from mergelab.tiny import tiny_causal_lm
 
 
 def tiny_model(seed: int):

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from mergelab.cli import main
+from mergelab.tiny import tiny_llama
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -38,28 +39,15 @@ def tiny_tokenizer(words: list[str]):
     )
 
 
-def tiny_llama(vocab: int = 64, layers: int = 4):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    return LlamaForCausalLM(config).eval()
-
-
 def write_model(
     folder: Path, family: str, noise: float, *, vocab_words=WORDS, dtype=None, layers: int = 4
 ):
     """A tiny Llama: the family's seeded weights plus seeded noise of size ``noise``."""
-    torch.manual_seed(zlib.crc32(family.encode()))
-    model = tiny_llama(vocab=4 + len(vocab_words), layers=layers)
+    model = tiny_llama(
+        4 + len(vocab_words), hidden_size=32, intermediate_size=64, num_layers=layers,
+        num_heads=4, num_key_value_heads=2, max_positions=2048, seed=zlib.crc32(family.encode()),
+        pad_token_id=None, eos_token_id=2, bos_token_id=1,  # LlamaConfig's defaults
+    )  # fmt: skip
     g = torch.Generator().manual_seed(zlib.crc32(str(folder.name).encode()) + int(noise * 1e4))
     with torch.no_grad():
         for p in model.parameters():

@@ -9,9 +9,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from mergelab.compose.tiny_models import tiny_causal_lm
+from mergelab.lora import LoraAdapter, LoraAdapterError
 from mergelab.merge import MergeInputError, merge_state_dicts
-from mergelab.merge.lora import load_lora_adapter, merge_lora_adapters
+from mergelab.merge.lora import merge_lora_adapters
+from mergelab.tiny import tiny_causal_lm
 
 # Two adapters with different ranks, alphas and (partly) different target modules.
 ADAPTERS = {
@@ -49,7 +50,7 @@ def peft_cat_merge(root, weights):
 
 
 def adapter_deltas(path) -> dict[str, torch.Tensor]:
-    adapter = load_lora_adapter(path)
+    adapter = LoraAdapter.from_pretrained(path)
     return {f"{m}.weight": lora.delta(torch.float64) for m, lora in adapter.modules.items()}
 
 
@@ -165,7 +166,7 @@ def test_ties_adapter_is_svd_of_the_merged_delta_with_reported_error(lora_set, t
 def test_bad_lora_inputs(lora_set, tmp_path):
     with pytest.raises(MergeInputError, match="needs the base"):
         merge_lora_adapters("linear", [lora_set / "a"], output=tmp_path / "o")
-    with pytest.raises(MergeInputError, match="not a PEFT adapter"):
+    with pytest.raises(LoraAdapterError, match="not a PEFT adapter"):
         merge_lora_adapters(
             "linear", [lora_set / "base"], output=tmp_path / "o", output_kind="adapter"
         )

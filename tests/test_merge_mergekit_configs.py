@@ -36,13 +36,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _reference import require
 from safetensors.torch import load_file
 from test_merge_config_dialects import WORDS, tiny_tokenizer, write_model  # tiny checkpoints
 
 from mergelab.cli import main
 from mergelab.merge import TensorContext, list_merge_methods, ops
 
-pytest.importorskip("mergekit")
+require("mergekit")
 from mergekit.config import MergeConfiguration  # noqa: E402
 from mergekit.io.tasks import LoaderCache  # noqa: E402
 from mergekit.merge import MergeOptions, run_merge  # noqa: E402

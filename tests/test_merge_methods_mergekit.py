@@ -22,22 +22,22 @@ that follow the rank-linear probabilities (statistical checks with 5-sigma bound
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
+from _reference import require
 
-from mergelab.merge import TensorContext, get_merge_method, merge_models, ops
+from mergelab.merge import TensorContext, merge_models, ops
 
-mk_registry = pytest.importorskip("mergekit.merge_methods.registry")
-from mergekit.merge_methods.base import TensorGroup  # noqa: E402
+mk_registry = require("mergekit.merge_methods.registry")
 from mergekit.merge_methods.karcher import karcher_merge_tensors  # noqa: E402
 
-mk_sparsify = pytest.importorskip("mergekit.sparsify")
+mk_sparsify = require("mergekit.sparsify")
+
+from _mergekit import WEIGHTS, mergekit, run, tiny_llama_family  # noqa: E402
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 SHAPES = [(48, 40), (40,), (6, 5, 4)]
-WEIGHTS = [1.0, 0.5, 0.8]
 
 
 def make(shape, k, seed=0, scale=0.1):
@@ -48,26 +48,12 @@ def make(shape, k, seed=0, scale=0.1):
     return base, experts
 
 
-def mergekit(method, base, experts, name="w", dtype=torch.float32, **parameters):
-    """Run a mergekit 0.1.5 method on one tensor through its public per-group API."""
-    tensors = ([base] if base is not None else []) + list(experts)
-    group = TensorGroup.from_tensors(tensors, base_index=0 if base is not None else None, name=name)
-    (out,) = mk_registry.get(method)([group], parameters=parameters, dtype=dtype)
-    return out
-
-
 @contextlib.contextmanager
 def with_rng_of(name, seed):
     """torch's global RNG seeded as our generator for tensor ``name`` is (restored afterwards)."""
     with torch.random.fork_rng():
         torch.manual_seed(TensorContext(name=name, seed=seed).generator().initial_seed())
         yield
-
-
-def run(method, base, experts, name="w", seed=0, **params):
-    return get_merge_method(method)(
-        base, experts, ctx=TensorContext(name=name, seed=seed), **params
-    )
 
 
 # --- DELLA ---------------------------------------------------------------------------------------
@@ -374,27 +360,7 @@ def test_passthrough_refusals():
 
 @pytest.fixture(scope="module")
 def llamas():
-    """A 2-layer Llama base and three experts = base + dense perturbations."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).eval()
-    experts = []
-    for scale in (0.02, 0.01, 0.03):
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.parameters():
-                p.add_(scale * torch.randn_like(p))
-        experts.append(expert)
-    return base, experts
+    return tiny_llama_family()
 
 
 SEED = 21

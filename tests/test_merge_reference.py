@@ -17,22 +17,20 @@ those masks in expert order (and checks it was asked for the right shape and kee
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from _reference import require
 
 from mergelab.merge import (
     TensorContext,
-    get_merge_method,
     merge_models,
     merge_state_dicts,
     ops,
 )
 
-peft_merge = pytest.importorskip("peft.utils.merge_utils")
-mk_registry = pytest.importorskip("mergekit.merge_methods.registry")
-from mergekit.merge_methods.base import TensorGroup  # noqa: E402
+peft_merge = require("peft.utils.merge_utils")
+mk_registry = require("mergekit.merge_methods.registry")
+from _mergekit import WEIGHTS, mergekit, run, tiny_llama_family  # noqa: E402
 from mergekit.merge_methods.generalized_task_arithmetic import (  # noqa: E402
     ConsensusMethod,
     GeneralizedTaskArithmeticMerge,
@@ -43,16 +41,6 @@ TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 
 # --- reference call helpers ----------------------------------------------------------------------
-
-
-def mergekit(method, base, experts, name="w", **parameters):
-    """Run a mergekit 0.1.5 merge method directly on one tensor (its public per-group API)."""
-    if isinstance(method, str):
-        method = mk_registry.get(method)
-    tensors = ([base] if base is not None else []) + list(experts)
-    group = TensorGroup.from_tensors(tensors, base_index=0 if base is not None else None, name=name)
-    (out,) = method([group], parameters=parameters, dtype=torch.float32)
-    return out
 
 
 def mergekit_ties_count(normalize: bool):
@@ -117,15 +105,6 @@ def tensors():
     scales = [0.1, 0.05, 0.2]
     experts = [base + s * torch.randn(48, 40, generator=g) for s in scales]
     return base, experts
-
-
-WEIGHTS = [1.0, 0.5, 0.8]
-
-
-def run(method, base, experts, name="w", seed=0, **params):
-    return get_merge_method(method)(
-        base, experts, ctx=TensorContext(name=name, seed=seed), **params
-    )
 
 
 class TestAgainstPeft:
@@ -350,27 +329,7 @@ class TestAgainstMergekit:
 
 @pytest.fixture(scope="module")
 def llamas():
-    """A 2-layer Llama base and three experts = base + dense task-specific perturbations."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).eval()
-    experts = []
-    for scale in (0.02, 0.01, 0.03):
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.parameters():
-                p.add_(scale * torch.randn_like(p))
-        experts.append(expert)
-    return base, experts
+    return tiny_llama_family()
 
 
 def per_tensor_reference(base_sd, expert_sds, fn):

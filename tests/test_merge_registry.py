@@ -133,6 +133,41 @@ def test_a_method_returning_the_wrong_shape_is_caught():
         unregister_merge_method("broken_shape")
 
 
+def test_every_engine_checks_results_the_same_way(tmp_path):
+    """One set of result checks (MergeMethod.apply): dtype and NaN/Inf, in memory, streamed and
+    in a direct call alike."""
+    from mergelab.merge import MergeInputError
+    from mergelab.merge.checkpoint import merge_checkpoints
+    from mergelab.tiny import tiny_llama
+
+    @merge_method("broken_dtype", per_model=())
+    def broken_dtype(base, experts, *, ctx):
+        return experts[0].double()
+
+    @merge_method("broken_nan", per_model=(), needs_base=False)
+    def broken_nan(base, experts, *, ctx):
+        return experts[0] * float("nan")
+
+    sd = {"w": torch.ones(2, 2)}
+    model = tiny_llama(16, hidden_size=8, num_layers=1, num_heads=2, pad_token_id=None)
+    model.save_pretrained(tmp_path / "m")
+    try:
+        with pytest.raises(TypeError, match="returned torch.float64 for tensor 'w', expected "
+                                            "torch.float32"):  # fmt: skip
+            merge_state_dicts("broken_dtype", sd, [sd])
+        with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor 'w'"):
+            merge_state_dicts("broken_nan", sd, [sd])
+        with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor 'w'"):
+            get_merge_method("broken_nan")(sd["w"], [sd["w"]], ctx=TensorContext(name="w"))
+        with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor"):
+            merge_checkpoints("broken_nan", None, [tmp_path / "m"], output=tmp_path / "out",
+                              progress=False)  # fmt: skip
+        assert not (tmp_path / "out").exists()
+    finally:
+        unregister_merge_method("broken_dtype")
+        unregister_merge_method("broken_nan")
+
+
 def test_prepare_hook_gets_fresh_passes_and_its_stats_reach_every_tensor():
     """The whole-model first pass: make_iter() is a new pass each call; stats land in ctx."""
     passes = []

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mergelab.cli import main
-from mergelab.compose.tiny_models import tiny_causal_lm
 from mergelab.merge.checkpoint import CheckpointFolder
 from mergelab.outputs import MARKER_NAME
+from mergelab.tiny import tiny_causal_lm
 
 # Runs `mergelab merge ARGS`, pausing inside the merge (after a few tensors were written) and
 # saying so on stdout, so the test can signal it at that point.

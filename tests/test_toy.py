@@ -1,34 +1,49 @@
-"""Toy letter-replacement and span-skill tasks: the must-show properties on a fixed seed.
+"""The toy study (``studies/toy/``) and its tasks (``mergelab.toy``): must-show properties on a
+fixed seed, and the study's own pieces checked against the library or hand-computed values.
 
-Tiny settings (short strings, few updates) so the whole file runs in well under two minutes on
-two CPU cores; ``studies/toy_letters.py`` runs the same things at the study's settings.
+Tiny settings (short strings, few updates) so the file runs in about two minutes on two CPU
+cores; ``studies/toy_letters.py`` runs the same things at the study's settings.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from mergelab.compose import ComposedDecoder, ModelCandidate
+from mergelab import ModelCandidate
+from mergelab.compose import ComposedDecoder, Composition, compose_logprobs
 from mergelab.toy import (
+    ALPHABET,
     AlignedTask,
     GenerativeTask,
     LetterMap,
-    TrainConfig,
+    SpanExample,
+    SpanSkillTask,
     build_char_tokenizer,
-    exact_match,
     parallel_target,
     random_strings,
-    seed_bootstrap_ci,
-    skill_success,
-    tiny_gpt2,
-    train_model,
 )
-from mergelab.toy.evaluate import aligned_predictions, generative_predictions
-from mergelab.toy.tasks import SPAN_MARKERS, SpanExample, SpanSkillTask
-from mergelab.toy.train import finetune_full
+from mergelab.toy.tasks import SPAN_MARKERS
+from studies.toy import authors_exact, many_experts
+from studies.toy.evaluate import (
+    aligned_predictions,
+    exact_match,
+    generative_predictions,
+    skill_success,
+)
+from studies.toy.explanations import answer_logprobs
+from studies.toy.summary import seed_t_interval, summarise
+from studies.toy.train import TrainConfig, finetune_full, tiny_gpt2, train_model
 
+ROOT = Path(__file__).resolve().parents[1]
 AB, CD = LetterMap.parse("A->B"), LetterMap.parse("C->D")
 
 
@@ -60,6 +75,11 @@ def test_letter_maps_parallel_and_chain_targets():
     assert LetterMap.chain([AB, bc], "AB") == "CC"
     # Two maps rewriting the same letter differently: the joint target is undefined.
     assert parallel_target([AB, LetterMap.parse("A->C")], "XA") is None
+    # The swap variant of the explanations: each source letter is also a target.
+    assert (
+        parallel_target([LetterMap.parse("A->B,B->A"), LetterMap.parse("C->D,D->C")], "ABCDE")
+        == "BADCE"
+    )
     with pytest.raises(ValueError, match="bad letter map"):
         LetterMap.parse("A=>B")
 
@@ -88,14 +108,119 @@ def test_span_rendering_places_markers_and_applies_skills_inside_only():
             assert e.overlap() == k
 
 
-def test_metrics_and_two_level_bootstrap():
+def test_metrics():
     assert exact_match(["AB", "CD"], ["AB", None]).tolist() == [1.0, 0.0]
     s = skill_success(["AXA", "XXX", "AA"], ["BXB", "XXX", "BA"], AB)
     assert s.tolist() == [1.0, 0.0]  # the example without an A is not scored
-    mean, lo, hi = seed_bootstrap_ci([1.0] * 50 + [0.0] * 50, groups=[0] * 50 + [1] * 50)
-    assert mean == 0.5 and lo <= 0.05 and hi >= 0.95  # the seeds disagree completely
-    mean, lo, hi = seed_bootstrap_ci([1.0] * 40)
-    assert (mean, lo, hi) == (1.0, 1.0, 1.0)
+
+
+def test_seed_t_interval_against_hand_computed_values():
+    # The three seeds of the fast study's from-scratch generative composition.
+    per_seed = [0.387, 0.693, 0.230]
+    mean = sum(per_seed) / 3  # 0.43667
+    sd = math.sqrt(sum((v - mean) ** 2 for v in per_seed) / 2)  # 0.23544
+    half = 4.302652729911275 * sd / math.sqrt(3)  # t_{0.975, 2}
+    low, high = seed_t_interval(per_seed)
+    assert low == pytest.approx(max(0.0, mean - half), abs=1e-9)
+    assert high == pytest.approx(min(1.0, mean + half), abs=1e-9)
+    assert (low, high) == (0.0, 1.0)  # three seeds this far apart say almost nothing
+    # Not a rate (e.g. a log-prob margin): the same interval, not clipped.
+    assert seed_t_interval(per_seed, rate=False) == pytest.approx((mean - half, mean + half))
+    # sd 0.02 over 3 seeds: half-width 4.3027 * 0.02 / sqrt(3) = 0.049683, no clipping.
+    assert seed_t_interval([0.80, 0.82, 0.84]) == pytest.approx((0.770317, 0.869683), abs=1e-6)
+    assert seed_t_interval([1.0, 1.0, 1.0]) == (1.0, 1.0)
+    assert all(math.isnan(v) for v in seed_t_interval([0.7]))
+
+
+def test_summary_rows_are_means_of_per_seed_means():
+    def rec(seed, values):
+        return {
+            "part": "p",
+            "pair": "A",
+            "method": "m",
+            "kind": "composition",
+            "seed": seed,
+            "x": None,
+            "metric": "joint",
+            "values": values,
+        }
+
+    runs = [{"records": [rec(0, [1, 1, 0, 0])]}, {"records": [rec(1, [1.0])]}]
+    (row,) = summarise(runs)
+    assert row["per_seed"] == [0.5, 1.0] and row["seeds"] == [0, 1]
+    assert row["mean"] == 0.75 and row["n"] == 5  # not the pooled 3/5
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((0.0, 1.0))
+
+
+# ---------------------------------------------------------------- the authors' notebook
+
+
+def test_authors_exact_uses_the_notebooks_settings():
+    xs = random_strings(3, 16, random.Random(0))
+    model, log = authors_exact.train(AB, xs, seed=0)
+    c = model.config
+    assert (c.n_layer, c.n_head, c.n_embd, c.n_positions, c.vocab_size) == (2, 2, 64, 32, 27)
+    assert c.resid_pdrop == c.embd_pdrop == c.attn_pdrop == 0.1
+    assert authors_exact.optimizer(model).defaults["weight_decay"] == 0.01
+    assert log["steps"] == 5 * 3  # batch 1, 5 epochs
+    # Dropout is on while training and off afterwards: training is seeded, so it repeats.
+    again, _ = authors_exact.train(AB, xs, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
+def test_authors_exact_composition_is_the_library_rule():
+    """The notebook's argmax of log p1 + log p2 − log p_b equals mergelab's composition."""
+    models = {
+        k: tiny_gpt2(27, n_positions=32, seed=i) for i, k in enumerate(["base", "A->B", "C->D"])
+    }
+    xs = random_strings(20, 12, random.Random(1))
+    preds = authors_exact.predictions(models, xs)
+    with torch.no_grad():
+        lp = [
+            torch.log_softmax(models[k](input_ids=authors_exact.ids(xs)).logits, -1) for k in models
+        ]
+    composed = compose_logprobs(lp[0], lp[1:]).argmax(-1)
+    assert preds["composition"] == ["".join(ALPHABET[i] for i in row) for row in composed.tolist()]
+    poe = Composition.product_of_experts(["e1", "e2"]).log_probs(lp[1:]).argmax(-1)
+    assert preds["product of experts (no base)"] == [
+        "".join(ALPHABET[i] for i in r) for r in poe.tolist()
+    ]
+
+
+# ---------------------------------------------------------------- diagnostics line up with the decoder
+
+
+@pytest.mark.parametrize("generative", [False, True])
+def test_anatomy_scores_the_positions_the_decoder_scores(generative):
+    """The many-experts anatomy's token error rate equals the ComposedDecoder's, position for position."""
+    tok = build_char_tokenizer()
+    task = GenerativeTask(tok) if generative else AlignedTask(tok)
+    maps = [AB, CD, LetterMap.parse("E->F")]
+    models = {
+        n: tiny_gpt2(len(tok), seed=i, initializer_range=0.3)
+        for i, n in enumerate(["base", "e1", "e2", "e3"])
+    }
+    xs = random_strings(12, 6, random.Random(2), alphabet="ABCDEF ")
+    joint = [parallel_target(maps, x) for x in xs]
+    input_ids, labels = task.encode(xs, joint)
+    decoder = ComposedDecoder(models["base"], [models[n] for n in ("e1", "e2", "e3")], tok)
+    with torch.no_grad():
+        # Decoder position t predicts token t + 1, which is what labels[:, t] holds in both
+        # encodings (aligned: y[t]; generative: the next answer token).
+        chosen = decoder.token_logprobs(input_ids, torch.ones_like(input_ids)).argmax(-1)
+    # Untrained models are almost always wrong: make about half the scored labels the
+    # decoder's own choice, so the error rate is neither 0 nor 1 and positions must line up.
+    mask = labels != -100
+    coin = torch.rand(labels.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    labels = torch.where(mask & coin, chosen, labels)
+    expected = (chosen[mask] != labels[mask]).float().mean().item()
+    assert 0.2 < expected < 0.8
+    lp = answer_logprobs(models, input_ids, labels) | {"eos": generative}
+    report = many_experts.anatomy(lp, ["e1", "e2", "e3"], maps, xs, tok)
+    assert report["token error rate"] == pytest.approx(expected, abs=1e-6)
+    shares = [report[f"error share at {w}"] for w in ("rewritten letters", "copied letters", "EOS")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert (report["error share at EOS"] > 0) == generative or report["error share at EOS"] == 0
 
 
 # ---------------------------------------------------------------- trained models (must-show)
@@ -147,7 +272,7 @@ def test_generative_protocol_shared_init_composition_reaches_100_percent():
     experts = []
     for m in (AB, CD):
         xs = random_strings(600, length, rng)
-        experts.append(finetune_full(base, *task.encode(xs, [m(x) for x in xs]), ft)[0])
+        experts.append(finetune_full(base, *task.encode(xs, [m(x) for x in xs]), ft))
     test = random_strings(150, length, random.Random(98))
     joint = [parallel_target([AB, CD], x) for x in test]
     composed = ComposedDecoder(base, experts, tok, expert_names=["A->B", "C->D"])
@@ -174,7 +299,7 @@ def span_models():
     base = tiny_gpt2(len(tok), n_positions=64, seed=0)
     train_model(base, *data([], 2000), TrainConfig(epochs=5, batch_size=16, lr=2e-3, seed=0))
     experts = [
-        finetune_full(base, *data([sk], 1500), TrainConfig(epochs=4, batch_size=16, lr=1e-3))[0]
+        finetune_full(base, *data([sk], 1500), TrainConfig(epochs=4, batch_size=16, lr=1e-3))
         for sk in task.skills
     ]
     composed = ComposedDecoder(base, experts, tok, expert_names=[s.name for s in task.skills])
@@ -196,3 +321,56 @@ def test_overlapping_spans_fail_as_predicted(span_models):
     """Inside the overlap both experts move away from the base to different letters."""
     rates = [_span_success(*span_models, overlap=k) for k in (1, 2)]
     assert max(rates) < 0.5, rates
+
+
+# ---------------------------------------------------------------- the recipe's entry point
+
+
+def test_entry_point_redraws_figures_from_the_summary_alone(tmp_path):
+    """``python studies/toy_letters.py --plot-only`` reads results/toy/fast/summary.json only."""
+    (tmp_path / "res" / "fast").mkdir(parents=True)
+    summary = json.loads((ROOT / "results" / "toy" / "fast" / "summary.json").read_text())
+    (tmp_path / "res" / "fast" / "summary.json").write_text(json.dumps(summary))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "studies" / "toy_letters.py"),
+            "--plot-only",
+            "--results",
+            str(tmp_path / "res"),
+            "--figures",
+            str(tmp_path / "fig"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # As after `pip install -e .`, whatever the interpreter's own install points at.
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = sorted(p.name for p in (tmp_path / "fig").iterdir())
+    assert names == [
+        f"toy_{n}.png" for n in sorted(["diagnostics", "failures", "length", "letters", "spans"])
+    ]
+    authors = [
+        r
+        for r in summary
+        if r["part"] == "authors"
+        and r["method"] == "composition"
+        and r["metric"] == "joint"
+        and r["x"] is None
+    ]
+    assert [r["mean"] for r in authors] == [1.0, 1.0]
+
+
+def test_a_finished_seed_is_reused_only_with_the_same_settings(tmp_path):
+    from studies.toy.run import reusable
+    from studies.toy.study import Settings
+
+    path = tmp_path / "seed_1.json"
+    assert not reusable(path, Settings())  # nothing there
+    path.write_text(json.dumps({"settings": Settings(seeds=[1]).to_dict(), "records": []}))
+    assert reusable(path, Settings(seeds=[0, 1, 2]))  # run alone, reused in the full list
+    assert not reusable(path, Settings(n_train=1000))
+    path.write_text("{not json")
+    assert not reusable(path, Settings())

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from mergelab.compose import ComposedDecoder, Composition
-from mergelab.compose.tiny_models import char_tokenizer, tiny_causal_lm
+from mergelab.tiny import char_tokenizer, tiny_causal_lm
 
 
 @pytest.fixture(scope="module")

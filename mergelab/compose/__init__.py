@@ -1,7 +1,6 @@
 """Logit (probability-space) composition of a base and experts that share a vocabulary.
 
 * :class:`Composition` — the formula (paper rule, weights, CFG, DExperts, proxy-tuning, PoE).
-* :class:`ModelCandidate` — one model (or a weight merge) as a Candidate.
 * :class:`ComposedDecoder` — a composition as a Candidate; ``ComposedDecoder.from_lora`` is the
   batched fast path for LoRA experts.
 * :class:`SpeculativeDecoder` — a composition decoded speculatively: a cheap draft (by default
@@ -9,11 +8,10 @@
 * :mod:`mergelab.compose.diagnostics` — per-token KL, active fractions, co-activity.
 """
 
-from .decoder import ComposedDecoder, ModelCandidate
+from .composed import ComposedDecoder
 from .diagnostics import CompositionDiagnostics, composition_diagnostics
 from .eos import EOS_POLICIES
 from .formula import Composition, Term, compose_logprobs
-from .lora import LoraAdapter
 from .projective import ProjectivityReport, check_projectivity, project_onto_mask
 from .speculative import SpeculativeDecoder, task_arithmetic_draft
 from .vocab import check_same_tokenizer
@@ -23,8 +21,6 @@ __all__ = [
     "ComposedDecoder",
     "Composition",
     "CompositionDiagnostics",
-    "LoraAdapter",
-    "ModelCandidate",
     "ProjectivityReport",
     "SpeculativeDecoder",
     "Term",

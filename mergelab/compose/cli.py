@@ -194,7 +194,7 @@ def build_decoder(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .decoder import ComposedDecoder
+    from .composed import ComposedDecoder
     from .vocab import check_same_tokenizer
 
     dtype = getattr(torch, args.dtype)
@@ -246,7 +246,8 @@ def build_decoder(args: argparse.Namespace):
         decoder = ComposedDecoder(base, experts, tokenizer, args.weight, **common)
     if not args.speculative:
         return decoder
-    from .decoder import ModelCandidate
+    from mergelab.model_candidate import ModelCandidate
+
     from .speculative import SpeculativeDecoder
 
     draft = "ta"

@@ -1,8 +1,8 @@
 """The one decoding loop every candidate shares.
 
-:class:`RunnerCandidate` turns a component runner (:mod:`mergelab.compose.runners`) plus a
+:class:`DecodingCandidate` turns a component runner (:mod:`mergelab.compose.runners`) plus a
 :class:`~mergelab.compose.formula.Composition` into a :class:`mergelab.candidate.Candidate`.
-:class:`~mergelab.compose.ModelCandidate` (one model, or a merged one) and
+:class:`~mergelab.candidate.ModelCandidate` (one model, or a merged one) and
 :class:`~mergelab.compose.ComposedDecoder` are thin constructors around it, so greedy decoding,
 sampling, batching, EOS, stop strings, log-probs and cost counters are the same code for both.
 
@@ -116,7 +116,7 @@ def sample_tokens(
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=scores.shape[-1] - 1)
 
 
-class RunnerCandidate:
+class DecodingCandidate:
     """A :class:`~mergelab.candidate.Candidate` from a runner and a composition formula.
 
     ``runner.names`` must list the composition's components (in the same order); the runner
@@ -135,7 +135,7 @@ class RunnerCandidate:
         eos_policy: str = "plain",
         eos_token_ids: Sequence[int] | None = None,
         token_masks: dict[str, torch.Tensor] | None = None,
-        kind: str = "RunnerCandidate",
+        kind: str = "DecodingCandidate",
     ):
         if tuple(runner.names) != tuple(composition.components):
             raise ValueError(
@@ -340,7 +340,7 @@ class RunnerCandidate:
     @property
     def _plain_loop(self) -> bool:
         """Whether this class decodes with the loop below (others, e.g. speculative, do not)."""
-        return type(self)._generate_batch is RunnerCandidate._generate_batch
+        return type(self)._generate_batch is DecodingCandidate._generate_batch
 
     def _row_generators(
         self, indices: list[int], settings: GenerationSettings
@@ -477,7 +477,7 @@ class RowOutputs:
     included). The EOS ids are the call's (``settings.eos_token_ids``), else the candidate's.
     """
 
-    def __init__(self, candidate: RunnerCandidate, batch: int, settings: GenerationSettings):
+    def __init__(self, candidate: DecodingCandidate, batch: int, settings: GenerationSettings):
         self.tokenizer = candidate.tokenizer
         self.eos = set(_eos_of(candidate, settings))
         self.stops = tuple(settings.stop_strings)
@@ -593,7 +593,7 @@ def default_eos_token_ids(tokenizer: Any, models: Any) -> list[int]:
     return out
 
 
-def _eos_of(candidate: RunnerCandidate, settings: GenerationSettings) -> list[int]:
+def _eos_of(candidate: DecodingCandidate, settings: GenerationSettings) -> list[int]:
     """The ids that end a row in this call."""
     if settings.eos_token_ids is not None:
         return list(settings.eos_token_ids)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .decoding import RunnerCandidate, left_pad
+from .decoding import DecodingCandidate, left_pad
 
 DEFAULT_THRESHOLDS = (0.01, 0.1, 1.0)
 
@@ -78,7 +78,7 @@ class CompositionDiagnostics:
 
 @torch.no_grad()
 def composition_diagnostics(
-    decoder: RunnerCandidate,
+    decoder: DecodingCandidate,
     texts: Sequence[str],
     continuations: Sequence[str] | None = None,
     *,

@@ -9,156 +9,33 @@ user's model is untouched otherwise): per layer, two batched matmuls over contig
 no per-row gathering. This is the same computation as PEFT's mixed-adapter batches
 (``adapter_names=`` in ``forward``) without its per-adapter index bookkeeping.
 
-Supported: plain LoRA (and rsLoRA) on ``nn.Linear`` and transformers ``Conv1D`` layers, no LoRA
-bias, no DoRA/other variants, no ``modules_to_save`` — anything else raises ``ValueError``.
+Adapters are read by :mod:`mergelab.lora` (plain LoRA and rsLoRA on ``nn.Linear`` and
+transformers ``Conv1D`` layers; anything else is refused there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .runners import ModelCall, crop_cache, has_sliding_window, last_logits, new_cache
+from mergelab.lora import LoraAdapter
+
+from .runners import (
+    ComponentRunner,
+    ModelCall,
+    crop_cache,
+    eval_mode,
+    has_sliding_window,
+    new_cache,
+)
 from .vocab import model_identity
 
-_PEFT_PREFIX = "base_model.model."
 
-
-@dataclass
-class LoraAdapter:
-    """One LoRA expert: for each adapted module, ``A [r, in]``, ``B [out, r]`` and the scaling s.
-
-    The module's output becomes ``W x + s·B (A x)``. Module names are those of the plain base
-    model (``model.layers.0.self_attn.q_proj``), without PEFT's prefixes.
-    """
-
-    name: str
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
-
-    def checksum(self) -> str:
-        digest = hashlib.sha1()
-        for key in sorted(self.modules):
-            a, b, s = self.modules[key]
-            digest.update(
-                f"{key}:{float(a.double().sum()):.8e}:{float(b.double().sum()):.8e}:{s}".encode()
-            )
-        return digest.hexdigest()[:16]
-
-    @classmethod
-    def from_peft_model(
-        cls, model: nn.Module, adapter_name: str | None = None, name: str | None = None
-    ) -> LoraAdapter:
-        """Read adapter ``adapter_name`` (default: the active one) from a PEFT model."""
-        peft_config = getattr(model, "peft_config", None)
-        if peft_config is None:
-            raise ValueError(f"{type(model).__name__} is not a PEFT model (no peft_config)")
-        if adapter_name is None:
-            active = getattr(model, "active_adapter", None)
-            adapter_name = active[0] if isinstance(active, list | tuple) else active
-        if adapter_name not in peft_config:
-            raise ValueError(f"adapter {adapter_name!r} not in {list(peft_config)}")
-        _check_config(peft_config[adapter_name], adapter_name)
-        modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        for module_name, module in model.named_modules():
-            lora_a = getattr(module, "lora_A", None)
-            if lora_embedding := getattr(module, "lora_embedding_A", None):
-                if adapter_name in lora_embedding:
-                    raise ValueError(f"LoRA on embeddings ({module_name}) is not supported")
-            if lora_a is None or adapter_name not in lora_a:
-                continue
-            if getattr(module, "lora_variant", {}).get(adapter_name) is not None:
-                raise ValueError(f"{module_name}: LoRA variants (DoRA, ...) are not supported")
-            if getattr(module, "lora_bias", {}).get(adapter_name, False):
-                raise ValueError(f"{module_name}: LoRA bias is not supported")
-            key = (
-                module_name[len(_PEFT_PREFIX) :]
-                if module_name.startswith(_PEFT_PREFIX)
-                else module_name
-            )
-            modules[key] = (
-                lora_a[adapter_name].weight.detach(),
-                module.lora_B[adapter_name].weight.detach(),
-                float(module.scaling[adapter_name]),
-            )
-        if not modules:
-            raise ValueError(f"adapter {adapter_name!r} adapts no module")
-        return cls(name or adapter_name, modules)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, name: str | None = None) -> LoraAdapter:
-        """Read a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-        path = Path(path)
-        config_file = path / "adapter_config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: not a PEFT adapter folder")
-        config = json.loads(config_file.read_text())
-        _check_config(config, str(path))
-        if (path / "adapter_model.safetensors").is_file():
-            from safetensors.torch import load_file
-
-            state = load_file(str(path / "adapter_model.safetensors"))
-        elif (path / "adapter_model.bin").is_file():
-            state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise FileNotFoundError(f"no adapter_model.safetensors or .bin in {path}")
-        from peft.utils.other import get_pattern_key
-
-        alpha_pattern = config.get("alpha_pattern") or {}
-        modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        for key, a in state.items():
-            if not key.endswith(".lora_A.weight"):
-                if "lora_embedding" in key or "lora_magnitude" in key:
-                    raise ValueError(f"{path}: {key} (embedding LoRA / DoRA) is not supported")
-                continue
-            module_name = key[: -len(".lora_A.weight")]
-            b = state[f"{module_name}.lora_B.weight"]
-            if module_name.startswith(_PEFT_PREFIX):
-                module_name = module_name[len(_PEFT_PREFIX) :]
-            r = a.shape[0]
-            alpha = alpha_pattern.get(
-                get_pattern_key(alpha_pattern.keys(), module_name), config["lora_alpha"]
-            )
-            scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-            modules[module_name] = (a, b, float(scaling))
-        if not modules:
-            raise ValueError(f"{path} holds no LoRA weights")
-        return cls(name or path.name, modules)
-
-
-def _check_config(config: Any, where: str) -> None:
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    peft_type = str(get("peft_type", "LORA"))
-    if "LORA" not in peft_type.upper():
-        raise ValueError(f"{where}: adapter type {peft_type} is not LoRA")
-    if get("use_dora", False):
-        raise ValueError(f"{where}: DoRA adapters are not supported by the fast path")
-    if get("modules_to_save", None):
-        raise ValueError(f"{where}: modules_to_save is not supported by the fast path")
-    if get("bias", "none") != "none" or get("lora_bias", False):
-        raise ValueError(f"{where}: adapters that train biases are not supported")
-
-
-def as_lora_adapter(obj: Any) -> LoraAdapter:
-    """A :class:`LoraAdapter` from an adapter, a PEFT model or an adapter folder."""
-    if isinstance(obj, LoraAdapter):
-        return obj
-    if isinstance(obj, str | Path):
-        return LoraAdapter.from_pretrained(obj)
-    if hasattr(obj, "peft_config"):
-        return LoraAdapter.from_peft_model(obj)
-    raise TypeError(f"cannot read a LoRA adapter from {type(obj).__name__}")
-
-
-class LoraRunner:
+class LoraRunner(ComponentRunner):
     """Component runner for base + LoRA experts: one forward of a ``(k+1)·B`` batch per step."""
 
     def __init__(
@@ -171,6 +48,7 @@ class LoraRunner:
         if not adapters:
             raise ValueError("the LoRA fast path needs at least one adapter")
         self.names = ("base", *names)
+        base_model = eval_mode(base_model)
         self.models = {"base": base_model}
         self.adapters = dict(zip(names, adapters))
         self.call = ModelCall(base_model, "base", vocab_size)
@@ -203,15 +81,16 @@ class LoraRunner:
             weight = getattr(module, "weight", None)
             if weight is None or weight.dim() != 2:
                 raise ValueError(f"{module_name} ({type(module).__name__}) is not a linear layer")
-            shapes = [a.modules[module_name] for a in adapters if module_name in a.modules]
-            in_features, out_features = shapes[0][0].shape[1], shapes[0][1].shape[0]
-            r_max = max(s[0].shape[0] for s in shapes)
+            loras = [a.modules[module_name] for a in adapters if module_name in a.modules]
+            in_features, out_features = loras[0].A.shape[1], loras[0].B.shape[0]
+            r_max = max(lora.rank for lora in loras)
             a_stack = weight.new_zeros((self.k, in_features, r_max))
             b_stack = weight.new_zeros((self.k, r_max, out_features))
             for i, adapter in enumerate(adapters):
                 if module_name not in adapter.modules:
                     continue
-                a, b, scaling = adapter.modules[module_name]
+                lora = adapter.modules[module_name]
+                a, b, scaling = lora.A, lora.B, lora.scaling
                 if a.shape[1] != in_features or b.shape[0] != out_features:
                     raise ValueError(
                         f"{adapter.name}: {module_name} LoRA shapes {a.shape}, {b.shape}"
@@ -253,18 +132,8 @@ class LoraRunner:
     def _split(self, lp: torch.Tensor) -> list[torch.Tensor]:
         return list(lp.chunk(self.k + 1, dim=0))
 
-    @torch.no_grad()
-    def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> list[torch.Tensor]:
+    def _reset(self) -> None:
         self._cache, self._ids, self._positions = None, None, None
-        return self.step(input_ids, attention_mask, position_ids)
-
-    @torch.no_grad()
-    def step(
-        self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> list[torch.Tensor]:
-        return [last_logits(z) for z in self.extend(next_ids, attention_mask, position_ids, True)]
 
     @torch.no_grad()
     def extend(

@@ -128,7 +128,39 @@ def last_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float()
 
 
-class ModelRunner:
+def eval_mode(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode: models built from a config start in train mode (dropout on), and
+    decoding needs eval mode."""
+    if isinstance(model, nn.Module) and model.training:
+        model.eval()
+    return model
+
+
+class ComponentRunner:
+    """What :class:`ModelRunner` and the LoRA runner share: ``prefill`` starts fresh caches and
+    ``step`` is :meth:`extend` by one token, keeping the last position's logits."""
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def extend(self, input_ids, attention_mask, position_ids, last_only=False):
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        self._reset()
+        return self.step(input_ids, attention_mask, position_ids)
+
+    @torch.no_grad()
+    def step(
+        self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        return [last_logits(z) for z in self.extend(next_ids, attention_mask, position_ids, True)]
+
+
+class ModelRunner(ComponentRunner):
     """Runs ``k`` separate models over the same batch; each keeps its own KV cache.
 
     ``use_cache=False`` recomputes the whole prefix at every step (the naive reference loop).
@@ -144,6 +176,7 @@ class ModelRunner:
     ):
         if len(models) != len(names):
             raise ValueError(f"{len(models)} models for {len(names)} names")
+        models = [eval_mode(m) for m in models]
         self.names = tuple(names)
         self.models = dict(zip(self.names, models))
         self.vocab_size = vocab_size
@@ -171,18 +204,8 @@ class ModelRunner:
             if not self._depth:
                 self._caches, self._ids, self._mask, self._positions = [], None, None, None
 
-    @torch.no_grad()
-    def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> list[torch.Tensor]:
+    def _reset(self) -> None:
         self._caches, self._ids, self._mask, self._positions = [], None, None, None
-        return self.step(input_ids, attention_mask, position_ids)
-
-    @torch.no_grad()
-    def step(
-        self, next_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> list[torch.Tensor]:
-        return [last_logits(z) for z in self.extend(next_ids, attention_mask, position_ids, True)]
 
     @torch.no_grad()
     def extend(

@@ -15,7 +15,7 @@ One block, for a batch of ``B`` rows and a block length ``γ``:
    its distribution ``q`` warped exactly as plain sampling warps (temperature, top-k, top-p).
 2. Every model of the composition scores ``[t, d_1 … d_γ]`` in **one** forward with its KV cache
    (``t``: the last decided token, not yet in the caches; LoRA experts: one batched forward).
-   :meth:`~mergelab.compose.decoding.RunnerCandidate.compose` turns that into the composed
+   :meth:`~mergelab.compose.decoding.DecodingCandidate.compose` turns that into the composed
    log-probs ``p̂_0 … p̂_γ`` — weights, every :class:`Composition`, EOS policies and token masks
    included, by the same code as plain decoding.
 3. Greedy: accept ``d_i`` while ``argmax p̂_{i−1} = d_i``; the first mismatch is replaced by the
@@ -57,8 +57,8 @@ import torch
 
 from ..candidate import Candidate, Generation, GenerationSettings
 from .decoding import (
+    DecodingCandidate,
     RowOutputs,
-    RunnerCandidate,
     component_logprobs_of,
     left_pad,
     sample_tokens,
@@ -75,7 +75,7 @@ _PRIOR = (1.6, 0.4)  # pseudo-counts (accepted, rejected) of that rate: 0.8 befo
 # ---------------------------------------------------------------------------- the default draft
 
 
-def task_arithmetic_draft(composed: RunnerCandidate) -> RunnerCandidate:
+def task_arithmetic_draft(composed: DecodingCandidate) -> DecodingCandidate:
     """The weight-space twin of a composition, as a one-model candidate (the default draft).
 
     With net coefficients ``c_j`` of the formula (:meth:`Composition.coefficients`) the draft's
@@ -86,8 +86,8 @@ def task_arithmetic_draft(composed: RunnerCandidate) -> RunnerCandidate:
     shapes (proxy-tuning with a large and a small model) have no weight-space twin: pass a draft.
     """
     from mergelab.merge import merge_models
+    from mergelab.model_candidate import ModelCandidate
 
-    from .decoder import ModelCandidate
     from .lora import LoraRunner
 
     composition = composed.composition
@@ -169,13 +169,13 @@ Chooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]
 
 
 class _CachedDraft:
-    """A draft that is a :class:`RunnerCandidate` (a model, a merge, even a composition).
+    """A draft that is a :class:`DecodingCandidate` (a model, a merge, even a composition).
 
     ``todo[r]`` are the tokens of row ``r`` decided but not yet in the draft's caches: the last
     decided token, and after a fully accepted block also ``d_γ`` (never fed to the draft).
     """
 
-    def __init__(self, candidate: RunnerCandidate, batch: int, pad_id: int, device: torch.device):
+    def __init__(self, candidate: DecodingCandidate, batch: int, pad_id: int, device: torch.device):
         self.candidate = candidate
         self.track = _CacheTrack(candidate.runner, batch, device)
         self.pad_id, self.device = pad_id, device
@@ -299,10 +299,10 @@ class _AdaptiveGamma:
 # ---------------------------------------------------------------------------- the candidate
 
 
-class SpeculativeDecoder(RunnerCandidate):
-    """A composition (any :class:`RunnerCandidate`) decoded speculatively; a Candidate itself.
+class SpeculativeDecoder(DecodingCandidate):
+    """A composition (any :class:`DecodingCandidate`) decoded speculatively; a Candidate itself.
 
-    ``draft``: a Candidate proposing tokens — a :class:`RunnerCandidate` (ModelCandidate, a merge,
+    ``draft``: a Candidate proposing tokens — a :class:`DecodingCandidate` (ModelCandidate, a merge,
     a composition) runs with its own KV cache, any other Candidate through ``token_logprobs``;
     ``None`` or ``"ta"``: :func:`task_arithmetic_draft`. ``gamma``: drafted tokens per block (the
     first block's when ``adaptive``); ``max_gamma`` bounds adaptive γ; ``cost_ratio``: one
@@ -318,7 +318,7 @@ class SpeculativeDecoder(RunnerCandidate):
 
     def __init__(
         self,
-        composed: RunnerCandidate,
+        composed: DecodingCandidate,
         draft: Candidate | str | None = None,
         *,
         gamma: int = DEFAULT_GAMMA,
@@ -329,7 +329,7 @@ class SpeculativeDecoder(RunnerCandidate):
     ):
         if isinstance(composed, SpeculativeDecoder):
             composed = composed.composed
-        if not isinstance(composed, RunnerCandidate):
+        if not isinstance(composed, DecodingCandidate):
             raise TypeError(f"speculative decoding needs a ComposedDecoder, got {type(composed)}")
         if not (isinstance(gamma, int) and gamma >= 1):
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
@@ -370,14 +370,14 @@ class SpeculativeDecoder(RunnerCandidate):
 
     @property
     def _cached_draft(self) -> bool:
-        return isinstance(self.draft, RunnerCandidate)
+        return isinstance(self.draft, DecodingCandidate)
 
     def _check_draft(self, draft: Candidate) -> None:
         if not isinstance(draft, Candidate):
             raise TypeError(f"draft {type(draft).__name__} is not a Candidate")
         if draft.tokenizer is not self.tokenizer:
             check_same_tokenizer([self.tokenizer, draft.tokenizer], ["composition", "draft"])
-        if isinstance(draft, RunnerCandidate):
+        if isinstance(draft, DecodingCandidate):
             if draft.runner is self.runner:
                 raise ValueError("the draft shares the composition's runner: pass another model")
             from .lora import LoraRunner
@@ -419,7 +419,7 @@ class SpeculativeDecoder(RunnerCandidate):
     def generate(
         self, prompts: Any, settings: GenerationSettings | Any | None = None, **kwargs: Any
     ) -> list[Generation]:
-        """As :meth:`RunnerCandidate.generate` (settings, a ``GenerationConfig``, kwargs, id
+        """As :meth:`DecodingCandidate.generate` (settings, a ``GenerationConfig``, kwargs, id
         prompts); one prompt at a time for models with sliding-window layers."""
         if self._one_row_at_a_time:
             kwargs["batch_size"] = 1

@@ -9,6 +9,9 @@ Typical use::
     from mergelab.eval import EvalSettings, evaluate, load_benchmark
     result = evaluate(candidate, load_benchmark("humaneval"), EvalSettings())
     print(result.summary["metrics"])
+
+A benchmark names its task (:mod:`mergelab.eval.tasks`: loader, prompt, scorer, baselines);
+adding a task is one file that calls :func:`register_task`.
 """
 
 from mergelab.eval.benchmarks import (
@@ -51,6 +54,14 @@ from mergelab.eval.scoring_math import (
     normalize_math_answer,
 )
 from mergelab.eval.stats import bootstrap_ci, compare, mcnemar_exact, paired_bootstrap
+from mergelab.eval.tasks import (
+    Task,
+    TaskScores,
+    get_task,
+    list_tasks,
+    register_task,
+    score_completions,
+)
 
 __all__ = [
     "MATH_CHECKERS",
@@ -65,6 +76,8 @@ __all__ = [
     "Sandbox",
     "SandboxLimits",
     "SandboxUnavailableError",
+    "Task",
+    "TaskScores",
     "bootstrap_ci",
     "build_prompt",
     "build_test_programs",
@@ -74,7 +87,9 @@ __all__ = [
     "export_evalplus_samples",
     "extract_gsm8k",
     "extract_math_answer",
+    "get_task",
     "gsm8k_correct",
+    "list_tasks",
     "load_benchmark",
     "load_gsm8k",
     "load_humaneval",
@@ -89,6 +104,8 @@ __all__ = [
     "normalize_math_answer",
     "paired_bootstrap",
     "pass_at_k",
+    "register_task",
     "run_programs",
+    "score_completions",
     "stop_strings",
 ]

@@ -17,14 +17,14 @@ math            problem, solution (with \\boxed{}), level, type            jsonl
                                                                            folder of json files
 ==============  =========================================================  ===================
 
-Studies can define synthetic benchmarks in memory::
+Studies can define benchmarks in memory::
 
     bench = Benchmark.from_items("toy-sums", "gsm8k",
                                  [Item("q1", "What is 2 + 3?", answer="5")])
 
-``task`` decides how generations are scored: ``"gsm8k"`` (last / ``####`` number, numeric
-comparison), ``"math"`` (``\\boxed{}`` answer, normalised and symbolic equivalence) or
-``"code"`` (execution of :class:`CodeTests` in the sandbox).
+``task`` names a registered task (:mod:`mergelab.eval.tasks`: ``gsm8k``, ``math``,
+``humaneval``, ``mbpp``, ``code``, ``synth_*``, ...), which decides how prompts are built and
+generations scored.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.errors import UserInputError
-
-TASKS = ("gsm8k", "math", "code")
 
 
 class BenchmarkFormatError(UserInputError):
@@ -97,6 +95,17 @@ class Item:
     tests: CodeTests | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Item:
+        """The inverse of :meth:`to_dict` (``tests`` as a dict of :class:`CodeTests`' fields)."""
+        record = dict(record)
+        tests = record.get("tests")
+        if isinstance(tests, dict):
+            tests = dict(tests)
+            tests["asserts"] = tuple(tests.get("asserts", ()))
+            record["tests"] = CodeTests(**tests)
+        return cls(**record)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.tests is not None:
@@ -116,13 +125,14 @@ class Benchmark:
     source: str = "in-memory"
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; expected one of {TASKS}")
+        from mergelab.eval.tasks import get_task
+
+        kind = get_task(self.task).kind  # an unknown task is refused, naming the known ones
         ids = [it.item_id for it in self.items]
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"benchmark {self.name!r} has duplicate item_id {dup!r}")
-        if self.task == "code":
+        if kind == "code":
             missing = [it.item_id for it in self.items if it.tests is None]
             if missing:
                 raise ValueError(
@@ -132,19 +142,10 @@ class Benchmark:
     @classmethod
     def from_items(cls, name: str, task: str, items: Sequence[Item | dict[str, Any]]) -> Benchmark:
         """A benchmark from in-memory items (``Item`` objects or dicts with Item's fields)."""
-        built = []
-        for i, it in enumerate(items):
-            if isinstance(it, Item):
-                built.append(it)
-                continue
-            it = dict(it)
-            it.setdefault("item_id", str(i))
-            tests = it.get("tests")
-            if isinstance(tests, dict):
-                tests = dict(tests)
-                tests["asserts"] = tuple(tests.get("asserts", ()))
-                it["tests"] = CodeTests(**tests)
-            built.append(Item(**it))
+        built = [
+            it if isinstance(it, Item) else Item.from_dict({"item_id": str(i), **it})
+            for i, it in enumerate(items)
+        ]
         return cls(name=name, task=task, items=built)
 
     def __len__(self) -> int:
@@ -373,7 +374,7 @@ def load_humaneval(path: str | os.PathLike | None = None, limit: int | None = No
                 meta={"line": lineno},
             )
         )
-    return _finish("humaneval", "code", items, path, limit)
+    return _finish("humaneval", "humaneval", items, path, limit)
 
 
 def _override_path(path, env_var: str, what: str) -> Path:
@@ -417,7 +418,7 @@ def load_humaneval_plus(
                 meta={"line": lineno, "contract": rec.get("contract", "")},
             )
         )
-    return _finish("humaneval_plus", "code", items, path, limit)
+    return _finish("humaneval_plus", "humaneval", items, path, limit)
 
 
 _ASSERT_CALL = re.compile(
@@ -473,7 +474,7 @@ def load_mbpp(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
                 meta={"line": lineno, "text": text},
             )
         )
-    return _finish("mbpp", "code", items, path, limit)
+    return _finish("mbpp", "mbpp", items, path, limit)
 
 
 # EvalPlus stores MBPP+ inputs as JSON, which has no tuples, sets or complex numbers; these task
@@ -558,7 +559,7 @@ def load_mbpp_plus(path: str | os.PathLike | None = None, limit: int | None = No
                 meta={"line": lineno, "assertion": rec.get("assertion", "")},
             )
         )
-    return _finish("mbpp_plus", "code", items, path, limit)
+    return _finish("mbpp_plus", "mbpp", items, path, limit)
 
 
 # ---------------------------------------------------------------- math benchmarks
@@ -652,6 +653,30 @@ def load_math(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
             )
         )
     return _finish("math", "math", items, path, limit)
+
+
+def load_items(
+    path: str | os.PathLike, task: str, limit: int | None = None, *, name: str | None = None
+) -> Benchmark:
+    """A benchmark of ``task`` from a file of :class:`Item` records (``item_id``, ``prompt``,
+    ``answer``, ``solution``, ``tests`` with :class:`CodeTests`' fields, ``meta``), e.g. one
+    written from ``[it.to_dict() for it in bench.items]``."""
+    path = Path(path)
+    items = []
+    fields = set(Item.__dataclass_fields__)
+    for lineno, rec in read_records(path):
+        unknown = sorted(set(rec) - fields)
+        if unknown:
+            raise BenchmarkFormatError(f"{path}:{lineno}: unknown item fields {unknown}; "
+                                       f"expected some of {sorted(fields)}")  # fmt: skip
+        _require(rec, ("prompt",), path, lineno)
+        try:
+            items.append(Item.from_dict({"item_id": f"{path.stem}/{len(items)}", **rec}))
+        except (TypeError, ValueError) as exc:
+            raise BenchmarkFormatError(f"{path}:{lineno}: {exc}") from None
+    if not items:
+        raise BenchmarkFormatError(f"{path}: no records found")
+    return Benchmark(name or path.stem, task, items[: check_limit(limit)], str(path))
 
 
 LOADERS = {

@@ -148,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     from mergelab.eval.prompts import PromptConfig
     from mergelab.eval.sandbox import SandboxLimits
     from mergelab.eval.spec import build_candidate, parse_candidate_spec
+    from mergelab.eval.tasks import get_task
     from mergelab.outputs import check_output_file, check_output_path
 
     if args.model is not None and not Path(args.model).is_dir():
@@ -195,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.evalplus_samples:
         check_output_file(args.evalplus_samples, force=args.force, inputs=inputs)
     bench = load_benchmark(args.benchmark, args.data)
-    if args.evalplus_samples and bench.task != "code":
+    if args.evalplus_samples and get_task(bench.task).kind != "code":
         raise ValueError(f"--evalplus-samples: {bench.name} is not a code benchmark")
     torch.manual_seed(args.seed)
     candidate = build_candidate(spec, device=args.device, dtype=args.dtype)
@@ -253,9 +254,10 @@ def _canonical(args: argparse.Namespace) -> int:
     from mergelab.eval.benchmarks import load_benchmark
     from mergelab.eval.sandbox import Sandbox, SandboxLimits
     from mergelab.eval.scoring_code import build_test_programs
+    from mergelab.eval.tasks import get_task
 
     bench = load_benchmark(args.benchmark, args.data, limit=args.limit)
-    if bench.task != "code":
+    if get_task(bench.task).kind != "code":
         raise ValueError(f"{bench.name} is not a code benchmark")
     programs, index = [], []
     for it in bench.items:

@@ -37,16 +37,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from mergelab.candidate import Candidate, Generation, GenerationSettings
 from mergelab.eval.benchmarks import Benchmark
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
 from mergelab.eval.sandbox import ISOLATION_MODES, Sandbox, SandboxLimits
-from mergelab.eval.scoring_code import build_test_programs, pass_at_k, solution_code
-from mergelab.eval.scoring_math import MATH_CHECKERS, gsm8k_correct, math_correct
+from mergelab.eval.scoring_math import MATH_CHECKERS
 from mergelab.eval.stats import bootstrap_ci
+from mergelab.eval.tasks import get_task
 from mergelab.outputs import (
     atomic_output_dir,
     atomic_output_file,
@@ -462,11 +461,9 @@ def evaluate(
     samples = {
         it.item_id: [done[(it.item_id, s)] for s in range(settings.n_samples)] for it in bench.items
     }
-    if bench.task == "code":
-        items, metrics, primary, extra = _score_code(bench, samples, settings, sandbox, progress)
-    else:
-        items, metrics, primary = _score_math(bench, samples, settings)
-        extra = {"math_checker": _math_checker_versions(settings)} if bench.task == "math" else {}
+    scored = get_task(bench.task).score(bench, samples, settings, sandbox=sandbox,
+                                        progress=progress)  # fmt: skip
+    items, metrics, primary = scored.items, scored.metrics, scored.primary
     for it in items:
         it["prompt"] = prompts[it["item_id"]]
 
@@ -484,97 +481,12 @@ def evaluate(
             )
             for name, values in metrics.items()
         },
-        **extra,
+        **scored.extra,
         "generation_seconds_this_call": generation_seconds,
         "generated_this_call": generated,
     }
     out = _write_results(run_dir, output_dir, force, summary, items)
     return EvalResult(summary, items, run_dir, out, primary)
-
-
-def _score_math(bench: Benchmark, samples, settings: EvalSettings):
-    items, per_item = [], []
-    for it in bench.items:
-        recs = []
-        for rec in samples[it.item_id]:
-            if bench.task == "gsm8k":
-                ok, pred = gsm8k_correct(rec["text"], it.answer, settings.gsm8k_extraction)
-            else:
-                ok, pred = math_correct(rec["text"], it.answer, settings.math_checker)
-            recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
-                         "extracted": pred, "correct": ok})  # fmt: skip
-        acc = float(np.mean([r["correct"] for r in recs]))
-        per_item.append(acc)
-        items.append({"item_id": it.item_id, "reference": it.answer,
-                      "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
-    return items, {"accuracy": per_item}, "accuracy"
-
-
-def _math_checker_versions(settings: EvalSettings) -> dict[str, Any]:
-    """Which MATH checker scored the run, with the math-verify version it used (if any)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    record: dict[str, Any] = {"checker": settings.math_checker}
-    if settings.math_checker != "mergelab":
-        try:
-            record["math_verify"] = version("math-verify")
-        except PackageNotFoundError:  # math_correct has already said how to install it
-            record["math_verify"] = None
-    return record
-
-
-def _score_code(bench: Benchmark, samples, settings: EvalSettings, sandbox, progress: bool):
-    programs, index = [], []
-    for it in bench.items:
-        for s, rec in enumerate(samples[it.item_id]):
-            for kind, prog in build_test_programs(it.prompt, rec["text"], it.tests).items():
-                programs.append(prog)
-                index.append((it.item_id, s, kind))
-    own = sandbox is None
-    sandbox = sandbox or Sandbox(
-        workers=settings.workers, limits=settings.sandbox, isolation=settings.isolation
-    )
-    try:
-        results = sandbox.run_many(programs, limits=settings.sandbox, progress=progress,
-                                   desc=f"testing {bench.name}")  # fmt: skip
-    finally:
-        if own:
-            sandbox.close()
-    outcome = {key: res for key, res in zip(index, results)}
-    has_plus = any(it.tests.has_plus for it in bench.items)
-    items: list[dict[str, Any]] = []
-    metrics: dict[str, list[float]] = {}
-    for it in bench.items:
-        recs = []
-        for s, rec in enumerate(samples[it.item_id]):
-            base = outcome[(it.item_id, s, "base")]
-            entry = {
-                "text": rec["text"],
-                "finish_reason": rec["finish_reason"],
-                "program": solution_code(it.prompt, rec["text"], it.tests),
-                "base": {"status": base.status, "error": base.error[-1000:]},
-                "base_passed": base.passed,
-            }
-            if it.tests.has_plus:
-                plus = outcome[(it.item_id, s, "plus")]
-                entry["plus"] = {"status": plus.status, "error": plus.error[-1000:]}
-                entry["plus_passed"] = base.passed and plus.passed  # EvalPlus: both must pass
-            recs.append(entry)
-        n = len(recs)
-        scores = {}
-        for k in settings.pass_k:
-            scores[f"pass@{k}_base"] = pass_at_k(n, sum(r["base_passed"] for r in recs), k)
-            if has_plus:
-                c_plus = sum(r.get("plus_passed", False) for r in recs)
-                scores[f"pass@{k}_plus"] = pass_at_k(n, c_plus, k)
-        for name, v in scores.items():
-            metrics.setdefault(name, []).append(v)
-        items.append({"item_id": it.item_id, "scores": scores, "samples": recs})
-    primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
-        f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
-    )  # fmt: skip
-    isolation = sorted({tag for r in results for tag in r.isolation})
-    return items, metrics, primary, {"sandbox_isolation": isolation}
 
 
 def export_evalplus_samples(

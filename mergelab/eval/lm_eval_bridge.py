@@ -62,7 +62,7 @@ from lm_eval.models.utils import (
 from tqdm.auto import tqdm
 
 from mergelab.candidate import Candidate, GenerationSettings, generation_settings
-from mergelab.compose.decoding import RunnerCandidate, left_pad
+from mergelab.compose.decoding import DecodingCandidate, left_pad
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model falls back to this too
 DEFAULT_BATCH_SIZE = 8
@@ -316,7 +316,7 @@ class MergelabLM(TemplateLM):
             stacklevel=3,
         )
         kept = [ids[-room:] for ids in encoded]
-        if isinstance(self.candidate, RunnerCandidate):
+        if isinstance(self.candidate, DecodingCandidate):
             return kept
         return [self.tok_decode(ids, skip_special_tokens=False) for ids in kept]
 

@@ -107,16 +107,18 @@ def uses_chat_template(config: PromptConfig, tokenizer: Any) -> bool:
 def build_prompt(
     item: Item, benchmark: Benchmark, config: PromptConfig = PromptConfig(), tokenizer: Any = None
 ) -> str:
-    """The text given to the candidate for ``item``."""
+    """The text given to the candidate for ``item``: the prompt of the benchmark's task, as one
+    user turn of the tokenizer's chat template when ``config`` asks for it (code tasks then ask
+    for a fenced code block)."""
+    from mergelab.eval.tasks import get_task
+
+    task = get_task(benchmark.task)
     chat = uses_chat_template(config, tokenizer)
-    if benchmark.task == "gsm8k":
-        text = gsm8k_prompt(item.prompt, config)
-    elif benchmark.task == "math":
-        text = math_prompt(item.prompt, config)
-    else:
-        text = CODE_CHAT_INSTRUCTION.format(prompt=item.prompt) if chat else item.prompt
+    text = task.build_prompt(item, config)
     if not chat:
         return text
+    if task.kind == "code":
+        text = CODE_CHAT_INSTRUCTION.format(prompt=text)
     messages = []
     if config.system_prompt:
         messages.append({"role": "system", "content": config.system_prompt})
@@ -124,18 +126,23 @@ def build_prompt(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def code_stop_strings(benchmark: Benchmark) -> tuple[str, ...]:
+    """Plain-text code completion: stop at a new top-level block (HumanEval-style stubs) or, for
+    MBPP-style task texts, also at the next test or docstring."""
+    prompt_is_code = all(it.tests.prompt_is_code for it in benchmark.items if it.tests)
+    return HUMANEVAL_STOPS if prompt_is_code else MBPP_STOPS
+
+
 def stop_strings(
     benchmark: Benchmark, config: PromptConfig = PromptConfig(), tokenizer: Any = None
 ) -> tuple[str, ...]:
-    """Stop sequences for ``benchmark`` under ``config``."""
+    """Stop sequences for ``benchmark`` under ``config`` (its task's, unless ``config`` gives
+    them; none for code answered in a chat's fenced block)."""
+    from mergelab.eval.tasks import get_task
+
     if config.stop_strings is not None:
         return tuple(config.stop_strings)
-    chat = uses_chat_template(config, tokenizer)
-    if benchmark.task == "gsm8k":
-        return GSM8K_STOPS
-    if benchmark.task == "math":
-        return MATH_STOPS
-    if chat:
+    task = get_task(benchmark.task)
+    if task.kind == "code" and uses_chat_template(config, tokenizer):
         return ()
-    prompt_is_code = all(it.tests.prompt_is_code for it in benchmark.items if it.tests)
-    return HUMANEVAL_STOPS if prompt_is_code else MBPP_STOPS
+    return tuple(task.stop_strings(benchmark))

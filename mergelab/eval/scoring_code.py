@@ -176,3 +176,63 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def mean_pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: int) -> float:
     """pass@k averaged over problems."""
     return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples, num_correct)]))
+
+
+def score_code(benchmark, samples, settings, *, sandbox=None, progress=False):
+    """The code tasks' scorer: every sample's program is run against the item's tests in the
+    sandbox (``sandbox`` or a new one from ``settings``); pass@k per item for the base tests and,
+    where items have EvalPlus tests, for base + plus (both must pass)."""
+    from mergelab.eval.sandbox import Sandbox
+    from mergelab.eval.tasks import TaskScores
+
+    programs, index = [], []
+    for it in benchmark.items:
+        for s, rec in enumerate(samples[it.item_id]):
+            for kind, prog in build_test_programs(it.prompt, rec["text"], it.tests).items():
+                programs.append(prog)
+                index.append((it.item_id, s, kind))
+    own = sandbox is None
+    sandbox = sandbox or Sandbox(
+        workers=settings.workers, limits=settings.sandbox, isolation=settings.isolation
+    )
+    try:
+        results = sandbox.run_many(programs, limits=settings.sandbox, progress=progress,
+                                   desc=f"testing {benchmark.name}")  # fmt: skip
+    finally:
+        if own:
+            sandbox.close()
+    outcome = {key: res for key, res in zip(index, results)}
+    has_plus = any(it.tests.has_plus for it in benchmark.items)
+    items: list[dict] = []
+    metrics: dict[str, list[float]] = {}
+    for it in benchmark.items:
+        recs = []
+        for s, rec in enumerate(samples[it.item_id]):
+            base = outcome[(it.item_id, s, "base")]
+            entry = {
+                "text": rec["text"],
+                "finish_reason": rec["finish_reason"],
+                "program": solution_code(it.prompt, rec["text"], it.tests),
+                "base": {"status": base.status, "error": base.error[-1000:]},
+                "base_passed": base.passed,
+            }
+            if it.tests.has_plus:
+                plus = outcome[(it.item_id, s, "plus")]
+                entry["plus"] = {"status": plus.status, "error": plus.error[-1000:]}
+                entry["plus_passed"] = base.passed and plus.passed  # EvalPlus: both must pass
+            recs.append(entry)
+        n = len(recs)
+        scores = {}
+        for k in settings.pass_k:
+            scores[f"pass@{k}_base"] = pass_at_k(n, sum(r["base_passed"] for r in recs), k)
+            if has_plus:
+                c_plus = sum(r.get("plus_passed", False) for r in recs)
+                scores[f"pass@{k}_plus"] = pass_at_k(n, c_plus, k)
+        for name, v in scores.items():
+            metrics.setdefault(name, []).append(v)
+        items.append({"item_id": it.item_id, "scores": scores, "samples": recs})
+    primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
+        f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
+    )  # fmt: skip
+    isolation = sorted({tag for r in results for tag in r.isolation})
+    return TaskScores(items, metrics, primary, {"sandbox_isolation": isolation})

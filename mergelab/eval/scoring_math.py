@@ -411,3 +411,62 @@ def math_correct(
     if checker == "hybrid" and pred is not None:
         return normalize_math_answer(pred) == normalize_math_answer(reference), pred
     return False, pred
+
+
+# ---------------------------------------------------------------- scoring a benchmark
+
+
+def extract_final_answer_line(text: str) -> str | None:
+    """The integer of a last non-empty line that is exactly ``#### n`` (None otherwise).
+
+    The strict rule of the synthetic sets: an answer counts only as the final ``#### n`` line, not
+    as a number found anywhere (e.g. inside an enumeration ``1 apple 2 river``)."""
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    m = _FINAL_LINE.fullmatch(lines[-1]) if lines else None
+    return m.group(1) if m else None
+
+
+_FINAL_LINE = re.compile(r"####\s*(-?\d+)")
+
+
+def final_line_correct(generation: str, reference: str) -> tuple[bool, str | None]:
+    """(correct, extracted answer) under :func:`extract_final_answer_line`."""
+    pred = extract_final_answer_line(generation)
+    return numbers_equal(pred, reference), pred
+
+
+def answer_scorer(check, summary_extra=None):
+    """A task scorer for answer tasks: ``check(text, item, settings)`` → ``(correct, extracted)``
+    per sample; per item, accuracy = the fraction of correct samples. ``summary_extra(settings)``
+    adds entries to the summary (e.g. the checker's version)."""
+    from mergelab.eval.tasks import TaskScores
+
+    def score(benchmark, samples, settings, *, sandbox=None, progress=False) -> TaskScores:
+        items, per_item = [], []
+        for it in benchmark.items:
+            recs = []
+            for rec in samples[it.item_id]:
+                ok, pred = check(rec["text"], it, settings)
+                recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
+                             "extracted": pred, "correct": ok})  # fmt: skip
+            acc = sum(r["correct"] for r in recs) / len(recs)
+            per_item.append(acc)
+            items.append({"item_id": it.item_id, "reference": it.answer,
+                          "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
+        extra = summary_extra(settings) if summary_extra else {}
+        return TaskScores(items, {"accuracy": per_item}, "accuracy", extra)
+
+    return score
+
+
+def math_checker_versions(settings) -> dict:
+    """Which MATH checker scored the run, with the math-verify version it used (if any)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    record: dict = {"checker": settings.math_checker}
+    if settings.math_checker != "mergelab":
+        try:
+            record["math_verify"] = version("math-verify")
+        except PackageNotFoundError:  # math_correct has already said how to install it
+            record["math_verify"] = None
+    return {"math_checker": record}

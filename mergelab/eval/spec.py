@@ -212,9 +212,10 @@ def build_candidate(
     ``ComposedDecoder``). ``device`` / ``dtype`` override the spec's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergelab.compose import ComposedDecoder, ModelCandidate
+    from mergelab.compose import ComposedDecoder
     from mergelab.compose.vocab import check_same_tokenizer
     from mergelab.merge.config import parse_dtype
+    from mergelab.model_candidate import ModelCandidate
 
     if not isinstance(spec, CandidateSpec):
         spec = parse_candidate_spec(spec)
@@ -233,8 +234,8 @@ def build_candidate(
     if spec.kind == "model":
         return ModelCandidate(load(spec.model), tokenizer, name=spec.default_name())
     if spec.kind == "merge":
+        from mergelab.lora import is_lora_adapter
         from mergelab.merge import merge_models
-        from mergelab.merge.lora import is_lora_adapter
 
         config = spec.merge
         adapters = [m.path for m in config.models if is_lora_adapter(m.path)]

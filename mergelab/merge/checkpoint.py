@@ -901,30 +901,26 @@ class CheckpointMergePlan:
             (recipe.params, recipe.per_model) if recipe else (self.params, self.per_model)
         )
         rows = self.truncated_rows.get(t.name)
-        failed = MergeInputError(
-            f"merge method {self.method.name!r} produced NaN or Inf in tensor {t.name!r}"
-        )
         if self.streams_stored(t.name):
             ctx.dtype = self.compute_dtype
             whole = rows is None or t.shape[0] <= rows
             if whole and self.round_to in (None, t.dtype):  # rounded straight into the output
                 ctx.out = pool.take(slot, t.shape, t.dtype)
-        merged = self.method.fn(base, experts, ctx=ctx, **params, **per_model)
+        # Without ctx.out, finiteness is checked below while the result is copied out.
+        merged = self.method.apply(
+            base, experts, ctx, {**params, **per_model}, check_finite=ctx.out is not None
+        )
         if ctx.out is not None:
-            if merged.data_ptr() != ctx.out.data_ptr():
-                raise TypeError(f"merge method {self.method.name!r} did not write into ctx.out")
-            if not ops.all_finite(ctx.out):
-                raise failed
             return ctx.out
         if self.round_to is not None:
             merged = merged.to(self.round_to)
         if rows is not None and t.shape[0] > rows:  # the template's extra vocabulary rows
-            if not all_finite(merged):
-                raise failed
+            if not ops.all_finite(merged):
+                raise self.method.nonfinite_error(t.name)
             return torch.cat([merged.to(t.dtype), self.template.read(t.name)[rows:].to(t.dtype)])
         out = pool.take(slot, merged.shape, t.dtype)
         if not ops.parallel_copy_(out, merged, check="src"):  # cast and check on every core
-            raise failed
+            raise self.method.nonfinite_error(t.name)
         return out
 
     def _buffer_set(self, index: int) -> str:
@@ -976,12 +972,6 @@ class BufferPool:
             if flat is None or flat.numel() < n:
                 flat = self._flat[(slot, dtype)] = torch.empty(n, dtype=dtype)
         return flat[:n].view(tuple(shape))
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """No NaN/Inf in ``x``. A sum is one fast reduction and is finite whenever ``x`` is (unless it
-    overflows); only a non-finite sum needs the exact element-wise check."""
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def plan_checkpoint_merge(
@@ -1091,9 +1081,7 @@ def plan_recipe_merge(
     ``input_dtype``, in dtype. Methods with a whole-model first pass are refused (their one
     statistics pass cannot follow per-tensor parameters)."""
     m = get_merge_method(method) if isinstance(method, str) else method
-    if m.prepare is not None and any(
-        m.needs_prepare is None or m.needs_prepare({**r.params, **r.per_model}) for _, r in outputs
-    ):
+    if any(m.has_first_pass({**r.params, **r.per_model}) for _, r in outputs):
         raise MergeInputError(
             f"merge method {m.name!r} needs a whole-model first pass, which per-tensor recipes "
             "(slices, gradients, filters) do not support"
@@ -1186,7 +1174,7 @@ def run_checkpoint_merge(
         )
         copy_model_files(plan.template.path, tmp, plan.copied_files)
         _update_config(tmp, plan.config_updates)
-        _set_config_dtype(tmp, plan.tensors)
+        set_config_dtype(tmp, plan.tensors)
         if plan.finish is not None:
             plan.finish(tmp)
         record = plan.describe()
@@ -1211,7 +1199,7 @@ def _update_config(folder: Path, updates: dict[str, Any]) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _set_config_dtype(folder: Path, tensors: Sequence[OutputTensor]) -> None:
+def set_config_dtype(folder: Path, tensors: Sequence[OutputTensor]) -> None:
     """Record the stored floating dtype in config.json (transformers reads ``dtype``)."""
     config_path = folder / "config.json"
     floating = {t.dtype for t in tensors if t.dtype.is_floating_point}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.errors import Terminated
+from mergelab.lora import is_lora_adapter
 from mergelab.outputs import check_output_path
 
 from .checkpoint import DEFAULT_SHARD_SIZE, plan_checkpoint_merge, run_checkpoint_merge
@@ -40,7 +41,7 @@ from .config import (
     shard_size_bytes,
     validate_config,
 )
-from .lora import is_lora_adapter, merge_lora_adapters, plan_lora_merge
+from .lora import merge_lora_adapters, plan_lora_merge
 from .mergekit_dialect import MergekitConfig, MergekitPlan, plan_mergekit_merge
 from .registry import get_merge_method, list_merge_methods
 from .validation import MergeInputError
@@ -352,9 +353,7 @@ def _explain_mergelab(plan, config: MergeConfig) -> list[str]:
         "  per model: "
         + (" ".join(f"{k}={json.dumps(v)}" for k, v in plan.per_model.items()) or "(none)"),
     ]
-    if m.prepare is not None and (
-        m.needs_prepare is None or m.needs_prepare({**plan.params, **plan.per_model})
-    ):
+    if m.has_first_pass({**plan.params, **plan.per_model}):
         lines.append("  a whole-model statistics pass first (e.g. global top-k thresholds)")
     return lines
 
@@ -427,7 +426,7 @@ def _print_checkpoint_plan(plan, config: MergeConfig, verbose: bool) -> None:
         print(f"model {i}: {e.path}")
     print(f"compute dtype: {str(plan.compute_dtype).removeprefix('torch.')}; seed: {plan.seed}")
     m, params = plan.method, {**plan.params, **plan.per_model}
-    if m.prepare is not None and (m.needs_prepare is None or m.needs_prepare(params)):
+    if m.has_first_pass(params):
         print("passes: a whole-model statistics pass over the inputs first, then the merge")
     if plan.truncated_rows:
         print(f"vocabulary rows merged (truncate rule): {plan.truncated_rows}")

@@ -18,8 +18,8 @@ Two outputs:
   singular values (``B = U_k S_k``, ``A = V_kᵀ``) and the relative Frobenius error
   ``‖ΔW − B A‖_F / ‖ΔW‖_F`` of every module is reported.
 
-Only LoRA on linear layers is supported (not DoRA, LoRA on embeddings or ``modules_to_save``); such
-adapters are refused with a message saying what was found.
+Adapters are read by :mod:`mergelab.lora` (plain LoRA on linear layers; DoRA, LoRA on
+embeddings, biases or ``modules_to_save`` are refused there, saying what was found).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from mergelab.lora import ADAPTER_WEIGHTS_NAMES, PEFT_PREFIX, LoraAdapter
 from mergelab.outputs import atomic_output_dir, check_output_path
 
 from .checkpoint import (
@@ -43,120 +44,16 @@ from .checkpoint import (
     MERGE_RECORD_NAME,
     CheckpointFolder,
     OutputTensor,
-    _set_config_dtype,
     copy_model_files,
     parse_size,
+    set_config_dtype,
     write_sharded,
 )
 from .registry import MergeMethod, TensorContext, get_merge_method
 from .validation import MergeInputError
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-
 # Methods whose merged ΔW is Σ c_i ΔW_i (with c_i from their parameters): an exact `cat` exists.
 LINEAR_IN_DELTA = frozenset({"linear", "task_arithmetic"})
-
-
-def is_lora_adapter(path: str | os.PathLike) -> bool:
-    return (Path(path) / ADAPTER_CONFIG_NAME).is_file()
-
-
-@dataclass
-class LoraModule:
-    """One adapted linear layer: ``A: [r, in]``, ``B: [out, r]``, ``ΔW = B @ A * scaling``."""
-
-    A: torch.Tensor
-    B: torch.Tensor
-    scaling: float
-    fan_in_fan_out: bool = False  # GPT-2 Conv1D stores W as [in, out]
-
-    @property
-    def rank(self) -> int:
-        return self.A.shape[0]
-
-    def delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """ΔW in the layout of the base's stored weight."""
-        delta = (self.B.to(dtype) @ self.A.to(dtype)) * self.scaling
-        return delta.T if self.fan_in_fan_out else delta
-
-
-@dataclass
-class LoraAdapter:
-    path: Path
-    config: Any  # peft.LoraConfig
-    modules: dict[
-        str, LoraModule
-    ]  # module name as in the base model, e.g. model.layers.0.mlp.up_proj
-
-    @property
-    def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
-
-
-def load_lora_adapter(path: str | os.PathLike, label: str = "adapter") -> LoraAdapter:
-    """Read a PEFT LoRA adapter folder with PEFT's own loaders (no base model needed)."""
-    # peft is imported here, not at module level: it costs seconds, and checkpoint merges
-    # (which import this module through the CLI) never need it.
-    from peft import LoraConfig
-    from peft.utils import load_peft_weights
-    from peft.utils.other import get_pattern_key
-
-    path = Path(path)
-    if not is_lora_adapter(path):
-        raise MergeInputError(f"{label} {path} is not a PEFT adapter (no {ADAPTER_CONFIG_NAME})")
-    try:
-        config = LoraConfig.from_pretrained(str(path))
-    except Exception as exc:
-        raise MergeInputError(
-            f"{label} {path}: cannot read {ADAPTER_CONFIG_NAME} ({exc})"
-        ) from None
-    if getattr(config, "peft_type", None) is not None and str(config.peft_type) not in (
-        "LORA",
-        "PeftType.LORA",
-    ):
-        raise MergeInputError(f"{label} {path} is a {config.peft_type} adapter, not LoRA")
-    if getattr(config, "use_dora", False):
-        raise MergeInputError(f"{label} {path} is a DoRA adapter; only plain LoRA is supported")
-    try:
-        weights = load_peft_weights(str(path), device="cpu")
-    except Exception as exc:
-        raise MergeInputError(f"{label} {path}: cannot read the adapter weights ({exc})") from None
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in weights.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if name.endswith(suffix):
-                pairs.setdefault(name.removesuffix(suffix), {})[part] = tensor
-                break
-        else:
-            raise MergeInputError(
-                f"{label} {path}: tensor {key!r} is not a LoRA A/B matrix of a linear layer "
-                "(embedding LoRA, biases and modules_to_save are not supported)"
-            )
-    modules = {}
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise MergeInputError(f"{label} {path}: module {module} lacks lora_A or lora_B")
-        A, B = ab["lora_A"], ab["lora_B"]
-        if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
-            raise MergeInputError(f"{label} {path}: module {module} contains NaN or Inf")
-        r = A.shape[0]
-        if A.dim() != 2 or B.dim() != 2 or B.shape[1] != r:
-            raise MergeInputError(
-                f"{label} {path}: module {module} has A {tuple(A.shape)}, B {tuple(B.shape)}"
-            )
-        alpha = config.lora_alpha
-        if config.alpha_pattern:
-            key = get_pattern_key(config.alpha_pattern.keys(), module)
-            alpha = config.alpha_pattern.get(key, alpha)
-        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
-        modules[module] = LoraModule(A, B, scaling, bool(config.fan_in_fan_out))
-    if not modules:
-        raise MergeInputError(f"{label} {path} holds no LoRA weights")
-    return LoraAdapter(path, config, modules)
 
 
 @dataclass
@@ -195,7 +92,7 @@ class LoraDeltaMerge:
         self.shapes: dict[str, tuple[int, int]] = {}
         for adapter in adapters:
             for module, lora in adapter.modules.items():
-                shape = _delta_shape(lora)
+                shape = lora.delta_shape
                 if self.shapes.setdefault(module, shape) != shape:
                     raise MergeInputError(
                         f"adapter {adapter.path}: module {module} has ΔW shape {shape}, "
@@ -206,7 +103,11 @@ class LoraDeltaMerge:
 
     def prepare(self) -> None:
         """The method's whole-model first pass (e.g. a global top-k threshold), if it has one."""
-        self.stats = self.method.compute_stats({**self.params, **self.per_model}, self.iter_inputs)
+        self.stats = self.method.compute_stats(self._resolved, self.iter_inputs)
+
+    @property
+    def _resolved(self) -> dict[str, Any]:
+        return {**self.params, **self.per_model}
 
     def task_vectors(self, module: str) -> list[torch.Tensor]:
         shape = self.shapes[module]
@@ -226,12 +127,7 @@ class LoraDeltaMerge:
         """Merged ΔW of ``module`` (the method applied with base 0), in the compute dtype."""
         deltas = self.task_vectors(module)
         ctx = TensorContext(name=f"{module}.weight", seed=self.seed, stats=self.stats)
-        merged = self.method.fn(
-            torch.zeros_like(deltas[0]), deltas, ctx=ctx, **self.params, **self.per_model
-        )
-        if not torch.isfinite(merged).all():
-            raise MergeInputError(f"merged ΔW of {module} contains NaN or Inf")
-        return merged
+        return self.method.apply(torch.zeros_like(deltas[0]), deltas, ctx, self._resolved)
 
     def linear_coefficients(self) -> list[float]:
         """c_i with merged ΔW = Σ c_i ΔW_i, read off the method itself (unit task vectors)."""
@@ -240,16 +136,10 @@ class LoraDeltaMerge:
         for i in range(n):
             units = [torch.full((1,), float(i == j), dtype=torch.float64) for j in range(n)]
             ctx = TensorContext(name="coefficient-probe", seed=self.seed, stats=self.stats)
-            value = self.method.fn(
-                torch.zeros(1, dtype=torch.float64), units, ctx=ctx, **self.params, **self.per_model
-            )
+            value = self.method.apply(torch.zeros(1, dtype=torch.float64), units, ctx,
+                                      self._resolved)  # fmt: skip
             coefficients.append(float(value[0]))
         return coefficients
-
-
-def _delta_shape(lora: LoraModule) -> tuple[int, int]:
-    shape = (lora.B.shape[0], lora.A.shape[1])
-    return (shape[1], shape[0]) if lora.fan_in_fan_out else shape
 
 
 def merge_lora_adapters(
@@ -341,7 +231,7 @@ def plan_lora_merge(
     if weights is not None:
         per_model_params["weight"] = list(weights)
     resolved, lists = m.resolve(len(adapters), params, per_model_params)
-    loaded = [load_lora_adapter(p, f"adapter {i}") for i, p in enumerate(adapters)]
+    loaded = [LoraAdapter.from_pretrained(p, label=f"adapter {i}") for i, p in enumerate(adapters)]
     merge = LoraDeltaMerge(m, loaded, resolved, lists, dtype, seed)  # checks ΔW shapes agree
     folder = CheckpointFolder(base, "base") if base is not None else None
     if folder is not None:
@@ -394,7 +284,7 @@ def _write_full(
                 description=f"merging LoRA ({plan.merge.method.name})",
             )
             copy_model_files(folder.path, tmp)
-            _set_config_dtype(tmp, tensors)
+            set_config_dtype(tmp, tensors)
             record = {**plan.describe(), "output": "full"}
             (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     finally:
@@ -458,8 +348,10 @@ def _write_adapter(
             B, A, errors[module] = svd_truncate(delta.T if fan_in_fan_out else delta, out_rank)
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.to(store_dtype).contiguous()
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.to(store_dtype).contiguous()
+    from peft import LoraConfig
+
     config = replace(
-        merge.adapters[0].config,
+        LoraConfig.from_pretrained(str(merge.adapters[0].path)),
         r=out_rank,
         lora_alpha=out_rank,  # scaling 1: c_i·s_i (or the singular values) live in B
         use_rslora=False,
@@ -470,7 +362,7 @@ def _write_adapter(
     kind = "lora-adapter"
     with atomic_output_dir(output, force=force, inputs=inputs, kind=kind) as tmp:
         config.save_pretrained(str(tmp))
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAMES[0]), metadata={"format": "pt"})
         record = {
             **plan.describe(),
             "output": "adapter",

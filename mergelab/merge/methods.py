@@ -26,7 +26,7 @@ from .registry import Interval, TensorContext, merge_method
 _DENSITY_RANGE = {"density": Interval(0.0, 1.0, low_open=True)}
 
 
-def _weighted_sum(
+def weighted_sum(
     tensors: Iterable[torch.Tensor], weight: list[float], normalize: bool
 ) -> torch.Tensor:
     """Σ_i w_i x_i into a new tensor, divided by Σ_i w_i when ``normalize``.
@@ -130,14 +130,14 @@ def _sum_rows_into(
     base: torch.Tensor,
 ) -> None:
     """out = θ_b + λ Σ_i w_i rows_i (Σ divided by Σ w_i when ``normalize``), for one chunk: the
-    same operations, in the same order, as ``_add_scaled_(_weighted_sum(rows, ...), λ, θ_b)``."""
-    acc = _weighted_sum(rows, weight, normalize)
+    same operations, in the same order, as ``add_scaled_(weighted_sum(rows, ...), λ, θ_b)``."""
+    acc = weighted_sum(rows, weight, normalize)
     if lambda_ != 1:
         acc.mul_(lambda_)
     torch.add(acc, base, out=out)
 
 
-def _add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torch.Tensor:
+def add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torch.Tensor:
     """θ_b + λ δ, reusing δ's storage (``delta`` is the method's own buffer)."""
     if lambda_ != 1:
         delta.mul_(lambda_)
@@ -300,7 +300,7 @@ def _trim_elect_merge(
     return out.view(base.shape)
 
 
-def _elect_merge(
+def elect_merge(
     base: torch.Tensor, stack: torch.Tensor, weight: list[float], **options: Any
 ) -> torch.Tensor:
     """θ_b + λ · disjoint_merge(elect(stack)) for a full ``[n, *shape]`` stack (overwritten),
@@ -486,7 +486,7 @@ def dare_linear(
         )
     base, experts = _whole(base, experts, ctx)
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    return _into_out(_add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base), ctx)
+    return _into_out(add_scaled_(weighted_sum(tv, weight, normalize), lambda_, base), ctx)
 
 
 @merge_method(
@@ -533,7 +533,7 @@ def dare_ties(
         )
     base, experts = _whole(base, experts, ctx)
     tv = _dare_drop(base, experts, density, rescale, ctx)
-    return _into_out(_elect_merge(base, tv, weight, **options), ctx)
+    return _into_out(elect_merge(base, tv, weight, **options), ctx)
 
 
 @merge_method(

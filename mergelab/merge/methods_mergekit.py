@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import ops
-from .methods import _add_scaled_, _elect_merge, _weighted_sum
+from .methods import add_scaled_, elect_merge, weighted_sum
 from .ops import DareRescale
 from .registry import Interval, TensorContext, merge_method
 
@@ -116,7 +116,7 @@ def della(
     which prunes nothing).
     """
     tv = _magprune(base, experts, density, epsilon, rescale, ctx)
-    return _elect_merge(
+    return elect_merge(
         base,
         tv,
         weight,
@@ -155,7 +155,7 @@ def della_linear(
     mergekit. mergekit's ``della_linear`` is this with ``rescale="l1"``.
     """
     tv = _magprune(base, experts, density, epsilon, rescale, ctx)
-    return _add_scaled_(_weighted_sum(tv, weight, normalize), lambda_, base)
+    return add_scaled_(weighted_sum(tv, weight, normalize), lambda_, base)
 
 
 @merge_method("sce", per_model=(), ranges={"select_topk": Interval(0.0, 1.0, low_open=True)})

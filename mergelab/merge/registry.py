@@ -41,9 +41,11 @@ full-size compute-dtype copy of a tensor is ever made; their ``prepare`` hook ge
 ``dtype=`` too. Without ``ctx.dtype`` (the in-memory engine, a direct call) everything arrives in
 the compute dtype as above.
 
-For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``;
-``stats = method.compute_stats({**globals_, **lists}, make_iter)`` (``{}`` if not needed); then
-per tensor ``method.fn(base, experts, ctx=TensorContext(name, seed, stats), **globals_, **lists)``.
+For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``
+and ``params = {**globals_, **lists}``; ``stats = method.compute_stats(params, make_iter)``
+(``{}`` if not needed); then per tensor
+``method.apply(base, experts, TensorContext(name, seed, stats), params)``, which runs the method
+and checks its result (shape, dtype, NaN/Inf) the same way for every engine.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from . import ops
+from .validation import MergeInputError
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 # A first-pass hook: (resolved params, make_iter) -> statistics dict; make_iter() is a fresh pass.
@@ -283,6 +288,13 @@ class MergeMethod:
         if interval is not None and number not in interval:
             raise ValueError(f"{name} must lie in {interval}, got {number:g}")
 
+    def has_first_pass(self, params: dict[str, Any]) -> bool:
+        """Whether merging with ``params`` (resolved globals and per-model lists in one dict)
+        starts with a whole-model statistics pass (``prepare``)."""
+        return self.prepare is not None and (
+            self.needs_prepare is None or self.needs_prepare(params)
+        )
+
     def compute_stats(
         self,
         params: dict[str, Any],
@@ -296,13 +308,59 @@ class MergeMethod:
         ``make_iter`` then yields the tensors in their stored dtype; the hook receives it as
         ``prepare(params, make_iter, dtype=dtype)``.
         """
-        if self.prepare is None or (
-            self.needs_prepare is not None and not self.needs_prepare(params)
-        ):
+        if not self.has_first_pass(params):
             return {}
         if dtype is not None:
             return self.prepare(params, make_iter, dtype=dtype)
         return self.prepare(params, make_iter)
+
+    def apply(
+        self,
+        base: torch.Tensor | None,
+        experts: list[torch.Tensor],
+        ctx: TensorContext,
+        params: Mapping[str, Any],
+        *,
+        check_finite: bool = True,
+    ) -> torch.Tensor:
+        """Merge one tensor — what every engine calls. ``params``: resolved global parameters and
+        per-model lists in one dict (from :meth:`resolve`); ``ctx.stats`` from
+        :meth:`compute_stats`. The result is checked by :meth:`check_result`; an engine that
+        checks finiteness itself while copying the result (the streaming one) passes
+        ``check_finite=False`` and raises :meth:`nonfinite_error`."""
+        merged = self.fn(base, experts, ctx=ctx, **params)
+        self.check_result(merged, experts[0], ctx, check_finite=check_finite)
+        return merged
+
+    def check_result(
+        self,
+        merged: Any,
+        like: torch.Tensor,
+        ctx: TensorContext,
+        *,
+        check_finite: bool = True,
+    ) -> None:
+        """The one set of checks on a method's result: a tensor of the inputs' shape, in the
+        compute dtype (``ctx.out``'s, when the method was given an output buffer, which it must
+        have written into), and (``check_finite``) without NaN or Inf."""
+        where = f"merge method {self.name!r} returned"
+        if not isinstance(merged, torch.Tensor):
+            raise TypeError(f"{where} {type(merged).__name__} for tensor {ctx.name!r}")
+        if merged.shape != like.shape:
+            raise TypeError(f"{where} {tuple(merged.shape)} for tensor {ctx.name!r}, "
+                            f"expected shape {tuple(like.shape)}")  # fmt: skip
+        if ctx.out is not None and merged.data_ptr() != ctx.out.data_ptr():
+            raise TypeError(f"merge method {self.name!r} did not write into ctx.out")
+        dtype = ctx.out.dtype if ctx.out is not None else (ctx.dtype or like.dtype)
+        if merged.dtype != dtype:
+            raise TypeError(f"{where} {merged.dtype} for tensor {ctx.name!r}, expected {dtype}")
+        if check_finite and not ops.all_finite(merged):
+            raise self.nonfinite_error(ctx.name)
+
+    def nonfinite_error(self, tensor_name: str) -> MergeInputError:
+        return MergeInputError(
+            f"merge method {self.name!r} produced NaN or Inf in tensor {tensor_name!r}"
+        )
 
     def __call__(
         self,
@@ -319,11 +377,10 @@ class MergeMethod:
         """
         ctx = ctx or TensorContext()
         globals_, lists = self.resolve(len(experts), params)
+        resolved = {**globals_, **lists}
         if not ctx.stats:
-            ctx.stats = self.compute_stats(
-                {**globals_, **lists}, lambda: [(ctx.name, base, list(experts))]
-            )
-        return self.fn(base, experts, ctx=ctx, **globals_, **lists)
+            ctx.stats = self.compute_stats(resolved, lambda: [(ctx.name, base, list(experts))])
+        return self.apply(base, experts, ctx, resolved)
 
 
 _REGISTRY: dict[str, MergeMethod] = {}

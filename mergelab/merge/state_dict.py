@@ -82,7 +82,8 @@ def merge_state_dicts(
     def make_iter() -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
         return ((name, *load(name)) for name in floating)
 
-    stats = m.compute_stats({**resolved, **lists}, make_iter)
+    resolved = {**resolved, **lists}
+    stats = m.compute_stats(resolved, make_iter)
 
     out: dict[str, torch.Tensor] = {}
     for name, ref in reference.items():
@@ -93,15 +94,7 @@ def merge_state_dicts(
             out[name] = ref.clone()
             continue
         b, es = load(name)
-        ctx = TensorContext(name=name, seed=seed, stats=stats)
-        merged = m.fn(b, es, ctx=ctx, **resolved, **lists)
-        expected = es[0].shape
-        if not isinstance(merged, torch.Tensor) or merged.shape != expected:
-            got = tuple(merged.shape) if isinstance(merged, torch.Tensor) else type(merged).__name__
-            raise TypeError(
-                f"merge method {m.name!r} returned {got} for tensor {name!r}, "
-                f"expected shape {tuple(expected)}"
-            )
+        merged = m.apply(b, es, TensorContext(name=name, seed=seed, stats=stats), resolved)
         if name in rows:  # merged the shared vocabulary rows; the rest stay the reference's
             full = ref.clone()
             full[: rows[name]] = merged.to(ref.dtype)

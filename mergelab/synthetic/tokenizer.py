@@ -1,22 +1,19 @@
-"""A character-level tokenizer for the mini scale, built offline with the ``tokenizers`` library.
+"""The mini scale's character tokenizer: printable ASCII, ``<pad>`` = 0, ``<eos>`` = 1, ``<unk>`` = 2.
 
-One token per printable ASCII character plus ``<pad>`` (id 0), ``<eos>`` (id 1) and ``<unk>`` (id 2);
-it is a regular ``PreTrainedTokenizerFast`` (``save_pretrained`` / ``from_pretrained`` work), so
-every mergelab component treats it like any Hugging Face tokenizer.
+Built by :func:`mergelab.tiny.char_tokenizer`; a regular ``PreTrainedTokenizerFast``
+(``save_pretrained`` / ``from_pretrained`` work), so every mergelab component treats it like any
+Hugging Face tokenizer.
 """
 
 from __future__ import annotations
 
 import string
 
-from transformers import PreTrainedTokenizerFast
+from mergelab import tiny
 
-from mergelab.char_tokenizer import char_tokenizer as build_char_tokenizer
-
-SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>"}
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    # Decoder-only generation pads on the left.
-    return build_char_tokenizer(CHARACTERS, SPECIAL_TOKENS, padding_side="left")
+def mini_tokenizer():
+    """The study's tokenizer; left padding, as decoder-only batched generation wants."""
+    return tiny.char_tokenizer(CHARACTERS, bos=None, unk="<unk>", padding_side="left")

@@ -1,73 +1,46 @@
-"""Training loops for the mini-scale study, nanoGPT-sized: pretrain a small LM, fine-tune experts.
+"""Training for the mini-scale study, nanoGPT-sized: pretrain a small LM, fine-tune experts.
 
-* :func:`mini_llama_config` — a ~1M-parameter ``LlamaForCausalLM`` config for a given tokenizer.
+* :func:`new_mini_model` — a ~1M-parameter Llama (:func:`mergelab.tiny.tiny_llama`) for a tokenizer.
 * :func:`pretrain` — next-token loss on a packed stream of documents separated by EOS.
 * :func:`finetune` — supervised fine-tuning on (prompt, target) items, loss on the target and the
   final EOS only; full fine-tuning, or LoRA when ``lora`` is given (returns a PEFT model).
 
-All loops are seeded, CPU-friendly (AdamW, linear warmup then cosine decay) and show progress;
-batches go to the device of the model's parameters.
+Both run :func:`mergelab.tiny.train` (AdamW, linear warmup then cosine decay, gradient clipping at
+1), seeded and with progress bars; batches go to the device of the model's parameters.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from mergelab.tiny import tiny_llama, train, warmup_cosine_lr
+
+# The study's model: hidden 128, 4 layers, 4 heads, MLP 384, tied embeddings (~1M parameters).
+MINI_SIZES = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+                  max_positions=256)  # fmt: skip
 
 
-def mini_llama_config(tokenizer: Any, *, hidden_size: int = 128, num_layers: int = 4,
-                      num_heads: int = 4, intermediate_size: int = 384,
-                      max_positions: int = 256) -> LlamaConfig:  # fmt: skip
-    """A small Llama config sized for CPU training; vocabulary and special ids from ``tokenizer``."""
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
+def new_mini_model(tokenizer, *, seed: int = 0, **sizes):
+    """A randomly initialised mini Llama for ``tokenizer`` (``sizes`` override :data:`MINI_SIZES`),
+    in train mode."""
+    model = tiny_llama(tokenizer, seed=seed, tie_word_embeddings=True, **{**MINI_SIZES, **sizes})
+    return model.train()
 
 
-def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def _train_stream(model, batches, *, steps: int, lr: float, desc: str) -> list[float]:
+    """The study's loop: AdamW (betas 0.9/0.98), warmup over 5% of the steps, clip at 1."""
+    device = next(model.parameters()).device
 
+    def loss_fn(model, batch):
+        input_ids, attention_mask, labels = (t.to(device) for t in batch)
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
 
-def _train_loop(model, batches, *, steps: int, lr: float, desc: str, params=None) -> list[float]:
-    params = [p for p in (params or model.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    device = params[0].device if params else torch.device("cpu")
-    model.train()
-    losses = []
-    bar = tqdm(range(steps), desc=desc, leave=False, mininterval=2.0)
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        input_ids, attention_mask, labels = (t.to(device) for t in next(batches))
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
-    return losses
+    schedule = warmup_cosine_lr(lr, steps, warmup=max(1, steps // 20))
+    return train(model, batches, loss_fn, lr=lr, steps=steps, betas=(0.9, 0.98),
+                 lr_schedule=schedule, clip_grad_norm=1.0, progress=desc)  # fmt: skip
 
 
 def pretrain(model, tokenizer, documents: Sequence[str], *, steps: int, batch_size: int = 32,
@@ -89,7 +62,7 @@ def pretrain(model, tokenizer, documents: Sequence[str], *, steps: int, batch_si
             yield x, torch.ones_like(x), x
 
     torch.manual_seed(seed)
-    return _train_loop(model, batches(), steps=steps, lr=lr, desc="pretrain")
+    return _train_stream(model, batches(), steps=steps, lr=lr, desc="pretrain")
 
 
 def sft_batch(tokenizer, items: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,10 +114,5 @@ def finetune(model, tokenizer, items: Sequence[dict], *, steps: int, batch_size:
             yield sft_batch(tokenizer, rows + [rng.choice(replay) for _ in range(n_replay)])
 
     torch.manual_seed(seed)
-    losses = _train_loop(model, batches(), steps=steps, lr=lr, desc=desc)
+    losses = _train_stream(model, batches(), steps=steps, lr=lr, desc=desc)
     return model, losses
-
-
-def new_mini_model(tokenizer, *, seed: int = 0, **config_kwargs) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(mini_llama_config(tokenizer, **config_kwargs))

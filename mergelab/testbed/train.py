@@ -8,9 +8,12 @@ training is full-batch Adam on those rows — exact and fast.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch import nn
+
+from mergelab.tiny import train
 
 from .models import LinearizedModel
 
@@ -32,17 +35,8 @@ def fit_max_likelihood(
     """Train ``model`` in place by full-batch Adam on the count-weighted NLL; returns the losses."""
     if counts.shape[0] != contexts.shape[0]:
         raise ValueError(f"{counts.shape[0]} count rows for {contexts.shape[0]} contexts")
-    model.train()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = mean_nll(model, contexts, counts)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    full_batch = itertools.repeat((contexts, counts), steps)
+    return train(model, full_batch, lambda m, batch: mean_nll(m, *batch), lr=lr, optimizer="adam")
 
 
 def finetune(

@@ -1,41 +1,36 @@
-"""Toy compositional tasks on tiny GPT-2 models (arXiv 2605.28304; docs/composition.md §4).
+"""Toy compositional tasks with exact targets (arXiv 2605.28304; docs/composition.md §4).
 
-Components only; the recipes that run the studies are ``studies/toy_*.py``.
+What stays in the library is what a user testing a merge or a composition on their own tiny
+models imports: string transformations whose joint target is known exactly, and the two ways of
+posing them to a causal LM. Training recipes, evaluation and the study's metrics live with the
+study (``studies/toy/``).
 
-* :mod:`.tokenizer` — a character tokenizer (A–Z, space, optional markers, pad/eos/sep) built
-  offline as a transformers ``PreTrainedTokenizerFast``.
-* :mod:`.tasks` — letter maps (replacement, chains, conflicts), span skills with stopping times,
-  and the two ways of posing a string transformation to a causal LM (aligned / generative).
-* :mod:`.train` — tiny GPT-2 from a ``GPT2Config``, a short AdamW loop, LoRA fine-tuning.
-* :mod:`.metrics` — exact match of the joint transformation, per-skill success, bootstrap CIs.
+* :mod:`.tokenizer` — the toy alphabet (space + A–Z, optional markers, pad/eos/sep) as a
+  transformers ``PreTrainedTokenizerFast`` built offline.
+* :mod:`.tasks` — letter maps (replacement, chains, conflicts) with their parallel and chained
+  joint targets, span skills with stopping times, and the aligned / generative encoders.
 """
 
-from .metrics import exact_match, seed_bootstrap_ci, skill_success
 from .tasks import (
     AlignedTask,
     GenerativeTask,
     LetterMap,
+    SpanExample,
     SpanSkillTask,
     parallel_target,
     random_strings,
 )
-from .tokenizer import LETTERS, build_char_tokenizer
-from .train import TrainConfig, finetune_lora, tiny_gpt2, train_model
+from .tokenizer import ALPHABET, LETTERS, build_char_tokenizer
 
 __all__ = [
+    "ALPHABET",
     "LETTERS",
     "AlignedTask",
     "GenerativeTask",
     "LetterMap",
+    "SpanExample",
     "SpanSkillTask",
-    "TrainConfig",
-    "seed_bootstrap_ci",
     "build_char_tokenizer",
-    "exact_match",
-    "finetune_lora",
     "parallel_target",
     "random_strings",
-    "skill_success",
-    "tiny_gpt2",
-    "train_model",
 ]

@@ -11,7 +11,7 @@ import string
 
 from transformers import PreTrainedTokenizerFast
 
-from mergelab.char_tokenizer import char_tokenizer
+from mergelab.tiny import char_tokenizer
 
 LETTERS = string.ascii_uppercase
 ALPHABET = " " + LETTERS  # the authors' 27 symbols
@@ -32,9 +32,7 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
             f"extra_chars must be single ASCII characters other than [ ], got {extra_chars!r}"
         )
     return char_tokenizer(
-        chars,
-        {"pad_token": "[PAD]", "eos_token": "[EOS]", "sep_token": "[SEP]"},
-        padding_side="right",
+        chars, pad="[PAD]", eos="[EOS]", bos=None, sep="[SEP]", padding_side="right"
     )
 
 

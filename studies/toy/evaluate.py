@@ -1,7 +1,14 @@
-"""Run a :class:`~mergelab.candidate.Candidate` on a toy task and read off its predictions.
+"""Run a :class:`~mergelab.candidate.Candidate` on a toy task and score its predictions.
 
 Every row of a toy table — base, expert, composition, each weight merge — goes through these
-two functions, i.e. through the same ``Candidate`` calls.
+functions, i.e. through the same ``Candidate`` calls.
+
+Why the aligned protocol has its own evaluator instead of :mod:`mergelab.compare`'s: there the
+model is a language model — the logits at ``t`` are scored against the *next* token, and an
+answer is generated token by token. In the authors' aligned protocol the logits at ``t`` (which
+see ``x[:t+1]``) are trained to predict ``y[t]``, the output *at the same position*: the whole
+answer comes out of one forward pass as a per-position argmax, with no shift, no prompt and no
+stopping decision. Scored as an LM, every prediction would be off by one position.
 """
 
 from __future__ import annotations
@@ -9,10 +16,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from ..candidate import GenerationSettings
-from .tasks import AlignedTask, GenerativeTask
+from mergelab.candidate import GenerationSettings
+from mergelab.toy import AlignedTask, GenerativeTask, LetterMap
 
 
 @torch.no_grad()
@@ -57,3 +65,26 @@ def generative_predictions(
             if g.finish_reason == "eos":
                 out[i] = "".join(task.tokenizer.convert_ids_to_tokens(g.token_ids))
     return out
+
+
+def exact_match(predictions: Sequence[str | None], targets: Sequence[str | None]) -> np.ndarray:
+    """Per-example 0/1: prediction equals target exactly (an undefined target ``None`` counts 0)."""
+    return np.array(
+        [float(t is not None and p == t) for p, t in zip(predictions, targets, strict=True)]
+    )
+
+
+def skill_success(
+    inputs: Sequence[str], predictions: Sequence[str], skill: LetterMap
+) -> np.ndarray:
+    """Per-example 0/1 over the examples the skill touches: every touched position rewritten.
+
+    Only the positions where ``skill`` changes the input count (other positions are the joint
+    exact match's business); examples without such a position are left out (empty array if none).
+    """
+    out = []
+    for x, p in zip(inputs, predictions, strict=True):
+        idx = [i for i, c in enumerate(x) if skill.touches(c)]
+        if idx:
+            out.append(float(len(p) == len(x) and all(p[i] == skill(x[i]) for i in idx)))
+    return np.array(out)

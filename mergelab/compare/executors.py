@@ -1,0 +1,222 @@
+"""Running jobs (one candidate on one benchmark split): in this process, or as Ray tasks.
+
+A job's record — per-item scores, cost, termination — is written to
+``<cache>/jobs/<key>.json`` when it finishes, the key hashing everything that decides it (the
+candidate's models and grid point, the split's items, the evaluation settings, the seed). A rerun
+reads finished jobs from there; an unfinished one resumes from :func:`mergelab.eval.evaluate`'s
+generation cache (``<cache>/generations``), so an interrupted run loses at most one batch.
+
+With Ray, every job is a task declaring the spec's resources (``num_cpus``, ``num_gpus``,
+``resources``); tasks run the same code on the same inputs, so the records equal a local run's
+(wall-clock costs aside). Ray is an optional extra: ``pip install "mergelab[ray]"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mergelab.compare.candidates import ModelStore
+from mergelab.compare.plan import Job, Plan, fingerprint
+from mergelab.compare.spec import eval_settings_for
+from mergelab.outputs import atomic_output_file
+
+JOB_FORMAT = 1
+
+
+@dataclass
+class JobContext:
+    """What a job needs, picklable for Ray (models load lazily in each process)."""
+
+    plan: Plan
+    store: ModelStore
+    cache_dir: Path
+    progress: bool = False
+
+    def settings(self, job: Job):
+        b = self.plan.spec.benchmark(job.benchmark)
+        spec = self.plan.spec
+        return eval_settings_for(
+            b.generation,
+            b.prompt,
+            b.eval,
+            seed=job.seed,
+            bootstrap_samples=spec.bootstrap_samples,
+            confidence=spec.confidence,
+        )
+
+    def job_key(self, job: Job) -> str:
+        bench = self.plan.split_benchmark(job.seed, job.benchmark, job.split)
+        fam = job.point.family
+        return fingerprint(
+            {
+                "format": JOB_FORMAT,
+                "seed": job.seed,
+                "family": fam.to_dict(),
+                "point": job.point.to_dict(),
+                "expert": job.point.expert,
+                "models": self.store.identity(),
+                "benchmark": bench.fingerprint(),
+                "settings": self.settings(job).to_dict(),
+            }
+        )
+
+    def job_file(self, job: Job) -> Path:
+        return self.cache_dir / "jobs" / f"{self.job_key(job)}.json"
+
+
+def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
+    """Evaluate one job (or read its finished record)."""
+    path = ctx.job_file(job)
+    if path.is_file():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:  # a torn file cannot happen (atomic write), but be safe
+            pass
+    from mergelab.eval.harness import evaluate
+
+    candidate = ctx.store.candidate(job.point, job.seed)
+    bench = ctx.plan.split_benchmark(job.seed, job.benchmark, job.split)
+    result = evaluate(
+        candidate,
+        bench,
+        ctx.settings(job),
+        cache_dir=ctx.cache_dir / "generations",
+        progress=ctx.progress,
+    )
+    record = job_record(job, result, candidate)
+    ctx.store.release(candidate)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_file(path, force=True) as tmp:
+        tmp.write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
+    return record
+
+
+def job_record(job: Job, result, candidate) -> dict[str, Any]:
+    """Per-item scores of the primary metric, cost and termination of one evaluation.
+
+    Cost: ``model_evaluations_per_token`` — component models run per decoding step (1 for a
+    model or merge, k + 1 for a composition of k experts; the LoRA fast path runs them as one
+    batched forward); ``forward_calls_per_token`` — the decoder's forward calls per generated
+    token; ``ms_per_token`` — wall time per generated token (a batch's time split evenly over its
+    rows; timings depend on the machine and its load, outcomes do not)."""
+    metric = result.primary_metric
+    wanted = {it["item_id"] for it in result.items}
+    gens = []
+    with open(result.run_dir / "generations.jsonl", encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("item_id") in wanted:
+                gens.append(rec)
+    seen, unique = set(), []
+    for g in gens:  # a record regenerated after a torn line appears once
+        if (g["item_id"], g["sample"]) not in seen:
+            seen.add((g["item_id"], g["sample"]))
+            unique.append(g)
+    gens = unique
+    tokens = sum(g["n_tokens"] for g in gens)
+    texts = [s["text"] for it in result.items for s in it["samples"]]
+    per_item = {it["item_id"]: float(it["scores"][metric]) for it in result.items}
+    components = getattr(getattr(candidate, "composition", None), "components", ("model",))
+    return {
+        "seed": job.seed,
+        "row": job.point.row,
+        "family": job.point.family.family,
+        "label": job.point.label,
+        "params": job.point.params,
+        "benchmark": job.benchmark,
+        "split": job.split,
+        "metric": metric,
+        "mean": sum(per_item.values()) / len(per_item),
+        "items": per_item,
+        "completions_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest(),
+        "cost": {
+            "model_evaluations_per_token": len(components),
+            "forward_calls_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
+            "ms_per_token": 1000.0 * sum(g["seconds"] for g in gens) / max(1, tokens),
+            "mean_new_tokens": tokens / max(1, len(gens)),
+        },
+        "termination": {
+            "stop_rate": sum(g["finish_reason"] != "length" for g in gens) / max(1, len(gens)),
+            "eos_rate": sum(g["finish_reason"] == "eos" for g in gens) / max(1, len(gens)),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_local(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, Any]]:
+    out = []
+    bar = tqdm(jobs, desc=desc, disable=not ctx.progress, unit="job")
+    for job in bar:
+        bar.set_postfix_str(f"{job.point.candidate_name} · {job.benchmark}", refresh=False)
+        out.append(run_job(ctx, job))
+    return out
+
+
+def _ray_task(ctx: JobContext, job: Job) -> dict[str, Any]:
+    ctx.progress = False  # bars from many workers would interleave
+    return run_job(ctx, job)
+
+
+def run_ray(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, Any]]:
+    """Each job as a Ray task (connects to ``executor.address``, or starts a local instance)."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("the Ray executor needs Ray: pip install 'mergelab[ray]'") from exc
+    ex = ctx.plan.spec.executor
+    if not ray.is_initialized():
+        ray.init(address=ex.get("address"), **ex.get("init", {}))
+    finished = [None] * len(jobs)
+    todo = []
+    for i, job in enumerate(jobs):  # finished jobs are read here, not shipped
+        if ctx.job_file(job).is_file():
+            finished[i] = run_job(ctx, job)
+        else:
+            todo.append(i)
+    if todo:
+        task = ray.remote(
+            num_cpus=ex.get("num_cpus", 1),
+            num_gpus=ex.get("num_gpus", 0),
+            resources=ex.get("resources") or None,
+        )(_ray_task)
+        ctx_ref = ray.put(JobContext(ctx.plan, ctx.store, ctx.cache_dir, False))
+        refs = {task.remote(ctx_ref, jobs[i]): i for i in todo}
+        bar = tqdm(
+            total=len(jobs),
+            initial=len(jobs) - len(todo),
+            desc=f"{desc} (ray)",
+            disable=not ctx.progress,
+            unit="job",
+        )
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                finished[refs[ref]] = ray.get(ref)
+                bar.update(1)
+        bar.close()
+    return finished
+
+
+def run_jobs(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, Any]]:
+    kind = ctx.plan.spec.executor["kind"]
+    if kind == "ray":
+        return run_ray(ctx, jobs, desc)
+    return run_local(ctx, jobs, desc)
+
+
+def progress_default() -> bool:
+    return sys.stderr.isatty()

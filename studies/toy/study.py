@@ -1,0 +1,220 @@
+"""Settings of the toy study and the :class:`Study` that trains models and records results.
+
+One ``Study`` per seed: it owns the seed's data stream and model seeds (so the order of calls
+fixes every model), the tokenizers, and the list of result records every part appends to.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+
+from mergelab import ModelCandidate
+from mergelab.compose import ComposedDecoder
+from mergelab.merge import list_merge_methods, merge_models
+from mergelab.toy import (
+    AlignedTask,
+    GenerativeTask,
+    LetterMap,
+    build_char_tokenizer,
+    parallel_target,
+    random_strings,
+)
+from mergelab.toy.tasks import SPAN_MARKERS
+
+from .evaluate import aligned_predictions, exact_match, generative_predictions, skill_success
+from .train import TrainConfig, finetune_full, finetune_lora, tiny_gpt2, train_model
+
+
+@dataclass
+class Settings:
+    """The study's settings. Every model here differs from the authors' notebook in dropout (0,
+    not 0.1), weight decay (0, not 0.01), position table (160, not 32), vocabulary (30: pad, EOS
+    and separator added) and data order (reshuffled each epoch); ``authors_exact.py`` has theirs."""
+
+    name: str = "fast"
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    n_train: int = 2000  # examples per model (authors: 2000)
+    train_length: int = 16  # authors: 16
+    n_test: int = 300  # test strings per seed at the trained length
+    n_test_per_length: int = 60  # per length in the length sweep
+    lengths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64])
+    # Authors: AdamW lr 3e-4, batch 1, 5 epochs. Fast: batch 16 (same lr, epochs).
+    scratch: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=5, batch_size=16))
+    # Generative models from scratch: copying across the separator needs more updates than
+    # the aligned map; lr 1e-3 reaches 100% at length 16 in 5 epochs of batch 16. Trained at
+    # exactly length 16 (lengths 1..16 mixed reached only 66% teacher-forced in 15 epochs).
+    generative: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=5, batch_size=16, lr=1e-3)
+    )
+    generative_finetune: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=2, batch_size=16, lr=1e-3)
+    )
+    finetune: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2, batch_size=16))
+    lora: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=3, batch_size=16, lr=3e-3))
+    lora_rank: int = 4
+    spans_base: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=6, batch_size=16, lr=1e-3)
+    )
+    spans_finetune: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=4, batch_size=16, lr=1e-3)
+    )
+    span_letters: int = 12
+    span_width: int = 4  # letters per span in the overlap sweep (overlap 0..span_width)
+    n_span_test: int = 150  # per overlap value
+    lambdas: list[float] = field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def full_settings() -> Settings:
+    """The authors' batch size 1 for the aligned models, 5 seeds, every length 1..64."""
+    authors = TrainConfig(epochs=5, batch_size=1, lr=3e-4)
+    return Settings(
+        name="full",
+        seeds=[0, 1, 2, 3, 4],
+        n_test=1000,
+        n_test_per_length=200,
+        lengths=list(range(1, 65)),
+        scratch=authors,
+        generative=TrainConfig(epochs=5, batch_size=4, lr=1e-3),
+        generative_finetune=TrainConfig(epochs=2, batch_size=4, lr=1e-3),
+        finetune=TrainConfig(epochs=2, batch_size=1, lr=3e-4),
+        lora=TrainConfig(epochs=3, batch_size=4, lr=3e-3),
+        n_span_test=500,
+    )
+
+
+# The weight merges compared with the composition (all on experts fine-tuned from one base).
+# (label, method, params, use_base); "linear" and "slerp" interpolate the two experts.
+def merge_grid(lambdas: list[float]) -> list[tuple[str, str, dict, bool]]:
+    grid = [(f"TA λ={lam:g}", "task_arithmetic", {"lambda_": lam}, True) for lam in lambdas]
+    grid += [
+        ("TIES d=0.2", "ties", {"density": 0.2, "lambda_": 1.0}, True),
+        ("TIES d=0.5", "ties", {"density": 0.5, "lambda_": 1.0}, True),
+        ("DARE-lin d=0.5", "dare_linear", {"density": 0.5, "lambda_": 1.0}, True),
+        ("DARE-TIES d=0.5", "dare_ties", {"density": 0.5, "lambda_": 1.0}, True),
+        ("linear avg", "linear", {}, False),
+        ("SLERP t=0.5", "slerp", {"t": 0.5}, False),
+    ]
+    have = set(list_merge_methods())
+    return [g for g in grid if g[1] in have]
+
+
+class Study:
+    """Holds the tokenizers and settings of one run and collects result records."""
+
+    def __init__(self, settings: Settings, seed: int):
+        self.s = settings
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.tok = build_char_tokenizer()
+        self.span_tok = build_char_tokenizer(SPAN_MARKERS)
+        self.aligned = AlignedTask(self.tok)
+        self.generative = GenerativeTask(self.tok)
+        self.records: list[dict] = []
+        self.timings: dict[str, float] = {}
+        self._model_seed = seed * 1000
+
+    # ---- training ----------------------------------------------------------------------
+    def next_seed(self) -> int:
+        self._model_seed += 1
+        return self._model_seed
+
+    def train_data(self, task, fn, length) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = random_strings(self.s.n_train, length, self.rng)
+        return task.encode(xs, [fn(x) for x in xs])
+
+    def scratch(self, letter_map: LetterMap, *, generative: bool = False):
+        """A model trained from scratch to perform ``letter_map`` (identity = the base)."""
+        task = self.generative if generative else self.aligned
+        cfg = replace(self.s.generative if generative else self.s.scratch, seed=self.next_seed())
+        model = tiny_gpt2(len(self.tok), seed=cfg.seed)
+        train_model(model, *self.train_data(task, letter_map, self.s.train_length), cfg)
+        return model
+
+    def finetuned(self, base, letter_map: LetterMap, *, lora: bool = False):
+        data = self.train_data(self.aligned, letter_map, self.s.train_length)
+        if lora:
+            cfg = replace(self.s.lora, seed=self.next_seed())
+            return finetune_lora(base, *data, cfg, rank=self.s.lora_rank)
+        return finetune_full(base, *data, replace(self.s.finetune, seed=self.next_seed()))
+
+    # ---- candidates --------------------------------------------------------------------
+    def single(self, model, name, tok=None):
+        return ModelCandidate(model, tok or self.tok, name=name)
+
+    def composed(self, base, experts, names, tok=None, name="composition"):
+        return ComposedDecoder(base, experts, tok or self.tok, expert_names=list(names), name=name)
+
+    def merges(self, base, experts) -> dict[str, torch.nn.Module]:
+        out = {}
+        for label, method, params, use_base in merge_grid(self.s.lambdas):
+            out[label] = merge_models(
+                method, base if use_base else None, experts, params=params, seed=self.seed
+            )
+        return out
+
+    # ---- recording ---------------------------------------------------------------------
+    def record(self, part, pair, method, kind, metric, values, x=None):
+        self.records.append(
+            {
+                "part": part,
+                "pair": pair,
+                "method": method,
+                "kind": kind,
+                "seed": self.seed,
+                "x": x,
+                "metric": metric,
+                "values": [float(v) for v in np.asarray(values).tolist()],
+            }
+        )
+
+    def eval_letters(self, part, maps, candidates, inputs, *, generative=False, x=None):
+        """Joint exact match (parallel and chain targets) and per-skill success for each row."""
+        pair = " + ".join(m.name for m in maps)
+        parallel = [parallel_target(maps, s) for s in inputs]
+        chained = [LetterMap.chain(maps, s) for s in inputs]
+        for kind, cand in candidates:
+            if generative:
+                preds = generative_predictions(cand, self.generative, inputs)
+            else:
+                preds = aligned_predictions(cand, self.aligned, inputs)
+            self.record(part, pair, cand.name, kind, "joint", exact_match(preds, parallel), x)
+            if parallel != chained and None not in parallel:  # a true chain (A->B, B->C)
+                self.record(part, pair, cand.name, kind, "chain", exact_match(preds, chained), x)
+            if x is not None:
+                continue
+            safe = [p if p is not None else "" for p in preds]
+            for m in maps:
+                self.record(
+                    part, pair, cand.name, kind, f"skill {m.name}", skill_success(inputs, safe, m)
+                )
+            # What happens on letters two experts both rewrite (conflict case only).
+            for letter in {a for a, _ in maps[0].pairs} & {a for m in maps[1:] for a, _ in m.pairs}:
+                outs = [
+                    p[i]
+                    for s, p in zip(inputs, safe)
+                    for i, c in enumerate(s)
+                    if c == letter and len(p) == len(s)
+                ]
+                for m in maps:
+                    self.record(
+                        part,
+                        pair,
+                        cand.name,
+                        kind,
+                        f"{letter} written as {m(letter)}",
+                        [o == m(letter) for o in outs],
+                    )
+                self.record(
+                    part, pair, cand.name, kind, f"{letter} kept", [o == letter for o in outs]
+                )
+
+    def tick(self, label, t0):
+        self.timings[label] = round(time.perf_counter() - t0, 2)
