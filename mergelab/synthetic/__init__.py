@@ -4,7 +4,4 @@ from .corpus import pretraining_corpus
 from .tasks import GENERATORS, make_splits
 from .tokenizer import mini_tokenizer
 
-# The old name, until studies/llm and tests/test_llm_study import mini_tokenizer.
-char_tokenizer = mini_tokenizer
-
-__all__ = ["GENERATORS", "char_tokenizer", "make_splits", "mini_tokenizer", "pretraining_corpus"]
+__all__ = ["GENERATORS", "make_splits", "mini_tokenizer", "pretraining_corpus"]

@@ -12,6 +12,10 @@ Four skills, each an item generator with a checkable answer:
   on it; each knows half of it, which is the situation logit composition is meant for.
 * ``count`` — count the words of a list (GSM8K-style answer); the third, unrelated skill for the
   3-expert experiment.
+* ``mixed_fresh`` — a held-out variant of ``mixed`` designed after the other sets were fixed: other
+  story templates, names and objects, and another operation (multiplication: "fills 3 bags with
+  4 marbles each"), so its target expressions (``return 3 * 4 + 2``) are in no training set
+  (``make_splits(..., exclude_targets=...)`` enforces it). It is evaluated once, on test only.
 
 Every item is a plain dict (JSON-able): ``id``, ``task``, ``prompt``, ``target`` (the reference
 completion, what fine-tuning learns), and the scoring fields ``answer`` (math, count; ``question`` is the text inside ``Q: … A:``) or
@@ -151,6 +155,37 @@ def mixed_item(rng: random.Random) -> dict:
     }
 
 
+# The fresh mixed variant: names, objects and story templates that appear in no other task or
+# in the pretraining corpus, and a multiplication no story of the other tasks has.
+FRESH_NAMES = ["Max", "Zoe", "Sam", "Tia", "Rob", "Uma", "Ned", "Pia"]
+FRESH_OBJECTS = ["marbles", "stamps", "shells", "beads", "seeds", "tiles"]
+FRESH_STEPS = [("adds {k} more", "+"), ("puts in {k} more", "+"), ("takes out {k}", "-"),
+               ("drops {k}", "-")]  # fmt: skip
+
+
+def mixed_fresh_item(rng: random.Random) -> dict:
+    """``mixed`` with other templates: "Zoe fills 3 bags with 4 shells each. Then Zoe adds 2
+    more. How many shells are in the bags?" → ``return 3 * 4 + 2``."""
+    name, obj = rng.choice(FRESH_NAMES), rng.choice(FRESH_OBJECTS)
+    bags, each = rng.randint(2, 5), rng.randint(2, 9)
+    total, expr = bags * each, f"{bags} * {each}"
+    story = [f"{name} fills {bags} bags with {each} {obj} each."]
+    for _ in range(rng.choice([1, 2])):
+        sentence, op = rng.choice(FRESH_STEPS)
+        k = rng.randint(*STEP)
+        if op == "-" and k > total:
+            sentence, op = "adds {k} more", "+"
+        total = total + k if op == "+" else total - k
+        expr += f" {op} {k}"
+        story.append(f"Then {name} {sentence.format(k=k)}.")
+    story.append(f"How many {obj} are in the bags?")
+    fn_name = rng.choice(FUNCTION_NAMES)
+    prompt = f'def {fn_name}():\n    """{" ".join(story)}"""\n'
+    return {"task": "mixed_fresh", "prompt": prompt, "target": f"    return {expr}\n",
+            "tests": [f"assert {fn_name}() == {total}"], "entry_point": fn_name,
+            "answer": str(total)}  # fmt: skip
+
+
 def count_item(rng: random.Random) -> dict:
     """Count the words of a list, enumerating them first (a skill unrelated to math and code)."""
     words = [rng.choice(WORDS) for _ in range(rng.randint(2, 7))]
@@ -165,16 +200,24 @@ GENERATORS: dict[str, Callable[[random.Random], dict]] = {
     "code": code_item,
     "mixed": mixed_item,
     "count": count_item,
+    "mixed_fresh": mixed_fresh_item,
 }
 
 
 def make_splits(
-    task: str, sizes: dict[str, int], *, seed: int = 0, exclude: set[str] | None = None
+    task: str,
+    sizes: dict[str, int],
+    *,
+    seed: int = 0,
+    exclude: set[str] | None = None,
+    exclude_targets: set[str] | None = None,
 ) -> dict[str, list[dict]]:
     """Disjoint splits of one task, e.g. ``{"train": 2000, "validation": 50, "test": 100}``.
 
     Held-out splits (every split but "train") are drawn first, then train avoids their prompts,
-    so a test prompt never appears in training. ``exclude`` adds prompts no split may contain.
+    so a test prompt never appears in training. ``exclude`` adds prompts no split may contain;
+    ``exclude_targets`` reference completions no split may contain (e.g. every training target
+    of the other tasks, for a set whose answers must be new).
     """
     if task not in GENERATORS:
         raise ValueError(f"unknown task {task!r}; known: {sorted(GENERATORS)}")
@@ -188,7 +231,7 @@ def make_splits(
             if len(items) == sizes[split]:
                 break
             item = GENERATORS[task](rng)
-            if item["prompt"] in held_out:
+            if item["prompt"] in held_out or item["target"] in (exclude_targets or ()):
                 continue
             if split != "train":  # train may repeat its own prompts, never a held-out one
                 held_out.add(item["prompt"])

@@ -25,9 +25,7 @@ Student-t interval over seeds), rewritten after each seed.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
 import sys
 import time
@@ -53,7 +51,7 @@ from mergelab.toy import (
 
 from .evaluate import aligned_predictions, exact_match, generative_predictions
 from .explanations import answer_logprobs
-from .summary import summarise
+from .summary import experiment_parser, is_rate, resummarise, summarise
 from .train import TrainConfig, finetune_full, tiny_gpt2, train_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,24 +249,10 @@ def run_seed(seed: int, tok) -> list[dict]:
     return records
 
 
-def is_rate(metric: str) -> bool:
-    """Rates in [0, 1] (exact match, error rates, shares), not log-probs, margins or counts."""
-    return not metric.startswith(("median", "mean active", "errors (count)"))
-
-
-def resummarise(path: Path) -> None:
-    """Recompute the summary of a results file from its per-seed records (nothing retrained)."""
-    result = json.loads(path.read_text())
-    write_json_atomic(path, result | {"summary": summarise(result["runs"], is_rate)}, indent=1)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "toy" / "many_experts.json")
-    p.add_argument("--n-train", type=int, default=SIZES["n_train"])
-    p.add_argument("--n-test", type=int, default=SIZES["n_test"])
-    p.add_argument("--resummarise", action="store_true", help="only recompute the summary of --out")
+    p = experiment_parser(
+        __doc__.splitlines()[0], ROOT / "results" / "toy" / "many_experts.json", SIZES
+    )
     args = p.parse_args(argv)
     if args.resummarise:
         resummarise(args.out)

@@ -11,7 +11,9 @@ training runs can tell.
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -102,3 +104,25 @@ def print_main_table(rows: list[dict]) -> None:
                 print(
                     f"  {r['pair']:<14} {r['method'] + label:<40} {100 * r['mean']:6.1f}  {ci}  ({seeds})"
                 )
+
+
+def is_rate(metric: str) -> bool:
+    """Rates in [0, 1] (exact match, error rates, shares), not log-probs, margins or counts."""
+    return not metric.startswith(("median", "mean active", "errors (count)"))
+
+
+def resummarise(path: Path) -> None:
+    """Recompute the summary of a results file from its per-seed records (nothing retrained)."""
+    result = json.loads(path.read_text())
+    write_json_atomic(path, result | {"summary": summarise(result["runs"], is_rate)}, indent=1)
+
+
+def experiment_parser(description: str, out: Path, sizes: dict) -> argparse.ArgumentParser:
+    """The command line shared by the toy experiments: seeds, the results file, smoke-run sizes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--n-train", type=int, default=sizes["n_train"])
+    p.add_argument("--n-test", type=int, default=sizes["n_test"])
+    p.add_argument("--resummarise", action="store_true", help="only recompute the summary of --out")
+    return p

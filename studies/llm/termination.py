@@ -1,0 +1,175 @@
+"""More than two experts: does the composition stop too early, and what helps?
+
+* :func:`premature_termination` — per benchmark, how generations end compared with the reference
+  solution: generated vs reference length, outputs that stop early, outputs that are a strict
+  prefix of the reference, outputs that end right after the ``####`` marker, and p(EOS)
+  teacher-forced at *every* position of the reference (where it should be ~0) and at its end
+  (where it should be ~1). The stop rate alone only detects failing to stop.
+* :func:`termination_study` — 2 vs 3 experts under each EOS policy, measured as above.
+* :func:`remedies_study` — for 3 experts, remedies chosen on validation (an EOS policy; expert
+  weights w < 1 that bound the base's exponent 1 − k·w, e.g. w = 1/(k−1) = 0.5 gives −0.5
+  instead of −2; and both together), then reported on test with the exact McNemar test against
+  the plain 3-expert composition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mergelab import ModelCandidate
+from mergelab.compose import ComposedDecoder
+from mergelab.eval import Benchmark, build_prompt, compare
+
+from .candidates import Evaluator, argmax, as_items
+from .setting import Setting
+
+N_BINS = 5  # p(EOS) inside the reference, by fifths of its length
+
+
+@torch.no_grad()
+def eos_profile(candidate, bench: Benchmark, setting: Setting, bname: str) -> dict[str, Any]:
+    """Teacher-force prompt + reference: p(EOS) at every reference position (should be ~0) and
+    where the reference ends (should be ~1); the share of items where EOS is the most likely
+    token somewhere inside the reference (greedy decoding would stop there). p(EOS) sums over
+    the candidate's EOS ids (the ids that end its generations); the first 64 items."""
+    eos, refs = torch.tensor(candidate.eos_token_ids), setting.reference.get(bname)
+    if not refs or not len(eos):
+        return {}
+    at_end, inside, argmax_inside, bins = [], [], [], [[] for _ in range(N_BINS)]
+    prompt_cfg = setting.eval_settings[bname].prompt
+    for it in bench.items[:64]:
+        if it.item_id not in refs:
+            continue
+        p = candidate.encode_prompt(build_prompt(it, bench, prompt_cfg, setting.tokenizer))
+        c = candidate.encode_continuation(refs[it.item_id])
+        ids = torch.tensor([p + c])
+        lp = candidate.token_logprobs(ids, torch.ones_like(ids))[0, len(p) - 1 :]  # [len(c)+1, V]
+        probs = lp[:, eos].exp().sum(-1)  # every id that ends a row (the candidate's EOS set)
+        at_end.append(float(probs[-1]))
+        inner = probs[:-1]
+        inside.append(float(inner.mean()))
+        argmax_inside.append(bool(torch.isin(lp[:-1].argmax(-1), eos).any()))
+        for j, v in enumerate(inner.tolist()):
+            bins[min(N_BINS - 1, j * N_BINS // len(inner))].append(v)
+    if not at_end:
+        return {}
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"at_reference_end": mean(at_end), "inside_reference": mean(inside),
+            "inside_by_fifth": [mean(b) for b in bins],
+            "eos_argmax_inside_share": mean([float(a) for a in argmax_inside])}  # fmt: skip
+
+
+def premature_termination(record: dict[str, Any], setting: Setting, bname: str) -> dict[str, Any]:
+    """How generations end, against the reference solution. Token counts exclude EOS on both
+    sides (the harness's ``n_tokens`` does not count the EOS that ended a row), so an output equal
+    to the reference has length ratio 1."""
+    refs = setting.reference.get(bname)
+    if not refs:
+        return {}
+    tok = setting.tokenizer
+    ids = [i for i in record["per_item_tokens"] if i in refs]
+    ref_len = {i: len(tok(refs[i], add_special_tokens=False)["input_ids"]) for i in ids}
+    gen_len = {i: record["per_item_tokens"][i] for i in ids}
+    texts = {i: record["per_item_text"].get(i, "") for i in ids}
+    n = max(1, len(ids))
+    return {
+        "n_items": len(ids),
+        "mean_generated_tokens": sum(gen_len.values()) / n,
+        "mean_reference_tokens": sum(ref_len.values()) / n,
+        "mean_length_ratio": sum(gen_len[i] / ref_len[i] for i in ids) / n,
+        "shorter_than_reference": sum(gen_len[i] < ref_len[i] for i in ids) / n,
+        "strict_prefix_of_reference": sum(
+            len(texts[i].strip()) > 0 and refs[i].startswith(texts[i]) and texts[i] != refs[i]
+            for i in ids
+        ) / n,
+        "ends_right_after_marker": sum(texts[i].rstrip().endswith("####") for i in ids) / n,
+    }  # fmt: skip
+
+
+def _measured(record, candidate, bench, setting, bname) -> dict[str, Any]:
+    keep = ("score", "cost", "termination", "examples", "per_item")
+    return {**{k: record[k] for k in keep},
+            "premature": premature_termination(record, setting, bname),
+            "eos_prob": eos_profile(candidate, bench, setting, bname)}  # fmt: skip
+
+
+def _decoder(setting: Setting, names: list[str], policy: str, weight: float, name: str):
+    experts = [setting.experts[n] for n in names]
+    return ComposedDecoder(setting.base, experts, setting.tokenizer, [weight] * len(names),
+                           expert_names=names, eos_policy=policy, name=name)  # fmt: skip
+
+
+def termination_study(
+    setting: Setting, benches: dict[str, Benchmark], ev: Evaluator, policies: tuple[str, ...],
+    third: str,
+) -> dict[str, Any]:  # fmt: skip
+    """Compose 2 vs 3 experts (w = 1) under each EOS policy on ``benches`` (test splits)."""
+    rows = []
+    for k, names in ((2, ["math", "code"]), (3, ["math", "code", third])):
+        for policy in policies:
+            cand = _decoder(setting, names, policy, 1.0, f"compose{k}_{policy}")
+            recs = {}
+            for b, bench in benches.items():
+                rec = ev.record(cand, bench, setting.eval_settings[b])
+                recs[b] = _measured(rec, cand, bench, setting, b)
+            rows.append(
+                {"n_experts": k, "experts": names, "eos_policy": policy, "benchmarks": recs}
+            )
+            print(f"  compose{k}_{policy:15s} " + "  ".join(
+                f"{b}: score={r['score']['mean']:.2f} len={r['premature']['mean_length_ratio']:.2f}"
+                for b, r in recs.items()), flush=True)  # fmt: skip
+    singles = {}
+    for name in ["math", "code", third]:
+        cand = ModelCandidate(setting.experts[name], setting.tokenizer, name=f"{name}_expert")
+        singles[name] = {b: eos_profile(cand, bench, setting, b) for b, bench in benches.items()}
+    return {"third_expert": third, "rows": rows, "single_expert_eos_prob": singles}
+
+
+def remedies_study(
+    setting: Setting, validation: dict[str, Benchmark], test: dict[str, Benchmark],
+    ev: Evaluator, policies: tuple[str, ...], weights: tuple[float, ...], third: str,
+    bootstrap_samples: int, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    """3 experts: weight × EOS policy scored on validation (mean over ``validation``); three
+    remedies chosen there — the best policy at w = 1, the best weight with the plain policy, the
+    best pair — and each reported on test against the plain composition (w = 1, "plain"). Ties
+    go to w = 1, then to the earlier policy ("plain" first)."""
+    names = ["math", "code", third]
+
+    def cand(w: float, policy: str):  # at w = 1 the same candidate (and cache) as the 2-vs-3 rows
+        name = f"compose3_{policy}" if w == 1.0 else f"compose3_w{w}_{policy}"
+        return _decoder(setting, names, policy, w, name)
+
+    def val_score(w: float, policy: str) -> float:
+        c = cand(w, policy)
+        recs = [ev.record(c, b, setting.eval_settings[n]) for n, b in validation.items()]
+        return sum(r["score"]["mean"] for r in recs) / len(recs)
+
+    grid = {(w, p): val_score(w, p) for w in weights for p in policies}
+    default = (1.0, "plain")
+    chosen = {
+        "eos_policy": (1.0, max(policies, key=lambda p: (grid[(1.0, p)], -policies.index(p)))),
+        "weight": (argmax({w: grid[(w, "plain")] for w in weights}, prefer=1.0), "plain"),
+        "weight_and_eos_policy": max(grid, key=lambda k: (grid[k], -abs(k[0] - 1.0), -policies.index(k[1]))),
+    }  # fmt: skip
+    rows = {}
+    for label, (w, policy) in {"plain": default, **chosen}.items():
+        c = cand(w, policy)
+        recs = {}
+        for b, bench in test.items():
+            rec = ev.record(c, bench, setting.eval_settings[b])
+            recs[b] = _measured(rec, c, bench, setting, b)
+        rows[label] = {"weight": w, "eos_policy": policy, "base_exponent": 1 - len(names) * w,
+                       "validation": grid[(w, policy)], "benchmarks": recs}  # fmt: skip
+    for label, row in rows.items():
+        if label != "plain":
+            row["vs_plain"] = {
+                b: compare(as_items(r), as_items(rows["plain"]["benchmarks"][b]), metric="s",
+                           n_boot=bootstrap_samples, seed=seed)
+                for b, r in row["benchmarks"].items()
+            }  # fmt: skip
+    return {"experts": names, "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
+                                                   for (w, p), v in grid.items()],
+            "rows": rows}  # fmt: skip
