@@ -1,6 +1,6 @@
 """A composition of several models as one candidate: :class:`ComposedDecoder`.
 
-    base_only = ModelCandidate(base, tokenizer, name="base")        # mergelab.candidate
+    base_only = ModelCandidate(base, tokenizer, name="base")        # mergelab.model_candidate
     merged    = ModelCandidate(merge_models("ties", base, [math, code]), tokenizer, name="ties")
     composed  = ComposedDecoder(base, [math, code], tokenizer, expert_names=["math", "code"])
     for c in (base_only, merged, composed):

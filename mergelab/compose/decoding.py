@@ -2,7 +2,7 @@
 
 :class:`DecodingCandidate` turns a component runner (:mod:`mergelab.compose.runners`) plus a
 :class:`~mergelab.compose.formula.Composition` into a :class:`mergelab.candidate.Candidate`.
-:class:`~mergelab.candidate.ModelCandidate` (one model, or a merged one) and
+:class:`~mergelab.model_candidate.ModelCandidate` (one model, or a merged one) and
 :class:`~mergelab.compose.ComposedDecoder` are thin constructors around it, so greedy decoding,
 sampling, batching, EOS, stop strings, log-probs and cost counters are the same code for both.
 
