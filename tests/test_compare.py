@@ -432,6 +432,16 @@ def test_resume_after_kill_equals_uninterrupted_run(world, tmp_path):
     a = mc.load_results(tmp_path / "a" / "results.json")
     b = mc.load_results(tmp_path / "b" / "results.json")
     assert _outcomes(a) == _outcomes(b)
+    assert a["statistics"] == b["statistics"] and a["choices"] == b["choices"]
+
+
+def test_a_job_read_back_presents_its_items_in_the_split_order():
+    from mergelab.compare.executors import in_split_order
+
+    stored = {"row": "x", "items": {"a": 1.0, "b": 0.0, "c": 1.0}}  # as a sorted file holds them
+    read = in_split_order(stored, ["c", "a", "b"])
+    assert list(read["items"]) == ["c", "a", "b"] and read["items"]["b"] == 0.0
+    assert read["row"] == "x" and list(stored["items"]) == ["a", "b", "c"]  # input untouched
 
 
 # ----------------------------------------------------------------------------------------------

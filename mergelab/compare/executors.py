@@ -77,9 +77,11 @@ def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
     path = ctx.job_file(job)
     if path.is_file():
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            record = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError:  # a torn file cannot happen (atomic write), but be safe
             pass
+        else:
+            return in_split_order(record, ctx.plan.splits[job.seed][job.benchmark][job.split])
     from mergelab.eval.harness import evaluate
 
     candidate = ctx.store.candidate(job.point, job.seed)
@@ -93,10 +95,18 @@ def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
     )
     record = job_record(job, result, candidate)
     ctx.store.release(candidate)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output_file(path, force=True) as tmp:
-        tmp.write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
     return record
+
+
+def in_split_order(record: dict[str, Any], ids: Sequence[str]) -> dict[str, Any]:
+    """``record`` with its per-item scores in the split's order, the order a fresh run produces:
+    the bootstrap resamples positions, so a record read back (job files written by earlier
+    versions sorted their keys) must present its items in that order for a resumed run to
+    report the same statistics as an uninterrupted one."""
+    items = record["items"]
+    return {**record, "items": {i: items[i] for i in ids if i in items}}
 
 
 def job_record(job: Job, result, candidate) -> dict[str, Any]:
