@@ -53,12 +53,12 @@ candidates:
 benchmarks:
   - name: math
     file: data/math.jsonl
-    task: {math_task}
+    task: synth_math
     split: {validation: 30, test: 100}  # drawn with each seed; the ids are recorded
     generation: {max_new_tokens: 40, batch_size: 50}
   - name: code
     file: data/code.jsonl
-    task: {code_task}
+    task: synth_code
     split: {validation: 30, test: 100}
     generation: {max_new_tokens: 32, batch_size: 50}
     eval: {isolation: {isolation}}
@@ -79,23 +79,9 @@ TRAIN = {
 }
 
 
-def example_tasks() -> dict[str, str]:
-    """The registry's strict synthetic tasks when they exist (with their baselines), else the
-    standard ones (gsm8k-style answers, code with asserts)."""
-    from mergelab.compare.spec import known_tasks
-
-    known = known_tasks()
-    if "synth_math" in known and "synth_code" in known:
-        return {"math_task": "synth_math", "code_task": "synth_code"}
-    return {"math_task": "gsm8k", "code_task": "code"}
-
-
-def spec_text(isolation: str = "namespaces", tasks: dict[str, str] | None = None) -> str:
-    """The example's spec; ``tasks`` defaults to :func:`example_tasks`."""
-    text = SPEC_YAML
-    for key, value in {**(tasks or example_tasks()), "isolation": isolation}.items():
-        text = text.replace("{" + key + "}", value)
-    return text
+def spec_text(isolation: str = "namespaces") -> str:
+    """The example's spec, with the sandbox isolation of its code benchmark."""
+    return SPEC_YAML.replace("{isolation}", isolation)
 
 
 def _records(skill: str, items: list[dict]) -> list[dict]:

@@ -30,6 +30,7 @@ from mergelab.compare.plan import Plan, make_plan
 from mergelab.compare.select import choose_best_expert, choose_point
 from mergelab.compare.spec import CompareSpec, eval_settings_for, load_spec, with_executor
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
+from mergelab.eval.tasks import get_task, score_completions
 
 RESULTS_SCHEMA = "mergelab.compare.results"
 RESULTS_VERSION = 1
@@ -251,14 +252,9 @@ def baseline_functions(b, task: str, source: str) -> dict[str, Any]:
     if isinstance(b.baselines, Mapping):
         return dict(b.baselines)
     try:
-        from mergelab.eval.tasks import get_task
-    except ImportError:
-        declared: Mapping[str, Any] = {}
-    else:
-        try:
-            declared = get_task(task).baselines
-        except (KeyError, ValueError, ImportError):  # a task without a registry entry
-            declared = {}
+        declared = get_task(task).baselines
+    except (KeyError, ValueError):  # a task without a registry entry
+        declared = {}
     if b.baselines is None:
         return dict(declared)
     missing = [n for n in b.baselines if n not in declared]
@@ -270,24 +266,6 @@ def baseline_functions(b, task: str, source: str) -> dict[str, Any]:
             f"baseline {missing[0]!r} (it declares: {', '.join(declared) or 'none'})"
         )
     return {n: declared[n] for n in b.baselines}
-
-
-def score_completions(bench, completions: Mapping[str, str], settings) -> dict[str, bool]:
-    """Score fixed completions like a candidate's (the task registry's scorer when present)."""
-    try:
-        from mergelab.eval.tasks import score_completions as scorer
-    except ImportError:
-        scorer = None
-    if scorer is not None:
-        return dict(scorer(bench, completions, settings))
-    from mergelab.eval import harness
-
-    samples = {i: [{"text": t, "finish_reason": "eos"}] for i, t in completions.items()}
-    if bench.task == "code":
-        items, _, primary, _ = harness._score_code(bench, samples, settings, None, False)
-    else:
-        items, _, primary = harness._score_math(bench, samples, settings)
-    return {it["item_id"]: it["scores"][primary] == 1.0 for it in items}
 
 
 def costs(runs: list[dict[str, Any]]) -> dict[str, Any]:

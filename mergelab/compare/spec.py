@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.errors import UserInputError
+from mergelab.eval.tasks import list_tasks
 
 FAMILIES = ("base", "expert", "composition", "merge", "lora_composition", "lora_merge")
 TOP_KEYS = {
@@ -691,7 +692,7 @@ class _Parser:
             )
         if "file" in entry:
             task = entry.get("task")
-            known = known_tasks()
+            known = list_tasks()
             if task not in known:
                 raise self.fail(f"{key}.task", f"a benchmark file needs task: one of {known}")
             load = {"file": self.path(f"{key}.file", entry["file"]), "task": task}
@@ -787,18 +788,6 @@ class _Parser:
             eval_settings_for(gen, prompt, ev, seed=0, bootstrap_samples=100, confidence=0.95)
         except (TypeError, ValueError) as exc:
             raise self.fail(f"{key}.generation/prompt/eval", str(exc)) from exc
-
-
-def known_tasks() -> list[str]:
-    """Task names a benchmark file may give (the task registry's, when it is importable)."""
-    try:
-        from mergelab.eval.tasks import list_tasks
-
-        return list_tasks()
-    except ImportError:
-        from mergelab.eval.benchmarks import TASKS
-
-        return list(TASKS)
 
 
 def self_bench(benchmarks: Sequence[BenchmarkSpec], name: str) -> BenchmarkSpec:

@@ -124,7 +124,7 @@ class LoraRunner(ComponentRunner):
                 for h in self._handles:
                     h.remove()
                 self._handles = []
-                self._cache, self._ids, self._positions = None, None, None
+                self._reset()
 
     def _repeat(self, t: torch.Tensor) -> torch.Tensor:
         return t.repeat(self.k + 1, *([1] * (t.dim() - 1)))

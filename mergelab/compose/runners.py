@@ -202,7 +202,7 @@ class ModelRunner(ComponentRunner):
         finally:
             self._depth -= 1
             if not self._depth:
-                self._caches, self._ids, self._mask, self._positions = [], None, None, None
+                self._reset()
 
     def _reset(self) -> None:
         self._caches, self._ids, self._mask, self._positions = [], None, None, None
