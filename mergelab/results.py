@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,17 @@ def write_json_atomic(
     indent: int | None = None,
     ensure_ascii: bool = False,
     force: bool = True,
+    written_by_mergelab: Callable[[Path], bool] | None = None,
 ) -> Path:
     """Write ``obj`` as JSON to ``path`` (folders created), replacing it in one step; returns it.
 
-    ``force=False`` refuses to replace an existing file (:class:`mergelab.outputs.OutputExistsError`).
+    ``force=False`` refuses to replace an existing file (:class:`mergelab.outputs.OutputExistsError`);
+    ``written_by_mergelab`` (a predicate on the existing file) refuses to replace a file it does
+    not recognise (:class:`mergelab.outputs.ForeignOutputError`), as
+    :func:`mergelab.outputs.check_output_file` does.
     """
     text = json.dumps(obj, indent=indent, ensure_ascii=ensure_ascii)
-    with atomic_output_file(path, force=force) as tmp:
+    with atomic_output_file(path, force=force, written_by_mergelab=written_by_mergelab) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
 

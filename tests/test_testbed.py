@@ -313,3 +313,18 @@ def test_study_writes_results_then_figures_from_them_and_refuses_to_overwrite(tm
     assert all(p.exists() and p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(OutputExistsError, match="--force"):
         run.run_study(cfg, [0], out, force=False)
+
+
+def test_force_never_replaces_a_file_the_study_did_not_write(tmp_path):
+    from mergelab.outputs import ForeignOutputError
+    from studies.testbed import run
+
+    out = tmp_path / "results"
+    out.mkdir()
+    mine = out / "config.json"
+    mine.write_text('{"my": "own settings"}')
+    with pytest.raises(ForeignOutputError, match="config.json"):
+        run.run_study(run.CONFIG, [0], out, force=True)  # refused before any training
+    assert mine.read_text() == '{"my": "own settings"}' and sorted(
+        p.name for p in out.iterdir()
+    ) == ["config.json"]

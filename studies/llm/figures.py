@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.compose import EOS_POLICIES
-from mergelab.outputs import atomic_output_file
+from mergelab.results import save_figure
 
 
 def _plt():
@@ -21,10 +21,7 @@ def _plt():
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    with atomic_output_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    _plt().close(fig)
-    return path
+    return save_figure(fig, path, dpi=120, tight=False)
 
 
 def _color(c: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -21,6 +20,7 @@ from mergelab.candidate import GenerationSettings
 from mergelab.eval import Benchmark, EvalSettings, PromptConfig
 from mergelab.eval.synthetic_tasks import items_to_benchmark
 from mergelab.outputs import atomic_output_dir
+from mergelab.results import fingerprint
 
 from .config import StudyConfig, study_device
 
@@ -105,11 +105,6 @@ def synthetic_eval_settings(cfg: StudyConfig, names) -> dict[str, EvalSettings]:
         seed=cfg.seed,
     )
     return {n: settings for n in names}
-
-
-def fingerprint(obj: Any) -> str:
-    """sha256 of a JSON-able object (training data, a recipe)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def load_or_train(folder: Path, train_fn, load_fn, recipe: dict[str, Any]):

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from mergelab.outputs import atomic_output_file
+from mergelab.results import save_figure
 
 FIGURES = {
     "nonlinearity": "testbed_gap_vs_nonlinearity.png",
@@ -179,7 +179,7 @@ def plot_nonlinearity(rows, meta, path: Path):
         fontsize=11,
     )
     fig.tight_layout(rect=(0, 0.055, 1, 1))
-    _save(fig, path)
+    save_figure(fig, path, dpi=130, tight=False)
 
 
 def plot_overlap(rows, meta, path: Path):
@@ -277,7 +277,7 @@ def plot_overlap(rows, meta, path: Path):
         fontsize=11,
     )
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path, dpi=130, tight=False)
 
 
 def plot_tangent(rows, meta, path: Path):
@@ -361,15 +361,7 @@ def plot_tangent(rows, meta, path: Path):
         fontsize=11,
     )
     fig.tight_layout()
-    _save(fig, path)
-
-
-def _save(fig, path: Path):
-    import matplotlib.pyplot as plt
-
-    with atomic_output_file(path, force=True) as tmp:
-        fig.savefig(tmp, dpi=130, format="png")
-    plt.close(fig)
+    save_figure(fig, path, dpi=130, tight=False)
 
 
 def plot_all(out_dir: Path, figures_dir: Path) -> list[Path]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +35,8 @@ from tqdm import tqdm
 
 from mergelab.compose import compose_logprobs
 from mergelab.merge import list_merge_methods, merge_models
-from mergelab.outputs import OutputExistsError, atomic_output_file
+from mergelab.outputs import OutputExistsError, atomic_output_file, check_output_file
+from mergelab.results import load_if_config_matches, write_json_atomic
 from mergelab.testbed import (
     LinearizedModel,
     all_contexts,
@@ -50,6 +50,7 @@ from mergelab.testbed import (
     sample_sequences,
 )
 from studies.testbed.figures import plot_all
+from studies.testbed.files import study_file
 from studies.testbed.report import summarise
 
 CONFIG = {
@@ -237,23 +238,25 @@ def run_study(cfg: dict, seeds: list[int], out_dir: Path, *, force: bool) -> Pat
         raise OutputExistsError(
             f"{results_csv} exists; pass --force to recompute it, or --plot-only to redraw figures"
         )
+    owned = {name: study_file(name) for name in ("results.csv", "config.json", "summary.json")}
+    for name, recognised in owned.items():  # refused before any work, never after
+        check_output_file(out_dir / name, force=True, written_by_mergelab=recognised)
     runs_dir = out_dir / "runs"
     specs = plan_runs(cfg, seeds)
     rows, started = [], time.time()
     for spec in tqdm(specs, desc="testbed runs", unit="run"):
         path = runs_dir / f"{spec.run_id}.json"
-        if path.exists() and not force:
-            saved = json.loads(path.read_text())
-            if saved["config"] == cfg:  # resume only runs made with this exact config
-                rows += saved["rows"]
-                continue
+        saved = None if force else load_if_config_matches(path, cfg)
+        if saved is not None:  # resume only runs made with this exact config
+            rows += saved["rows"]
+            continue
         run_rows = run_one(cfg, spec)
-        with atomic_output_file(path, force=True) as tmp:
-            tmp.write_text(json.dumps({"config": cfg, "spec": asdict(spec), "rows": run_rows}))
+        record = {"config": cfg, "spec": asdict(spec), "rows": run_rows}
+        write_json_atomic(path, record, ensure_ascii=True, written_by_mergelab=study_file("run"))
         rows += run_rows
 
     fields = list(rows[0])
-    with atomic_output_file(results_csv, force=True) as tmp:
+    with atomic_output_file(results_csv, written_by_mergelab=owned["results.csv"]) as tmp:
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
@@ -270,8 +273,13 @@ def run_study(cfg: dict, seeds: list[int], out_dir: Path, *, force: bool) -> Pat
         "threads": torch.get_num_threads(),
         "kl_definition": "mean over all V*V contexts (uniform) of KL(p_candidate || p_composition), nats",
     }
-    with atomic_output_file(out_dir / "config.json", force=True) as tmp:
-        tmp.write_text(json.dumps(meta, indent=2))
+    write_json_atomic(
+        out_dir / "config.json",
+        meta,
+        indent=2,
+        ensure_ascii=True,
+        written_by_mergelab=owned["config.json"],
+    )
     return results_csv
 
 
@@ -291,8 +299,13 @@ def main(argv=None) -> None:
         print(f"wrote {p}")
     summary = summarise(args.out)
     if not args.plot_only:
-        with atomic_output_file(args.out / "summary.json", force=True) as tmp:
-            tmp.write_text(json.dumps(summary, indent=2))
+        write_json_atomic(
+            args.out / "summary.json",
+            summary,
+            indent=2,
+            ensure_ascii=True,
+            written_by_mergelab=study_file("summary.json"),
+        )
 
 
 if __name__ == "__main__":
