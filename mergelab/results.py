@@ -84,3 +84,23 @@ def load_if_config_matches(
 def fingerprint(obj: Any) -> str:
     """sha256 of ``obj`` as sorted JSON (a recipe, training data): equal content, equal digest."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def json_with_keys(*keys: str) -> Callable[[Path], bool]:
+    """A ``written_by_mergelab`` predicate: the file is a JSON object holding all of ``keys`` (a
+    results file of the kind about to be written), so a rerun may replace it."""
+
+    def recognised(path: Path) -> bool:
+        try:
+            content = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return isinstance(content, dict) and all(k in content for k in keys)
+
+    return recognised
+
+
+def starts_with(prefix: str) -> Callable[[Path], bool]:
+    """A ``written_by_mergelab`` predicate for text results (CSV, Markdown): the file begins
+    with ``prefix`` (the header the writer puts first)."""
+    return lambda path: Path(path).read_bytes().startswith(prefix.encode())

@@ -4,8 +4,15 @@ import json
 
 import pytest
 
-from mergelab.outputs import OutputExistsError
-from mergelab.results import fingerprint, load_if_config_matches, save_figure, write_json_atomic
+from mergelab.outputs import ForeignOutputError, OutputExistsError
+from mergelab.results import (
+    fingerprint,
+    json_with_keys,
+    load_if_config_matches,
+    save_figure,
+    starts_with,
+    write_json_atomic,
+)
 
 
 def test_json_round_trip_and_no_leftovers(tmp_path):
@@ -58,3 +65,19 @@ def test_save_figure(tmp_path):
 def test_fingerprint_ignores_key_order():
     assert fingerprint({"a": 1, "b": [2]}) == fingerprint({"b": [2], "a": 1})
     assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+def test_a_rerun_replaces_its_own_results_and_nothing_else(tmp_path):
+    ours = json_with_keys("config", "runs")
+    own, foreign = tmp_path / "own.json", tmp_path / "notes.json"
+    write_json_atomic(own, {"config": 1, "runs": []}, written_by_mergelab=ours)
+    write_json_atomic(own, {"config": 2, "runs": [1]}, written_by_mergelab=ours)  # a rerun
+    assert json.loads(own.read_text()) == {"config": 2, "runs": [1]}
+    for content in ('{"config": 1}', "[1, 2]", "not json", ""):
+        foreign.write_text(content)
+        with pytest.raises(ForeignOutputError, match="notes.json"):
+            write_json_atomic(foreign, {"config": 3, "runs": []}, written_by_mergelab=ours)
+        assert foreign.read_text() == content
+    table = tmp_path / "table.md"
+    table.write_text("Test score (%), seeds 0\n")
+    assert starts_with("Test score (%)")(table) and not starts_with("| candidate")(table)

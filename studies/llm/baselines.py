@@ -83,7 +83,7 @@ def main(out_path: str) -> None:
     from pathlib import Path
 
     from mergelab.eval.sandbox import Sandbox
-    from mergelab.outputs import atomic_output_file
+    from mergelab.results import json_with_keys, write_json_atomic
 
     from .config import scale_config
     from .setting import synthetic_data
@@ -100,8 +100,10 @@ def main(out_path: str) -> None:
             summary["committed_vs_floor"][f"results/llm/{folder}"] = {
                 "mixed": committed_vs_floor(res, floor, "mixed")
             }
-    with atomic_output_file(Path(out_path), force=True) as tmp:
-        tmp.write_text(json.dumps(summary, indent=1))
+    recognised = json_with_keys("floors")
+    write_json_atomic(
+        Path(out_path), summary, indent=1, ensure_ascii=True, written_by_mergelab=recognised
+    )
 
 
 if __name__ == "__main__":  # python -m studies.llm.baselines results/llm/floors.json

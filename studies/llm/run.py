@@ -47,6 +47,7 @@ import torch
 
 from mergelab.eval.sandbox import Sandbox
 from mergelab.outputs import atomic_output_file
+from mergelab.results import json_with_keys
 
 from . import figures
 from .baselines import baselines
@@ -169,10 +170,12 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
             "load_average_at_end": os.getloadavg(),
         },
     }
-    with atomic_output_file(results_path, force=True) as tmp:
-        tmp.write_text(json.dumps(results, indent=1, default=_json_default))
+    text = json.dumps(results, indent=1, default=_json_default)
+    recognised = json_with_keys("config", "candidates")
+    with atomic_output_file(results_path, written_by_mergelab=recognised) as tmp:
+        tmp.write_text(text)
     if figures_dir is not None:
-        figures.draw_all(json.loads(results_path.read_text()), figures_dir, prefix(cfg.scale))
+        figures.draw_all(json.loads(text), figures_dir, prefix(cfg.scale))
     return results
 
 

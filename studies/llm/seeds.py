@@ -22,6 +22,7 @@ from typing import Any
 
 from mergelab.eval.stats import mcnemar_exact
 from mergelab.outputs import atomic_output_file
+from mergelab.results import json_with_keys, starts_with, write_json_atomic
 
 
 def spread(values: list[float | None]) -> dict[str, Any]:
@@ -221,11 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     runs = {str(r): json.loads((r / "results.json").read_text()) for r in args.runs}
     summary = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    with atomic_output_file(args.out / "summary.json", force=True) as tmp:
-        tmp.write_text(json.dumps(summary, indent=1))
-    with atomic_output_file(args.out / "summary.md", force=True) as tmp:
-        tmp.write_text(markdown(summary) + "\n")
-    print(markdown(summary))
+    table = markdown(summary)
+    recognised = json_with_keys("runs", "seeds", "scores")
+    write_json_atomic(
+        args.out / "summary.json",
+        summary,
+        indent=1,
+        ensure_ascii=True,
+        written_by_mergelab=recognised,
+    )
+    with atomic_output_file(
+        args.out / "summary.md", written_by_mergelab=starts_with("Test score (%)")
+    ) as tmp:
+        tmp.write_text(table + "\n")
+    print(table)
     return 0
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from mergelab.results import write_json_atomic
+from mergelab.results import json_with_keys, write_json_atomic
 from mergelab.toy import ALPHABET, LetterMap, parallel_target, random_strings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {s} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     config = {**CONFIG, "n_test_per_length": args.n_test, "seeds": args.seeds}
     result = {"config": config, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}
-    write_json_atomic(args.out, result, indent=1)
+    write_json_atomic(
+        args.out, result, indent=1, written_by_mergelab=json_with_keys("config", "runs")
+    )
     for r in runs:
         for name, by_len in r["joint_exact_match_by_length"].items():
             perfect = sum(v == 1.0 for v in by_len.values())

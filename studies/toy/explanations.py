@@ -40,7 +40,7 @@ import torch
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
 from mergelab.compose.formula import Composition
-from mergelab.results import write_json_atomic
+from mergelab.results import json_with_keys, write_json_atomic
 from mergelab.toy import (
     AlignedTask,
     GenerativeTask,
@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarise(runs, is_rate),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    write_json_atomic(args.out, result, indent=1)
+    write_json_atomic(
+        args.out, result, indent=1, written_by_mergelab=json_with_keys("config", "runs")
+    )
     for r in result["summary"]:
         seeds = " ".join(f"{v:.3g}" for v in r["per_seed"])
         print(

@@ -39,7 +39,7 @@ from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
 from mergelab.compose.diagnostics import kl_divergence
 from mergelab.merge import merge_models
-from mergelab.results import write_json_atomic
+from mergelab.results import json_with_keys, write_json_atomic
 from mergelab.toy import (
     AlignedTask,
     GenerativeTask,
@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summarise(runs, is_rate),
             "seconds": round(time.perf_counter() - t0, 1),
         }
-        write_json_atomic(args.out, result, indent=1)  # after each seed: a partial run is usable
+        write_json_atomic(
+            args.out, result, indent=1, written_by_mergelab=json_with_keys("config", "runs")
+        )  # after each seed: a partial run is usable
         print(f"seed {seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     for r in result["summary"]:
         if r["metric"] == "joint exact match":

@@ -44,7 +44,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from mergelab.results import write_json_atomic  # noqa: E402
+from mergelab.results import json_with_keys, write_json_atomic  # noqa: E402
 from mergelab.toy import random_strings  # noqa: E402
 
 from . import figures  # noqa: E402
@@ -85,7 +85,12 @@ def run_seeds(settings: Settings, out_dir: Path, threads: int, force: bool) -> N
     out_dir.mkdir(parents=True, exist_ok=True)
     merges = [g[:3] for g in merge_grid(settings.lambdas)]
     config = {"settings": settings.to_dict(), "merges": merges, "torch": torch.__version__}
-    write_json_atomic(out_dir / "config.json", config | {"threads": threads}, indent=1)
+    write_json_atomic(
+        out_dir / "config.json",
+        config | {"threads": threads},
+        indent=1,
+        written_by_mergelab=json_with_keys("settings", "merges"),
+    )
     for seed in tqdm(settings.seeds, desc=f"toy ({settings.name}) seeds"):
         path = out_dir / f"seed_{seed}.json"
         if not force and reusable(path, settings):
@@ -94,7 +99,7 @@ def run_seeds(settings: Settings, out_dir: Path, threads: int, force: bool) -> N
         t0 = time.perf_counter()
         result = run_seed(settings, seed)
         result |= {"settings": settings.to_dict(), "seconds": round(time.perf_counter() - t0, 1)}
-        write_json_atomic(path, result)
+        write_json_atomic(path, result, written_by_mergelab=json_with_keys("seed", "records"))
         tqdm.write(f"seed {seed}: {result['seconds']} s  {result['timings']}")
     runs = [json.loads((out_dir / f"seed_{s}.json").read_text()) for s in settings.seeds]
     write_summary(out_dir, summarise(runs))

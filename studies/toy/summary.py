@@ -23,7 +23,7 @@ import numpy as np
 from scipy import stats
 
 from mergelab.outputs import atomic_output_file
-from mergelab.results import write_json_atomic
+from mergelab.results import json_with_keys, starts_with, write_json_atomic
 
 INTERVAL = "Student-t 95% over per-seed means, clipped to [0, 1]"
 
@@ -64,9 +64,21 @@ def summarise(runs: list[dict], is_rate: Callable[[str], bool] = lambda metric: 
     return rows
 
 
+def summary_rows(path: Path) -> bool:
+    """Recognises a summary.json this study wrote: a list of summary records."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(rows, list) and all(isinstance(r, dict) and "metric" in r for r in rows)
+
+
 def write_summary(out_dir: Path, rows: list[dict]) -> None:
-    write_json_atomic(out_dir / "summary.json", rows, indent=1)
-    with atomic_output_file(out_dir / "summary.csv") as tmp:
+    header = ",".join(rows[0])  # summary.json holds the same rows: a list of these records
+    write_json_atomic(out_dir / "summary.json", rows, indent=1, written_by_mergelab=summary_rows)
+    with atomic_output_file(
+        out_dir / "summary.csv", written_by_mergelab=starts_with(header)
+    ) as tmp:
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
@@ -114,7 +126,12 @@ def is_rate(metric: str) -> bool:
 def resummarise(path: Path) -> None:
     """Recompute the summary of a results file from its per-seed records (nothing retrained)."""
     result = json.loads(path.read_text())
-    write_json_atomic(path, result | {"summary": summarise(result["runs"], is_rate)}, indent=1)
+    write_json_atomic(
+        path,
+        result | {"summary": summarise(result["runs"], is_rate)},
+        indent=1,
+        written_by_mergelab=json_with_keys("config", "runs"),
+    )
 
 
 def experiment_parser(description: str, out: Path, sizes: dict) -> argparse.ArgumentParser:
