@@ -155,6 +155,21 @@ def test_eos_and_stop_strings(models, tok):
     assert len(cut.token_ids) == len(cut.logprobs) <= 5
 
 
+@pytest.mark.parametrize("policy", ["base", "max", "min", "most_confident"])
+def test_per_call_eos_ids_reach_the_eos_policy(models, tok, policy):
+    """A call's ``eos_token_ids`` is what the EOS policy treats as EOS, exactly as if the
+    decoder had been built with those ids (log-probs included, not only the stopping)."""
+    call_eos = [tok.convert_tokens_to_ids("e")]
+    settings = GenerationSettings(max_new_tokens=10, eos_token_ids=call_eos)
+    per_call = _composed(models, tok, eos_policy=policy).generate(PROMPTS, settings)
+    built = _composed(models, tok, eos_policy=policy, eos_token_ids=call_eos)
+    _same(per_call, built.generate(PROMPTS, GenerationSettings(max_new_tokens=10)))
+    default = _composed(models, tok, eos_policy=policy).generate(
+        PROMPTS, GenerationSettings(max_new_tokens=10)
+    )
+    assert any(a.logprobs != b.logprobs for a, b in zip(per_call, default))
+
+
 class LogitsOnly(nn.Module):
     """A plain module that returns logits and no cache (forces prefix recomputation)."""
 

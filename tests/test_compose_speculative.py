@@ -189,6 +189,16 @@ def test_every_composition_eos_policy_and_stop_strings(tok):
     assert finish["eos"] and finish["length"]  # EOS inside a block was exercised
 
 
+def test_per_call_eos_ids_reach_the_eos_policy(tok):
+    """Speculative decoding with a call's own EOS ids equals plain decoding with them, for an
+    EOS policy (which must then treat the call's ids as EOS in the verifier and the draft)."""
+    composed = _compositions(tok)["eos_max"]
+    settings = GenerationSettings(
+        max_new_tokens=24, batch_size=4, eos_token_ids=[tok.convert_tokens_to_ids("e")]
+    )
+    _same(SpeculativeDecoder(composed, gamma=3).generate(PROMPTS, settings), composed.generate(PROMPTS, settings))  # fmt: skip
+
+
 def test_sliding_window_models_roll_back_one_row_at_a_time(tok):
     """Mistral-style sliding-window layers: crop keeps the window right (past recording), and
     rows are decoded alone since the window would count the holes of a batch."""
@@ -234,8 +244,8 @@ class SabotagedComposition(ComposedDecoder):
         self.gamma, self.j, self.calls = gamma, j, 0
         return self
 
-    def compose(self, component_scores, *, normalised=False):
-        lp = super().compose(component_scores, normalised=normalised)
+    def compose(self, component_scores, **kwargs):
+        lp = super().compose(component_scores, **kwargs)
         if lp.dim() == 2:  # a draft step (not teacher forcing)
             lp = _sabotage(lp, self.calls, self.gamma, self.j)
             self.calls += 1

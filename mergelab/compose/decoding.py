@@ -168,13 +168,19 @@ class DecodingCandidate:
         return bool(self.token_masks) or self.eos_policy != "plain"
 
     def compose(
-        self, component_scores: Sequence[torch.Tensor], *, normalised: bool = False
+        self,
+        component_scores: Sequence[torch.Tensor],
+        *,
+        normalised: bool = False,
+        eos_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Candidate log-probs ``[..., V]`` from component logits or log-probs (runner order).
 
         Logits suffice for the plain formula (the final log-softmax removes each model's
         normaliser); EOS policies and token masks need the components' log-probs, computed
-        here unless ``normalised`` says they already are.
+        here unless ``normalised`` says they already are. ``eos_ids`` (a 1-D long tensor): the
+        ids the EOS policy treats as EOS, default the candidate's; a decoding call passes its
+        own (:meth:`call_eos_ids`), so a per-call ``eos_token_ids`` reaches the policy too.
         """
         comps = list(component_scores)
         if self._identity:
@@ -191,10 +197,16 @@ class DecodingCandidate:
         return apply_eos_policy(
             composed,
             comps,
-            self._eos,
+            self._eos if eos_ids is None else eos_ids,
             self.eos_policy,
             0 if self.composition.anchor is not None else None,
         )
+
+    def call_eos_ids(self, settings: GenerationSettings) -> torch.Tensor:
+        """The EOS ids of one decoding call, as :meth:`compose` takes them."""
+        if settings.eos_token_ids is None:
+            return self._eos
+        return torch.tensor(_eos_of(self, settings), dtype=torch.long, device=self.device)
 
     def _teacher_forced_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -374,10 +386,11 @@ class DecodingCandidate:
         sequences = ids  # prompt + tokens so far, what transformers' processors see
         passes_before = self.runner.forward_passes
         started = time.perf_counter()
+        eos_ids = self.call_eos_ids(settings)
         with self.runner.session():
             comps = self.runner.prefill(ids, mask, positions)
             for step in range(settings.max_new_tokens):
-                lp = self.compose(comps)
+                lp = self.compose(comps, eos_ids=eos_ids)
                 scores = lp
                 if processors:
                     # One model: its logits, as transformers passes them; a composition: its

@@ -175,8 +175,16 @@ class _CachedDraft:
     decided token, and after a fully accepted block also ``d_γ`` (never fed to the draft).
     """
 
-    def __init__(self, candidate: DecodingCandidate, batch: int, pad_id: int, device: torch.device):
+    def __init__(
+        self,
+        candidate: DecodingCandidate,
+        batch: int,
+        pad_id: int,
+        device: torch.device,
+        settings: GenerationSettings,
+    ):
         self.candidate = candidate
+        self.eos_ids = candidate.call_eos_ids(settings)  # the call's EOS ids reach its policy
         self.track = _CacheTrack(candidate.runner, batch, device)
         self.pad_id, self.device = pad_id, device
         self.todo: list[list[int]] = [[] for _ in range(batch)]
@@ -194,7 +202,7 @@ class _CachedDraft:
         self.todo = [[t] for t in last]
 
     def _lp(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        return self.candidate.compose([z[:, -1] for z in logits])
+        return self.candidate.compose([z[:, -1] for z in logits], eos_ids=self.eos_ids)
 
     def propose(self, gamma: int, choose: Chooser) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ids, valid = left_pad(self.todo, self.pad_id, self.device)
@@ -225,7 +233,15 @@ class _TeacherForcedDraft:
     """Any :class:`~mergelab.candidate.Candidate` as a draft: ``token_logprobs`` of the whole
     prefix at every drafted position (no cache: slow, but needs nothing but the protocol)."""
 
-    def __init__(self, candidate: Candidate, batch: int, pad_id: int, device: torch.device):
+    def __init__(
+        self,
+        candidate: Candidate,
+        batch: int,
+        pad_id: int,
+        device: torch.device,
+        settings: GenerationSettings,
+    ):
+        del settings  # the candidate's own token_logprobs decide its EOS
         self.candidate = candidate
         self.pad_id, self.device = pad_id, device
         self.sequences: list[list[int]] = [[] for _ in range(batch)]
@@ -456,7 +472,8 @@ class SpeculativeDecoder(DecodingCandidate):
             return tokens, torch.softmax(scores.float(), dim=-1)
 
         draft_class = _CachedDraft if self._cached_draft else _TeacherForcedDraft
-        draft = draft_class(self.draft, batch, self.pad_id, self.device)
+        draft = draft_class(self.draft, batch, self.pad_id, self.device, settings)
+        eos_ids = self.call_eos_ids(settings)
         verifier = _CacheTrack(self.runner, batch, self.device)
         schedule = _AdaptiveGamma(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
         rows = RowOutputs(self, batch, settings)
@@ -483,7 +500,7 @@ class SpeculativeDecoder(DecodingCandidate):
                 start = verifier.slots
                 block = torch.cat([pending.unsqueeze(-1), drafts], dim=1)  # [B, γ + 1]
                 comps = verifier.feed(block, torch.ones_like(block))
-                lp = self.compose(comps)  # [B, γ + 1, V]
+                lp = self.compose(comps, eos_ids=eos_ids)  # [B, γ + 1, V]
                 limit = torch.tensor(row_gamma, device=lp.device)
                 n, final = _verify(lp, drafts, qs, limit, warp if sampling else None, generators)
                 # What each row decided: d_1 … d_n, then the final token; and their log-probs.
