@@ -22,8 +22,8 @@ import yaml
 
 import mergelab.compare as mc
 from mergelab.cli import main as cli_main
-from mergelab.compare.statistics import paired, seed_interval
-from mergelab.eval.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap
+from mergelab.compare.statistics import seed_interval
+from mergelab.eval.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, paired_comparison
 
 N_ITEMS = 24
 GEN = {"max_new_tokens": 6, "batch_size": 12}
@@ -498,9 +498,9 @@ def test_bootstrap_hand_computed():
     pb = paired_bootstrap([1, 1, 0, 0], [0, 1, 0, 0], n_boot=20_000, seed=1)
     assert pb["mean_diff"] == 0.25 and pb["low"] == 0.0 and pb["high"] == pytest.approx(0.75)
     # binary outcomes → the reported p is McNemar's; otherwise the bootstrap's
-    r = paired({"x": 1.0, "y": 1.0, "z": 0.0}, {"x": 0.0, "y": 0.0, "z": 0.0}, 500, 0.95, 0)
+    r = paired_comparison({"x": 1.0, "y": 1.0, "z": 0.0}, {"x": 0.0, "y": 0.0, "z": 0.0}, 500)
     assert r["p_value_kind"].startswith("exact McNemar") and r["p_value"] == pytest.approx(0.5)
-    r = paired({"x": 0.5, "y": 1.0}, {"x": 0.0, "y": 0.0}, 500, 0.95, 0)
+    r = paired_comparison({"x": 0.5, "y": 1.0}, {"x": 0.0, "y": 0.0}, 500)
     assert r["p_value_kind"].startswith("paired bootstrap") and "mcnemar" not in r
 
 
@@ -514,6 +514,10 @@ def test_seed_level_interval_hand_computed():
     )
     assert r["values"] == [0.2, 0.4, 0.6] and "Student-t" in r["description"]
     assert seed_interval([0.3], "t", 0.95)["low"] is None
+    # the percentile interval is the items' bootstrap with the seeds as the items
+    r = seed_interval([0.2, 0.4, 0.6, 0.5], "percentile", 0.9, seed=4)
+    ci = bootstrap_ci([0.2, 0.4, 0.6, 0.5], 10_000, 0.9, 4)
+    assert (r["low"], r["high"]) == (ci["low"], ci["high"]) and r["low"] < 0.425 < r["high"]
 
 
 def test_several_seeds_report_per_seed_values_and_a_seed_interval(world, tmp_path):
@@ -588,6 +592,82 @@ def test_lora_families_and_adapter_experts(world, tmp_path):
     spec["candidates"][2]["experts"] = ["math_lora", "full"]
     with pytest.raises(mc.SpecError, match=r"candidates\[2\].experts: lora_composition needs"):
         mc.parse_spec(spec, source="lora")
+
+
+def test_lora_merge_of_an_in_memory_base_equals_the_one_from_its_folder(world, tmp_path):
+    adapters = _lora_adapters(world, tmp_path)
+    family = {"family": "lora_merge", "name": "merged", "method": "task_arithmetic",
+              "params": {"lambda": 1.0}}  # fmt: skip
+    outputs = []
+    for base in (world["base"], str(world["root"] / "base")):
+        spec = _spec_dict(
+            world,
+            models={"base": base, "tokenizer": world["tok"],
+                    "experts": {n: {"adapter": str(p)} for n, p in adapters.items()}},
+            candidates=[{"family": "base"}, family],
+        )  # fmt: skip
+        cache = tmp_path / f"c{len(outputs)}"
+        res = mc.run(spec, cache_dir=cache, progress=False)
+        merged = [r for r in res["runs"] if r["row"] == "merged"]
+        outputs.append([(r["items"], r["completions_sha256"]) for r in merged])
+        (folder,) = (cache / "merges").iterdir()
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            tensors.update({k: v.tolist() for k, v in load_file(shard).items()})
+        outputs[-1].append(tensors)
+    # the in-memory base was saved once into the cache and merged from there
+    assert len(list(tmp_path.glob("c0/base-*/config.json"))) == 1
+    assert not list(tmp_path.glob("c1/base-*"))
+    assert outputs[0] == outputs[1]
+
+
+def test_expert_rows_outside_the_best_expert_choice(world, tmp_path):
+    spec = _spec_dict(
+        world,
+        models={"base": world["base"], "tokenizer": world["tok"],
+                "experts": {**world["experts"], "extra": world["experts"]["math"]}},
+        candidates=[{"family": "base"}, {"family": "expert", "experts": ["code", "math"]},
+                    {"family": "composition", "experts": ["math", "code"]},
+                    {"family": "expert", "name": "rows_only", "experts": ["extra"],
+                     "best_expert": False}],
+    )  # fmt: skip
+    res = mc.run(spec, cache_dir=tmp_path / "c", progress=False)
+    # rows in the spec's order, the second expert family after the composition
+    assert [r["row"] for r in res["rows"]] == ["base", "code", "math", "composition", "extra"]
+    # "extra" (the math expert again) is tested but never validated nor chosen as the reference
+    assert {(r["row"], r["split"]) for r in res["runs"] if r["row"] == "extra"} == {
+        ("extra", "test")
+    }
+    best = res["choices"]["0"]["best_expert"]["arith"]
+    assert set(best["validation"]) == {"code", "math"}
+    math = [r["items"] for r in res["runs"] if r["split"] == "test" and r["row"] == "math"]
+    extra = [r["items"] for r in res["runs"] if r["split"] == "test" and r["row"] == "extra"]
+    assert math == extra
+    with pytest.raises(mc.SpecError, match=r"candidates\[0\].best_expert: expected true or false"):
+        mc.parse_spec({**spec, "candidates": [{"family": "expert", "best_expert": "no"}]})
+
+
+def test_an_in_memory_merge_is_built_once_per_grid_point(world, tmp_path, monkeypatch):
+    import mergelab.merge
+
+    built = []
+    merge = mergelab.merge.merge_models
+    monkeypatch.setattr(
+        mergelab.merge, "merge_models", lambda *a, **k: built.append(k["params"]) or merge(*a, **k)
+    )
+    second = {"name": "arith2", "benchmark": world["bench"], "split": {"validation": 8, "test": 8},
+              "generation": GEN, "prompt": {"n_shots": 0}, "baselines": {}}  # fmt: skip
+    spec = _spec_dict(world)
+    spec["benchmarks"] = [*spec["benchmarks"], second]
+    res = mc.run(spec, cache_dir=tmp_path / "c", progress=False)
+    # three λ on two validation benchmarks, then the chosen λ on two test benchmarks: one build
+    # per grid point on validation, one for test (unless the chosen λ was the last validated)
+    chosen = res["choices"]["0"]["families"]["task_arithmetic"]["params"]["lambda"]
+    validated = [{"lambda": v} for v in (0.3, 0.6, 1.0)]
+    assert built[:3] == validated
+    assert built[3:] == ([] if chosen == 1.0 else [{"lambda": chosen}])
 
 
 def test_streamed_merges_are_cached_and_reused(world, tmp_path):

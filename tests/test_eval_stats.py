@@ -79,3 +79,23 @@ def test_compare_aligns_items_by_id_and_rejects_bad_input():
         bootstrap_ci([1.0, float("nan")])
     with pytest.raises(ValueError, match="non-empty"):
         bootstrap_ci([])
+
+
+def test_one_paired_comparison_for_results_and_score_mappings():
+    """``compare`` (evaluation results) is ``paired_comparison`` (score mappings) on the same
+    items: one implementation, the reported p-value McNemar's for 0/1 outcomes."""
+    from mergelab.eval.stats import paired_comparison
+
+    a = {str(i): float(i % 3 == 0) for i in range(30)}
+    b = {str(i): float(i % 2 == 0) for i in reversed(range(32))}
+    items = lambda d: [{"item_id": k, "scores": {"accuracy": v}} for k, v in d.items()]  # noqa: E731
+    out = compare(items(a), items(b), metric="accuracy", n_boot=700, seed=5)
+    direct = paired_comparison(a, b, n_boot=700, seed=5)
+    assert out == {"metric": "accuracy", "n_shared": 30, **direct}
+    assert direct["n"] == 30 and direct["p_value"] == direct["mcnemar"]["p_value"]
+    assert direct["p_value_kind"].startswith("exact McNemar")
+    graded = paired_comparison({"x": 0.5, "y": 1.0, "z": 0.0}, {"x": 0.0, "y": 1.0, "z": 0.0})
+    assert "mcnemar" not in graded
+    assert graded["p_value"] == graded["paired_bootstrap"]["p_value"]
+    with pytest.raises(ValueError, match="share no items"):
+        paired_comparison({"x": 1.0}, {"y": 1.0})

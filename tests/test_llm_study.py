@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -32,7 +33,7 @@ from studies.llm import candidates, setting
 from studies.llm import run as study
 from studies.llm.baselines import baselines
 from studies.llm.config import scale_config, study_device
-from studies.llm.termination import premature_termination
+from studies.llm.termination import argmax, premature_termination
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
@@ -180,23 +181,35 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     assert cost("base")["model_evaluations_per_token"] == 1
     assert cost("ties")["model_evaluations_per_token"] == 1
     assert cost("composition")["model_evaluations_per_token"] == 3
-    assert (
-        cost("composition")["forward_calls_per_token"] > 0 and cost("base")["seconds_per_token"] > 0
-    )
-    # Weights were chosen on validation, from the grid.
-    assert results["choices"]["composition_weight"]["chosen"] in (1.0, 1.5)
-    assert results["choices"]["task_arithmetic_lambda"]["chosen"] in (0.5, 1.0)
-    assert results["choices"]["ties"]["chosen"]["lambda"] in (0.5, 1.0)
-    assert results["choices"]["dare_ties"]["chosen"]["lambda"] in (0.5, 1.0)
-    # Paired comparisons against the best single expert, chosen on VALIDATION, on shared items.
+    assert cost("composition")["forward_calls_per_token"] > 0 and cost("base")["ms_per_token"] > 0
+    # Weights were chosen on validation, from the grid (ties: the paper's default).
+    families = results["choices"]["families"]
+    assert families["composition_weighted"]["params"]["weight"] in (1.0, 1.5)
+    assert families["task_arithmetic"]["params"]["lambda"] in (0.5, 1.0)
+    assert families["ties"]["params"]["lambda"] in (0.5, 1.0)
+    assert families["dare_ties"]["params"]["lambda"] in (0.5, 1.0)
+    for fam in families.values():
+        assert fam["tie_break"] == "closest"
+        assert fam["validation"][fam["chosen"]] == max(fam["validation"].values())
+        assert fam["validation_benchmarks"] == ["math", "code", "mixed"]
+    # Paired comparisons against the best single expert, chosen on VALIDATION among the full
+    # experts (the LoRA experts are rows only), on shared items.
     for bench, cmp in results["paired_vs_best_expert"].items():
         choice = results["choices"]["best_expert"][bench]
         assert cmp["best_expert"] == choice["chosen"]
         # The fresh mixed set has no validation split: its reference expert is chosen on mixed.
-        assert choice["validation_split"] == ("mixed" if bench == "mixed_fresh" else bench)
+        assert choice["validation_benchmark"] == ("mixed" if bench == "mixed_fresh" else bench)
         val = choice["validation"]
+        assert set(val) == {"math_expert", "code_expert"}
         assert val[choice["chosen"]] == max(val.values())
-        assert cmp["vs"]["composition"]["n_shared"] == 3
+        assert cmp["vs"]["composition"]["n"] == 3
+        assert cmp["vs"]["composition"]["p_value_kind"].startswith("exact McNemar")
+    # The main table's splits, as compare recorded them: the setting's items, disjoint.
+    splits = results["compare"]["splits"][str(cfg.seed)]
+    assert splits["mixed_fresh"]["validation"] is None
+    for bench, split in splits.items():
+        assert split["test"] == list(results["candidates"]["base"][bench]["per_item"])
+        assert not set(split["validation"] or ()) & set(split["test"])
     # 2 vs 3 experts × EOS policies, and diagnostics per benchmark.
     rows = results["termination"]["rows"]
     assert {(r["n_experts"], r["eos_policy"]) for r in rows} == {
@@ -237,7 +250,7 @@ def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     assert rem["rows"]["plain"]["base_exponent"] == -2.0
     for label in ("eos_policy", "weight", "weight_and_eos_policy"):
         for cmp in rem["rows"][label]["vs_plain"].values():
-            assert "mcnemar" in cmp and cmp["n_shared"] == 3
+            assert "mcnemar" in cmp and cmp["n"] == 3
     # The trivial baseline is the floor of the numeric sets.
     assert set(results["baselines"]["sum_of_numbers"]) == {"math", "mixed", "mixed_fresh"}
     for name in ("scores", "quality_cost", "termination", "eos_profile", "remedies", "diagnostics"):
@@ -281,12 +294,44 @@ def test_study_device_defaults_to_cuda_only_when_present():
 
 
 def test_validation_choices_break_ties_towards_the_papers_defaults():
-    argmax = candidates.argmax
-    assert argmax({0.5: 0.1, 1.0: 0.1, 1.5: 0.0}, prefer=1.0) == 1.0
+    from mergelab.compare.plan import Point
+    from mergelab.compare.select import choose_point
+    from mergelab.compare.spec import Family
+
+    assert argmax({0.5: 0.1, 1.0: 0.1, 1.5: 0.0}, prefer=1.0) == 1.0  # the remedies' weight
     assert argmax({0.5: 0.2, 1.0: 0.1}, prefer=1.0) == 0.5
-    grid = {(0.5, 0.2): 0.2, (1.0, 0.5): 0.2, (1.0, 0.2): 0.2, (0.7, 0.2): 0.1}
-    assert argmax(grid, prefer=(1.0, 0.2)) == (1.0, 0.2)
-    assert argmax({**grid, (0.7, 0.2): 0.3}, prefer=(1.0, 0.2)) == (0.7, 0.2)
+    # The main table's families: the spec's "closest" tie-break at each family's `prefer`.
+    cfg = scale_config("mini")
+    spec = {c.get("name", c.get("method")): c for c in _main_table_candidates(cfg)}
+    ties = spec["ties"]
+    assert ties["prefer"] == {"lambda": 1.0, "density": 0.2}
+    fam = Family("merge", "ties", ("math_expert", "code_expert"), method="ties",
+                 grid={k: tuple(v) for k, v in ties["grid"].items()}, prefer=ties["prefer"])  # fmt: skip
+    points = [Point(fam, "ties", p) for p in fam.points()]
+    scores = {(0.5, 0.2): 0.2, (1.0, 0.5): 0.2, (1.0, 0.2): 0.2}
+
+    def records(scores):
+        return [{"split": "validation", "row": "ties", "label": p.label, "benchmark": "math",
+                 "mean": scores.get((p.params["lambda"], p.params["density"]), 0.0)}
+                for p in points]  # fmt: skip
+
+    chosen = choose_point(points, records(scores), "mean", ["math"], "closest")
+    assert chosen["params"] == {"lambda": 1.0, "density": 0.2}
+    chosen = choose_point(points, records({**scores, (0.7, 0.2): 0.3}), "mean", ["math"], "closest")
+    assert chosen["params"] == {"lambda": 0.7, "density": 0.2}
+    for c in _main_table_candidates(cfg):
+        if len([v for vs in c.get("grid", {}).values() for v in vs]) > 1:
+            assert set(c["prefer"]) == set(c["grid"])  # every tuned family says what it prefers
+
+
+def _main_table_candidates(cfg) -> list[dict]:
+    """The candidate families of the main table's compare spec, for a mini setting without
+    models (only the spec's structure is read)."""
+    _, held = setting.synthetic_data(cfg)
+    held = dataclasses.replace(held, experts={"math": None, "code": None})
+    return candidates.comparison_spec(held, cfg, held.test, held.fresh, lora_expert_rows=True)[
+        "candidates"
+    ]
 
 
 def _stand_in_models(folder: Path) -> dict[str, Path]:
@@ -330,7 +375,7 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
     def in_memory(*args, **kwargs):
         raise AssertionError("paper-scale merges must stream from disk")
 
-    monkeypatch.setattr(candidates, "merge_models", in_memory)
+    monkeypatch.setattr("mergelab.merge.merge_models", in_memory)
     settings = []  # the Setting the study builds: its validation and test splits
     build = study.SETTINGS["paper"]
     monkeypatch.setitem(
@@ -345,14 +390,13 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
             "--mbpp-plus", str(FIXTURES / "mbpp_plus.jsonl"), "--max-new-tokens", "3",
             "--set", "dtype=float32", "--set", "bootstrap_samples=100", "--set", "diagnostics=false",
             "--set", "composition_weights=[1.0]", "--set", "task_arithmetic_lambdas=[1.0]",
-            "--set", "ties_lambdas=[1.0]", "--set", "ties_densities=[0.2]", "--set", "dare_lambdas=[1.0]",
-            "--set", "keep_merges=true"]  # fmt: skip
+            "--set", "ties_lambdas=[1.0]", "--set", "ties_densities=[0.2]", "--set", "dare_lambdas=[1.0]"]  # fmt: skip
     assert study.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     # One streamed merge per distinct setting (the validation merge is reused for test), each a
     # loadable safetensors folder with the engine's merge record.
     assert sorted(m for m, _ in streamed) == ["dare_ties", "linear", "task_arithmetic", "ties"]
-    merges = sorted((out / "checkpoints" / "merges").iterdir())
+    merges = sorted((out / "eval_cache" / "compare" / "merges").iterdir())
     assert len(merges) == 4
     for folder in merges:
         assert (folder / "mergelab_merge.json").exists() and (folder / "config.json").exists()
@@ -366,21 +410,33 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
         val_ids = [it.item_id for it in setting.validation[name].items]
         test_ids = [it.item_id for it in setting.test[name].items]
         assert val_ids and test_ids and not set(val_ids) & set(test_ids)
-        run = Path(res["candidates"]["base"][name]["cache_dir"]) / "results"
+        run = _generations(out, name, "base") / "results"
         scored = [json.loads(line)["item_id"] for line in open(run / "items.jsonl")]
-        assert scored == test_ids
+        assert scored == test_ids == list(res["candidates"]["base"][name]["per_item"])
     assert {"base", "math_expert", "code_expert", "composition", "task_arithmetic", "ties",
             "dare_ties", "linear"} <= set(res["candidates"])  # fmt: skip
     # The paper's protocol: GSM8K 8-shot and MATH 2-shot prompts (default shots), greedy decoding.
-    run = Path(res["candidates"]["base"]["gsm8k"]["cache_dir"]) / "results"
+    run = _generations(out, "gsm8k", "base") / "results"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["settings"]["generation"]["do_sample"] is False
     prompts = [json.loads(line)["prompt"] for line in open(run / "items.jsonl")]
     assert all(p.count("Q: ") == 9 for p in prompts)  # 8 exemplars + the question
-    run = Path(res["candidates"]["base"]["math"]["cache_dir"]) / "results"
+    run = _generations(out, "math", "base") / "results"
     prompts = [json.loads(line)["prompt"] for line in open(run / "items.jsonl")]
     assert all(p.count("Problem:") == 3 for p in prompts)  # 2 exemplars + the problem
     assert (tmp_path / "figs" / "llm_paper_scores.png").exists()
+
+
+def _generations(out: Path, bench: str, candidate: str) -> Path:
+    """The generation cache folder of ``candidate`` on ``bench``'s test split in the main
+    table's comparison cache (each folder's config.json names its candidate)."""
+    folders = [
+        f
+        for f in (out / "eval_cache" / "compare" / "generations").glob(f"{bench}-test-*")
+        if json.loads((f / "config.json").read_text())["candidate"]["name"] == candidate
+    ]
+    assert len(folders) == 1, folders
+    return folders[0]
 
 
 @pytest.mark.slow
@@ -460,3 +516,37 @@ def test_eos_profile_equals_the_models_own_eos_probabilities():
     assert out["at_reference_end"] == pytest.approx(sum(ends) / 4, rel=1e-4)
     assert out["inside_reference"] == pytest.approx(sum(insides) / 4, rel=1e-4)
     assert out["inside_by_fifth"] == pytest.approx([sum(b) / len(b) for b in bins], rel=1e-4)
+
+
+def test_eval_settings_reach_compare_unchanged():
+    """Each benchmark's EvalSettings, written into the compare spec, is rebuilt by compare as
+    the same settings (so the main table decodes and scores exactly as the study asks)."""
+    import dataclasses
+
+    from mergelab.candidate import GenerationSettings
+    from mergelab.compare.spec import eval_settings_for
+    from mergelab.eval import EvalSettings
+    from mergelab.eval.prompts import PromptConfig
+
+    cfg = scale_config("mini", seed=2)
+    _, held = setting.synthetic_data(cfg)
+    paper_like = EvalSettings(
+        generation=GenerationSettings(
+            max_new_tokens=512, batch_size=16, stop_strings=("\n\n",), do_sample=True, seed=7
+        ),
+        prompt=PromptConfig(n_shots=8),
+        n_samples=2,
+        pass_k=(1, 2),
+        bootstrap_samples=cfg.bootstrap_samples,
+        seed=cfg.seed,
+    )
+    for settings in [*held.eval_settings.values(), paper_like]:
+        spec = candidates.settings_spec(settings)
+        rebuilt = eval_settings_for(spec["generation"], spec["prompt"], spec["eval"], seed=cfg.seed,
+                                    bootstrap_samples=cfg.bootstrap_samples, confidence=0.95)  # fmt: skip
+        assert rebuilt == settings
+    with pytest.raises(ValueError, match="sandbox limits"):
+        from mergelab.eval.sandbox import SandboxLimits
+
+        limits = dataclasses.replace(SandboxLimits(), timeout_s=1.0)
+        candidates.settings_spec(dataclasses.replace(paper_like, sandbox=limits))

@@ -20,6 +20,7 @@ import torch
 
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder, Composition, compose_logprobs
+from mergelab.merge import merge_models
 from mergelab.toy import (
     ALPHABET,
     AlignedTask,
@@ -35,8 +36,10 @@ from mergelab.toy.tasks import SPAN_MARKERS
 from studies.toy import authors_exact, many_experts
 from studies.toy.evaluate import (
     aligned_predictions,
+    compare_letters,
     exact_match,
-    generative_predictions,
+    letter_benchmarks,
+    row_scores,
     skill_success,
 )
 from studies.toy.explanations import answer_logprobs
@@ -112,6 +115,83 @@ def test_metrics():
     assert exact_match(["AB", "CD"], ["AB", None]).tolist() == [1.0, 0.0]
     s = skill_success(["AXA", "XXX", "AA"], ["BXB", "XXX", "BA"], AB)
     assert s.tolist() == [1.0, 0.0]  # the example without an A is not scored
+
+
+def test_letter_tasks_score_as_the_study_did():
+    """letter_map: exact match after a clean EOS; letter_skill: the touched positions only."""
+    from mergelab.eval.letter_tasks import letter_correct, skill_answer, skill_correct
+
+    assert letter_correct("BXD", "BXD", "eos", n_tokens=3)
+    # A special token ([SEP], [PAD]) is dropped from the decoded text: 4 tokens, 3 characters.
+    assert not letter_correct("BXD", "BXD", "eos", n_tokens=4)
+    assert not letter_correct("BXD", "BXD", "length", n_tokens=3)  # no EOS within the budget
+    answer = skill_answer("AXCA", AB, AB.touches)
+    assert answer == "B??B"
+    assert skill_correct("BXDB", answer, "eos", 4)
+    assert skill_correct("BQQB", answer, "eos", 4)  # other positions are not this skill's
+    assert not skill_correct("BXDA", answer, "eos", 4)
+    assert not skill_correct("BXDBB", answer, "eos", 5)  # a different length
+    assert not skill_correct("BXDB", answer, "length", 4)
+    assert not skill_correct("BXDB", answer, "eos", 5)
+    # The study's skill metric on the same strings agrees.
+    preds = ["BXDB", "BQQB", "BXDA", "BXDBB"]
+    assert skill_success(["AXCA"] * 4, preds, AB).tolist() == [
+        float(skill_correct(p, answer, "eos", len(p))) for p in preds
+    ]
+
+
+def test_letter_benchmarks_keep_the_input_order_and_refuse_what_they_cannot_score():
+    xs = ["AXC", "QQQ", "CCA"]
+    benches = {b["name"]: b for b in letter_benchmarks([AB, CD], xs, validation=["ZZA"])}
+    assert list(benches) == ["joint", "skill A->B", "skill C->D"]
+    joint = benches["joint"]
+    assert [it.answer for it in joint["benchmark"].items] == ["BXD", "QQQ", "DDB", "ZZB"]
+    assert joint["split"] == {"test": ["0", "1", "2"], "validation": ["v0"]}
+    skill = benches["skill A->B"]["benchmark"]
+    assert [(it.item_id, it.answer) for it in skill.items] == [("0", "B??"), ("2", "??B")]
+    assert joint["generation"] == {"max_new_tokens": 4, "batch_size": 64}
+    with pytest.raises(ValueError, match="share a length"):
+        letter_benchmarks([AB, CD], ["AB", "ABC"])
+    with pytest.raises(ValueError, match="conflict or chain"):
+        letter_benchmarks([AB, LetterMap.parse("B->C")], ["AB"])
+
+
+def test_a_rerun_part_replaces_its_records_in_place():
+    from studies.toy.run import merge_records
+
+    def rec(part, method, kind="base", x=None):
+        return {"part": part, "pair": "p", "method": method, "kind": kind, "x": x,
+                "metric": "joint", "values": [0.0]}  # fmt: skip
+
+    old = [rec("authors", "a"), rec("generative", "g1"), rec("generative", "g2"),
+           rec("generative", "d", "diagnostic"), rec("length-generative", "l", x=2)]  # fmt: skip
+    new = [rec("generative", "g1") | {"values": [1.0]}, rec("generative", "g3"),
+           rec("length-generative", "l", x=2) | {"values": [1.0]}]  # fmt: skip
+    out = merge_records(old, new, {"generative", "length-generative"})
+    assert [(r["method"], r["values"]) for r in out] == [
+        ("a", [0.0]),  # another part: kept
+        ("g1", [1.0]),  # replaced where it was
+        ("g3", [0.0]),  # new: after the record written before it
+        ("d", [0.0]),  # diagnostics are their own part; g2 is no longer written
+        ("l", [1.0]),
+    ]
+
+
+def test_a_skipped_part_draws_its_data_so_later_models_are_the_same():
+    from studies.toy.study import Settings, Study
+
+    s = Settings(n_train=8, scratch=TrainConfig(epochs=1, batch_size=8))
+    runs = []
+    for train in (True, False):
+        st = Study(s, 0)
+        st.train = train
+        first = st.scratch(AB)
+        st.finetuned(first, CD, lora=True)
+        st.train = True
+        runs.append((st.scratch(CD), st.rng.getstate(), st.next_seed()))
+    (trained, rng_a, seed_a), (replayed, rng_b, seed_b) = runs
+    assert rng_a == rng_b and seed_a == seed_b
+    assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), replayed.parameters()))
 
 
 def test_seed_t_interval_against_hand_computed_values():
@@ -226,6 +306,21 @@ def test_anatomy_scores_the_positions_the_decoder_scores(generative):
 # ---------------------------------------------------------------- trained models (must-show)
 
 
+def _greedy_strings(candidate, task, inputs):
+    """The study's evaluator before compare: greedy from ``x [SEP]``, ``len(x) + 1`` new tokens,
+    the generated tokens joined when the generation ended with EOS (else None)."""
+    from mergelab.candidate import GenerationSettings
+
+    settings = GenerationSettings(max_new_tokens=len(inputs[0]) + 1, batch_size=64)
+    gens = candidate.generate([task.prompt(x) for x in inputs], settings)
+    return [
+        "".join(task.tokenizer.convert_ids_to_tokens(g.token_ids))
+        if g.finish_reason == "eos"
+        else None
+        for g in gens
+    ]
+
+
 def _train(task, fn, xs, cfg, vocab, seed):
     model = tiny_gpt2(vocab, n_positions=64, seed=seed)
     train_model(model, *task.encode(xs, [fn(x) for x in xs]), cfg)
@@ -275,11 +370,38 @@ def test_generative_protocol_shared_init_composition_reaches_100_percent():
         experts.append(finetune_full(base, *task.encode(xs, [m(x) for x in xs]), ft))
     test = random_strings(150, length, random.Random(98))
     joint = [parallel_target([AB, CD], x) for x in test]
+    # The study's path: every row through mergelab.compare (base, experts, composition, merges).
+    results = compare_letters(
+        {"base": base, "A->B": experts[0], "C->D": experts[1]},
+        tok,
+        [
+            {"family": "base"},
+            {"family": "expert", "best_expert": False},
+            {"family": "composition"},
+            {"family": "merge", "name": "TA", "method": "task_arithmetic", "params": {"lambda": 1}},
+        ],
+        letter_benchmarks([AB, CD], test),
+        seed=0,
+    )
+    assert row_scores(results, "composition", "joint") == [1.0] * len(test)
+    assert sum(row_scores(results, "A->B", "joint")) < 0.9 * len(test)  # the test can fail
+    # compare scores each row as the study's own evaluator did (the generated strings).
     composed = ComposedDecoder(base, experts, tok, expert_names=["A->B", "C->D"])
-    preds = generative_predictions(composed, task, test)
-    assert exact_match(preds, joint).mean() == 1.0
-    alone = generative_predictions(ModelCandidate(experts[0], tok, name="A->B"), task, test)
-    assert exact_match(alone, joint).mean() < 0.9
+    candidates = {
+        "A->B": ModelCandidate(experts[0], tok, name="A->B"),
+        "composition": composed,
+        "TA": ModelCandidate(
+            merge_models("task_arithmetic", base, experts, params={"lambda_": 1}), tok
+        ),
+    }
+    for row, cand in candidates.items():
+        preds = _greedy_strings(cand, task, test)
+        assert row_scores(results, row, "joint") == exact_match(preds, joint).tolist()
+        for m in (AB, CD):
+            safe = [p if p is not None else "" for p in preds]
+            assert (
+                row_scores(results, row, f"skill {m.name}") == skill_success(test, safe, m).tolist()
+            )
 
 
 @pytest.fixture(scope="module")
@@ -374,3 +496,19 @@ def test_a_finished_seed_is_reused_only_with_the_same_settings(tmp_path):
     assert not reusable(path, Settings(n_train=1000))
     path.write_text("{not json")
     assert not reusable(path, Settings())
+
+
+def test_parts_update_only_a_finished_seed_run_with_the_same_settings(tmp_path):
+    from mergelab.errors import UserInputError
+    from studies.toy.run import previous_run
+    from studies.toy.study import Settings
+
+    path = tmp_path / "seed_0.json"
+    with pytest.raises(UserInputError, match="cannot read"):
+        previous_run(path, Settings())
+    older = Settings().to_dict()
+    del older["n_validation"]  # a file from before a setting was added is still updated
+    path.write_text(json.dumps({"settings": older, "records": []}))
+    assert previous_run(path, Settings(seeds=[0]))["records"] == []
+    with pytest.raises(UserInputError, match="other settings"):
+        previous_run(path, Settings(n_train=1000))

@@ -5,7 +5,10 @@ A merge whose inputs are all checkpoint folders is streamed to disk once by
 :func:`mergelab.merge.checkpoint.merge_checkpoints` (LoRA merges by
 :func:`mergelab.merge.lora.merge_lora_adapters`) into ``<cache>/merges/<method>-<key>``, the key
 hashing the method, parameters, weights, inputs and seed; a rerun finds it there. In-memory
-models are merged in memory with :func:`mergelab.merge.merge_models`.
+models are merged in memory with :func:`mergelab.merge.merge_models`. A LoRA merge writes a full
+model from the base's folder; an in-memory base is saved once to ``<cache>/base-<checksum>`` for
+it. The last merged model is kept, so the jobs of one grid point (one per benchmark, run one
+after the other) build it once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 
 from mergelab.compare.plan import Point, fingerprint
-from mergelab.compare.spec import CompareSpec, SpecError
+from mergelab.compare.spec import CompareSpec
 
 MERGE_RECORD = "mergelab_merge.json"  # written last by both merge engines
 
@@ -41,9 +44,10 @@ class ModelStore:
         self._models: dict[str, torch.nn.Module] = {}
         self._tokenizer = None
         self._identity: dict[str, Any] | None = None
+        self._last_merge: tuple[str, torch.nn.Module] | None = None  # (key, merged model)
 
     def __getstate__(self) -> dict[str, Any]:  # shipped to Ray workers without loaded models
-        return {**self.__dict__, "_models": {}, "_tokenizer": None}
+        return {**self.__dict__, "_models": {}, "_tokenizer": None, "_last_merge": None}
 
     # -- identities (cache keys) ---------------------------------------------------------------
 
@@ -167,17 +171,11 @@ class ModelStore:
         else:
             from mergelab.merge.lora import merge_lora_adapters
 
-            base = self.spec.models["base"]
-            if base.kind != "folder":
-                raise SpecError(
-                    f"{self.spec.source}: candidates[{fam.name}]: lora_merge writes a "
-                    "full model from the base's folder; give models.base as a folder"
-                )
             merge_lora_adapters(
                 fam.method,
                 [self.spec.models[n].path for n in fam.experts],
                 output=folder,
-                base=base.path,
+                base=self.base_folder(),
                 output_kind="full",
                 params=params,
                 weights=weights,
@@ -186,6 +184,44 @@ class ModelStore:
                 progress=progress,
             )
         return folder
+
+    def base_folder(self) -> Path:
+        """The base as a model folder: its own, or (an in-memory base) a copy saved once with
+        ``save_pretrained`` to ``<cache>/base-<parameter checksum>``."""
+        base = self.spec.models["base"]
+        if base.kind == "folder":
+            return Path(base.path)
+        from mergelab.outputs import atomic_output_dir
+
+        folder = self.cache_dir / f"base-{fingerprint(self.identity()['models']['base'])[:16]}"
+        if not (folder / "config.json").is_file():
+            with atomic_output_dir(folder, force=True) as tmp:
+                self.model("base").save_pretrained(tmp)
+        return folder
+
+    def merged_model(self, point: Point, seed: int) -> torch.nn.Module:
+        """The merged model of ``point``: streamed from its folder or merged in memory; the last
+        one is kept, so consecutive jobs of one grid point build it once."""
+        fam = point.family
+        key = fingerprint({"family": fam.to_dict(), "point": point.to_dict(), "seed": seed})
+        if self._last_merge is not None and self._last_merge[0] == key:
+            return self._last_merge[1]
+        self._last_merge = None  # free the previous merge before building the next
+        if self.streams_merge(point):
+            model = self.load_folder(self.ensure_merge(point, seed))
+        else:
+            from mergelab.merge import merge_models
+
+            model = merge_models(
+                fam.method,
+                self.model("base"),
+                [self.model(e) for e in fam.experts],
+                params={**fam.params, **point.params},
+                weights=list(fam.weights) if fam.weights is not None else None,
+                seed=seed,
+            )
+        self._last_merge = (key, model)
+        return model
 
     # -- candidates ----------------------------------------------------------------------------
 
@@ -201,20 +237,7 @@ class ModelStore:
         if fam.family == "expert":
             return ModelCandidate(self.model(point.expert), tok, name=name)
         if fam.family in ("merge", "lora_merge"):
-            if self.streams_merge(point):
-                model = self.load_folder(self.ensure_merge(point, seed))
-            else:
-                from mergelab.merge import merge_models
-
-                model = merge_models(
-                    fam.method,
-                    self.model("base"),
-                    [self.model(e) for e in fam.experts],
-                    params={**fam.params, **point.params},
-                    weights=list(fam.weights) if fam.weights is not None else None,
-                    seed=seed,
-                )
-            return ModelCandidate(model, tok, name=name)
+            return ModelCandidate(self.merged_model(point, seed), tok, name=name)
         p = point.params
         eos = p.get("eos_policy", fam.eos_policy)
         weights: list[float] | None = list(fam.weights) if fam.weights is not None else None
@@ -249,8 +272,6 @@ class ModelStore:
             name=name,
         )
 
-    def release(self, candidate) -> None:
-        """Drop a merged model after its job (the base and experts stay loaded)."""
-        model = getattr(candidate, "model", None)
-        if model is not None and all(model is not m for m in self._models.values()):
-            del candidate.model
+    def release(self) -> None:
+        """Drop the kept merged model (the base and experts stay loaded)."""
+        self._last_merge = None

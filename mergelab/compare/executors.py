@@ -39,6 +39,7 @@ class JobContext:
     store: ModelStore
     cache_dir: Path
     progress: bool = False
+    sandbox: Any = None  # a running mergelab.eval.Sandbox to score code with (local runs only)
 
     def settings(self, job: Job):
         b = self.plan.spec.benchmark(job.benchmark)
@@ -92,9 +93,9 @@ def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
         ctx.settings(job),
         cache_dir=ctx.cache_dir / "generations",
         progress=ctx.progress,
+        sandbox=ctx.sandbox,
     )
     record = job_record(job, result, candidate)
-    ctx.store.release(candidate)
     with atomic_output_file(path, force=True) as tmp:
         tmp.write_text(json.dumps(record), encoding="utf-8")
     return record

@@ -34,7 +34,7 @@ class Point:
     @property
     def candidate_name(self) -> str:
         """The candidate's name (it is part of the generation cache key)."""
-        return f"{self.row}[{self.label}]" if self.label else self.row
+        return candidate_name(self.row, self.label)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +43,13 @@ class Point:
             "label": self.label,
             "params": self.params,
         }
+
+
+def candidate_name(row: str, label: str) -> str:
+    """A candidate's name from its row and grid-point label: ``ties[lambda=0.5,density=0.2]``,
+    or the row alone for a point without parameters. Jobs' records carry ``row`` and ``label``;
+    this is the one place that joins them."""
+    return f"{row}[{label}]" if label else row
 
 
 def _show(v: Any) -> str:
@@ -88,7 +95,11 @@ class Plan:
 
     @property
     def expert_points(self) -> list[Point]:
-        return [p for p in self.fixed_points if p.family.family == "expert"]
+        """The experts that compete to be each benchmark's best single expert (evaluated on
+        validation); an expert family with ``best_expert: false`` only adds test rows."""
+        return [
+            p for p in self.fixed_points if p.family.family == "expert" and p.family.best_expert
+        ]
 
     @property
     def validation_benchmarks(self) -> list[str]:
@@ -100,8 +111,8 @@ class Plan:
 
     def test_jobs(self, seed: int, chosen: dict[str, Point]) -> list[Job]:
         rows = self.fixed_points + [chosen[f.name] for f in self.tuned]
-        order = {f.name: i for i, f in enumerate(self.spec.families)}
-        rows.sort(key=lambda p: order[p.family.name])  # the families' order in the spec
+        families = self.spec.families
+        rows.sort(key=lambda p: families.index(p.family))  # the families' order in the spec
         return [Job(seed, p, b.name, "test") for p in rows for b in self.spec.benchmarks]
 
     def split_benchmark(self, seed: int, name: str, split: str) -> Benchmark:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.executors import JobContext, progress_default, run_jobs
-from mergelab.compare.plan import Plan, make_plan
+from mergelab.compare.plan import Plan, candidate_name, make_plan
 from mergelab.compare.select import choose_best_expert, choose_point
 from mergelab.compare.spec import CompareSpec, eval_settings_for, load_spec, with_executor
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
@@ -59,6 +59,7 @@ def run(
     force: bool = False,
     progress: bool | None = None,
     figures: bool = True,
+    sandbox=None,
 ) -> dict[str, Any]:
     """Run a comparison; returns the results (the content of ``results.json``).
 
@@ -67,7 +68,8 @@ def run(
     if it exists unless ``force`` and it is a mergelab output. ``cache_dir``: merges, generations
     and finished jobs (default: the spec's ``cache_dir``, else ``<out>.cache``; required when
     ``out`` is None). ``executor``: "local", "ray" or a mapping like the spec's ``executor``
-    (overrides the spec's).
+    (overrides the spec's). ``sandbox``: a running :class:`~mergelab.eval.Sandbox` to score code
+    in (its worker processes are reused across jobs; local executor only), else one per job.
     """
     from mergelab.outputs import check_output_path
 
@@ -85,7 +87,7 @@ def run(
     t0, c0 = time.time(), time.process_time()
     plan = make_plan(spec)
     store = ModelStore(spec, cache_dir)
-    ctx = JobContext(plan, store, cache_dir, progress)
+    ctx = JobContext(plan, store, cache_dir, progress, sandbox)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     runs: list[dict[str, Any]] = []
@@ -109,8 +111,9 @@ def run(
         tested[seed] = {}
         for r in test_records:
             tested[seed].setdefault(r["benchmark"], {})[r["row"]] = r["items"]
+    store.release()
 
-    baselines = {str(s): score_baselines(plan, s) for s in spec.seeds}
+    baselines = {str(s): score_baselines(plan, s, sandbox) for s in spec.seeds}
     per_seed = {
         s: per_seed_statistics(tested[s], best[s], spec.bootstrap_samples, spec.confidence, s)
         for s in spec.seeds
@@ -197,7 +200,7 @@ def choose(plan: Plan, val_records: list[dict[str, Any]]) -> tuple[dict[str, Any
     for fam in plan.tuned:
         pts = plan.grid_points(fam)
         names = {p.candidate_name for p in pts}
-        recs = [r for r in val_records if _cand(r) in names]
+        recs = [r for r in val_records if candidate_name(r["row"], r["label"]) in names]
         c = choose_point(pts, recs, metric, vbenches, spec.tie_break)
         chosen[fam.name] = c.pop("_point")
         out["families"][fam.name] = c
@@ -209,11 +212,7 @@ def choose(plan: Plan, val_records: list[dict[str, Any]]) -> tuple[dict[str, Any
     return chosen, out
 
 
-def _cand(r: Mapping[str, Any]) -> str:
-    return f"{r['row']}[{r['label']}]" if r["label"] else r["row"]
-
-
-def score_baselines(plan: Plan, seed: int) -> dict[str, Any]:
+def score_baselines(plan: Plan, seed: int, sandbox=None) -> dict[str, Any]:
     """Each benchmark's baselines on its test split: the floor beside the candidates."""
     from mergelab.eval.stats import bootstrap_ci
 
@@ -235,7 +234,7 @@ def score_baselines(plan: Plan, seed: int) -> dict[str, Any]:
         out[b.name] = {}
         for name, fn in fns.items():
             completions = {it.item_id: fn(it) for it in bench.items}
-            ok = score_completions(bench, completions, settings)
+            ok = score_completions(bench, completions, settings, sandbox=sandbox)
             items = {i: float(bool(ok[i])) for i in completions}
             out[b.name][name] = {
                 "items": items,

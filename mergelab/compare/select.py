@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mergelab.compare.plan import Point
+from mergelab.compare.plan import Point, candidate_name
 
 
 def _validation_means(records: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], float]:
@@ -24,12 +24,8 @@ def _validation_means(records: Sequence[Mapping[str, Any]]) -> dict[tuple[str, s
     for r in records:
         if r["split"] != "validation":
             raise ValueError("selection was given a record that is not from a validation split")
-        out[(_name(r), r["benchmark"])] = r["mean"]
+        out[(candidate_name(r["row"], r["label"]), r["benchmark"])] = r["mean"]
     return out
-
-
-def _name(r: Mapping[str, Any]) -> str:
-    return f"{r['row']}[{r['label']}]" if r["label"] else r["row"]
 
 
 def selection_score(

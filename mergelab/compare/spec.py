@@ -61,7 +61,7 @@ MODEL_ENTRY_KEYS = {"path", "adapter"}
 LOADING_KEYS = {"device", "dtype", "device_map", "max_memory", "offload_folder"}
 FAMILY_KEYS = {
     "base": {"family", "name"},
-    "expert": {"family", "experts"},
+    "expert": {"family", "name", "experts", "best_expert"},
     "composition": {
         "family",
         "name",
@@ -134,6 +134,7 @@ class Family:
     composition: dict[str, Any] | None = None
     grid: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     prefer: dict[str, Any] | None = None
+    best_expert: bool = True  # expert family: its experts compete to be the paired reference
 
     def points(self) -> list[dict[str, Any]]:
         """Every grid point, in the order written (the last parameter varies fastest)."""
@@ -350,7 +351,9 @@ class _Parser:
         seeds = [self.integer(f"seeds[{i}]", s, minimum=0) for i, s in enumerate(seeds)]
         if len(set(seeds)) != len(seeds):
             raise self.fail("seeds", f"a seed is listed twice: {seeds}")
-        needs_validation = any(len(f.points()) > 1 or f.family == "expert" for f in families)
+        needs_validation = any(
+            len(f.points()) > 1 or (f.family == "expert" and f.best_expert) for f in families
+        )
         if needs_validation and not any(b.has_validation for b in benchmarks):
             raise self.fail(
                 "benchmarks",
@@ -520,7 +523,13 @@ class _Parser:
                 f"{key}.experts", f"no {'adapter' if lora else 'model'} experts for {fam}"
             )
         if fam == "expert":
-            return Family("expert", "expert", tuple(experts))
+            best = entry.get("best_expert", True)
+            if not isinstance(best, bool):
+                raise self.fail(f"{key}.best_expert", f"expected true or false, got {best!r}")
+            name = entry.get("name", "expert")
+            if not isinstance(name, str) or not name:
+                raise self.fail(f"{key}.name", f"expected a non-empty string, got {name!r}")
+            return Family("expert", name, tuple(experts), best_expert=best)
         grid = self.grid(f"{key}.grid", entry.get("grid"))
         weights = entry.get("weights")
         if weights is not None:

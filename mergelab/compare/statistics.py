@@ -1,4 +1,5 @@
-"""The comparison's statistics, from :mod:`mergelab.eval.stats` (one module for the toolkit).
+"""The comparison's statistics, from :mod:`mergelab.eval.stats` (one implementation for the
+toolkit: bootstrap intervals, paired comparisons and McNemar's test live there).
 
 Per seed and benchmark (test split): each row's score with a percentile bootstrap CI over items;
 every row against the best single expert (chosen on validation) and every pair of rows against
@@ -19,38 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from mergelab.eval.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap
+from mergelab.eval.stats import bootstrap_ci, paired_comparison
 
 SEED_INTERVAL_KINDS = {
     "t": "Student-t interval over seeds: mean ± t(1−α/2, n−1)·sd/√n of the per-seed scores",
     "percentile": "percentile bootstrap interval of the per-seed scores (seeds resampled)",
 }
-
-
-def is_binary(values: Sequence[float]) -> bool:
-    return all(v in (0.0, 1.0) for v in values)
-
-
-def paired(
-    a: Mapping[str, float], b: Mapping[str, float], n_boot: int, confidence: float, seed: int
-) -> dict[str, Any]:
-    """a − b on the items both have (by id, in a's order)."""
-    ids = [i for i in a if i in b]
-    xa, xb = [a[i] for i in ids], [b[i] for i in ids]
-    out: dict[str, Any] = {
-        "n": len(ids),
-        "mean_a": float(np.mean(xa)),
-        "mean_b": float(np.mean(xb)),
-        "paired_bootstrap": paired_bootstrap(xa, xb, n_boot, confidence, seed),
-    }
-    if is_binary(xa + xb):
-        out["mcnemar"] = mcnemar_exact([v == 1.0 for v in xa], [v == 1.0 for v in xb])
-        out["p_value"] = out["mcnemar"]["p_value"]
-        out["p_value_kind"] = "exact McNemar (binary outcomes)"
-    else:
-        out["p_value"] = out["paired_bootstrap"]["p_value"]
-        out["p_value_kind"] = "paired bootstrap (outcomes not binary)"
-    return out
 
 
 def seed_interval(values: Sequence[float], kind: str, confidence: float, seed: int = 0) -> dict:
@@ -71,11 +46,9 @@ def seed_interval(values: Sequence[float], kind: str, confidence: float, seed: i
 
         half = float(t.ppf(1 - alpha / 2, a.size - 1) * a.std(ddof=1) / np.sqrt(a.size))
         out.update(low=float(a.mean() - half), high=float(a.mean() + half))
-    else:
-        rng = np.random.default_rng(seed)
-        means = a[rng.integers(0, a.size, size=(10_000, a.size))].mean(axis=1)
-        lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-        out.update(low=float(lo), high=float(hi))
+    else:  # the seeds' scores resampled: the items' bootstrap, with seeds as the items
+        ci = bootstrap_ci(a, 10_000, confidence, seed)
+        out.update(low=ci["low"], high=ci["high"])
     return out
 
 
@@ -103,9 +76,13 @@ def per_seed_statistics(
         if ref is not None:
             for r, v in rows.items():
                 if r != ref:
-                    entry["vs_best_expert"][r] = paired(v, rows[ref], n_boot, confidence, seed)
+                    entry["vs_best_expert"][r] = paired_comparison(
+                        v, rows[ref], n_boot, confidence, seed
+                    )
         for a, b in combinations(rows, 2):
-            entry["pairwise"][f"{a} vs {b}"] = paired(rows[a], rows[b], n_boot, confidence, seed)
+            entry["pairwise"][f"{a} vs {b}"] = paired_comparison(
+                rows[a], rows[b], n_boot, confidence, seed
+            )
         out[bench] = entry
     return out
 

@@ -5,7 +5,9 @@
   resampling items jointly (keeps the pairing, so it is much tighter than two separate CIs).
 * :func:`mcnemar_exact` — exact McNemar test on pass/fail pairs: only items where the two
   disagree count; p-value from Binomial(n_disagree, 1/2), two-sided.
-* :func:`compare` — both, for two evaluation results, aligned by item id.
+* :func:`paired_comparison` — both, for two ``{item id: score}`` mappings on the ids they share,
+  with the p-value to report: exact McNemar when every outcome is 0/1, else the bootstrap's.
+* :func:`compare` — the same for two evaluation results (``EvalResult`` or their items).
 
 A difference like 39.4 vs 38.1 on MBPP+ (378 items) is about 5 items; whether that means anything
 is exactly what these answer.
@@ -13,7 +15,7 @@ is exactly what these answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,6 +113,44 @@ def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
             "neither": int(np.sum(~xa & ~xb)), "p_value": p}  # fmt: skip
 
 
+def is_binary(values: Sequence[float]) -> bool:
+    """Whether every per-item outcome is 0 or 1 (pass/fail), the case McNemar's test is for."""
+    return all(v in (0.0, 1.0) for v in values)
+
+
+def paired_comparison(
+    a: Mapping[str, float],
+    b: Mapping[str, float],
+    n_boot: int = 10_000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``a − b`` on the item ids both have, in ``a``'s order (the bootstrap resamples positions).
+
+    Returns ``n``, ``mean_a``, ``mean_b``, ``paired_bootstrap``, ``mcnemar`` (when every outcome
+    is 0/1), and ``p_value`` with ``p_value_kind``: the exact McNemar p-value for binary
+    outcomes, else the paired bootstrap's.
+    """
+    ids = [i for i in a if i in b]
+    if not ids:
+        raise ValueError("the two results share no items")
+    xa, xb = [float(a[i]) for i in ids], [float(b[i]) for i in ids]
+    out: dict[str, Any] = {
+        "n": len(ids),
+        "mean_a": float(np.mean(xa)),
+        "mean_b": float(np.mean(xb)),
+        "paired_bootstrap": paired_bootstrap(xa, xb, n_boot, confidence, seed),
+    }
+    if is_binary(xa + xb):
+        out["mcnemar"] = mcnemar_exact([v == 1.0 for v in xa], [v == 1.0 for v in xb])
+        out["p_value"] = out["mcnemar"]["p_value"]
+        out["p_value_kind"] = "exact McNemar (binary outcomes)"
+    else:
+        out["p_value"] = out["paired_bootstrap"]["p_value"]
+        out["p_value_kind"] = "paired bootstrap (outcomes not binary)"
+    return out
+
+
 def compare(
     result_a: Any,
     result_b: Any,
@@ -122,25 +162,13 @@ def compare(
     """Paired comparison of two evaluation results (``EvalResult`` or their ``items`` lists)
     on the items they share, by ``item_id``. ``metric`` defaults to the results' primary metric.
 
-    Returns the paired bootstrap of the difference (a − b) and, when all per-item scores are
-    0/1, the exact McNemar test.
+    Returns ``metric``, ``n_shared`` and :func:`paired_comparison`'s fields (the paired bootstrap
+    of the difference a − b and, when all per-item scores are 0/1, the exact McNemar test).
     """
     items_a = getattr(result_a, "items", result_a)
     items_b = getattr(result_b, "items", result_b)
     metric = metric or getattr(result_a, "primary_metric", None) or "score"
-    by_id_b = {it["item_id"]: it for it in items_b}
-    shared = [it for it in items_a if it["item_id"] in by_id_b]
-    if not shared:
-        raise ValueError("the two results share no items")
-    sa = [float(it["scores"][metric]) for it in shared]
-    sb = [float(by_id_b[it["item_id"]]["scores"][metric]) for it in shared]
-    out: dict[str, Any] = {
-        "metric": metric,
-        "n_shared": len(shared),
-        "mean_a": float(np.mean(sa)),
-        "mean_b": float(np.mean(sb)),
-        "paired_bootstrap": paired_bootstrap(sa, sb, n_boot, confidence, seed),
-    }
-    if all(v in (0.0, 1.0) for v in sa + sb):
-        out["mcnemar"] = mcnemar_exact([v == 1.0 for v in sa], [v == 1.0 for v in sb])
-    return out
+    scores_a = {it["item_id"]: float(it["scores"][metric]) for it in items_a}
+    scores_b = {it["item_id"]: float(it["scores"][metric]) for it in items_b}
+    out = paired_comparison(scores_a, scores_b, n_boot, confidence, seed)
+    return {"metric": metric, "n_shared": out["n"], **out}

@@ -13,7 +13,8 @@ through the benchmark's task, so adding a task is one file that calls :func:`reg
   (any in-memory benchmark of HumanEval/MBPP-style items);
 * ``mergelab.eval.synthetic_tasks`` — ``synth_math``, ``synth_count``, ``synth_code``,
   ``synth_mixed``, ``synth_mixed_fresh`` (the mini LLM study's sets, scored strictly);
-* ``mergelab.eval.letter_tasks`` — ``letter_map`` (the toy letter-replacement strings).
+* ``mergelab.eval.letter_tasks`` — ``letter_map`` (the toy letter-replacement strings) and
+  ``letter_skill`` (one skill's positions of them).
 
 A scorer is called as ``score(benchmark, samples, settings, sandbox=None, progress=False)`` with
 ``samples[item_id]`` the list of generation records (``text``, ``finish_reason``) of each item,

@@ -78,7 +78,6 @@ class StudyConfig:
     mbpp_plus: str | None = None
     dtype: str = "float32"
     device: str = "auto"  # where models train and decode: "auto" = cuda if available, else cpu
-    keep_merges: bool = False  # keep streamed merge folders (paper scale) after evaluating them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,8 +15,8 @@ from .setting import Setting
 def diagnostics_study(
     setting: Setting, benches: dict[str, Benchmark], comparison: dict[str, Any]
 ) -> dict[str, Any]:
-    """Diagnostics on each of ``benches`` (test splits); ``comparison`` is the output of
-    :func:`studies.llm.candidates.compare_candidates` (per-item outcomes, best expert)."""
+    """Diagnostics on each of ``benches`` (test splits); ``comparison`` holds the main table's
+    per-item outcomes and choices (:func:`studies.llm.candidates.study_tables`)."""
     from mergelab.compose.diagnostics import composition_diagnostics
 
     tok = setting.tokenizer

@@ -24,6 +24,12 @@ def _save(fig, path: Path) -> Path:
     return save_figure(fig, path, dpi=120, tight=False)
 
 
+def ms_per_token(cost: dict[str, Any]) -> float:
+    """Wall time per generated token in ms (results files before the move to mergelab.compare
+    recorded seconds)."""
+    return cost["ms_per_token"] if "ms_per_token" in cost else 1000 * cost["seconds_per_token"]
+
+
 def _color(c: str) -> str:
     if "compos" in c:
         return "tab:red"
@@ -67,7 +73,7 @@ def quality_cost(res: dict[str, Any], path: Path) -> Path:
     for c, recs in table.items():
         score = sum(recs[b]["score"]["mean"] for b in benches) / len(benches)
         evals = recs[benches[0]]["cost"]["model_evaluations_per_token"]
-        ms = 1000 * sum(recs[b]["cost"]["seconds_per_token"] for b in benches) / len(benches)
+        ms = sum(ms_per_token(recs[b]["cost"]) for b in benches) / len(benches)
         for ax, x in zip(axes, (evals, ms)):
             ax.scatter(x, score, color="tab:red" if "compos" in c else "tab:blue")
             ax.annotate(c, (x, score), fontsize=6)
@@ -257,7 +263,7 @@ def markdown_table(res: dict[str, Any]) -> str:
                 cell += f" (Δ {100 * vs['paired_bootstrap']['mean_diff']:+.1f}, p={p:.2g})"
             cells.append(cell)
         evals = recs[benches[0]]["cost"].get("model_evaluations_per_token", "?")
-        ms = 1000 * sum(recs[b]["cost"]["seconds_per_token"] for b in benches) / len(benches)
+        ms = sum(ms_per_token(recs[b]["cost"]) for b in benches) / len(benches)
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {evals} | {ms:.1f} |")
     floors = (res.get("baselines") or {}).get("sum_of_numbers", {})
     if floors:

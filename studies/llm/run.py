@@ -15,11 +15,11 @@ One recipe, three scales (``--scale``):
 
 The recipe: (1) build the scale's models and benchmarks; (2) compare every candidate — base, each
 expert, logit composition, weighted composition, task arithmetic, TIES, DARE-TIES, linear, and
-for LoRA experts the adapter merge and the LoRA composition — on every benchmark, each choice on
-validation, paired against the best single expert (exact McNemar); (3) trivial baselines as the
-floor; (4) 2 vs 3 experts: premature termination measured, remedies chosen on validation and
-reported on test; (5) factorisation diagnostics; (6) ``<out>/results.json`` and figures drawn
-from it alone (``--plot-only``).
+for LoRA experts the adapter merge and the LoRA composition — on every benchmark with
+``mergelab.compare`` (each choice on validation, paired against the best single expert with the
+exact McNemar test, trivial baselines as the floor); (3) 2 vs 3 experts: premature
+termination measured, remedies chosen on validation and reported on test; (4) factorisation
+diagnostics; (5) ``<out>/results.json`` and figures drawn from it alone (``--plot-only``).
 
     python studies/llm_math_code.py                       # mini: results/llm/mini + figures/llm_*
     python studies/llm_math_code.py --plot-only           # redraw figures from results.json
@@ -28,8 +28,9 @@ from it alone (``--plot-only``).
         --math-path gemma-2-2b_math --code-path gemma-2-2b_coding --gsm8k gsm8k_test.jsonl \\
         --math-data math_test.jsonl --humaneval-plus HumanEvalPlus.jsonl --mbpp-plus MbppPlus.jsonl
 
-Reruns resume: checkpoints are reused from ``<out>/checkpoints`` and generations from
-``<out>/eval_cache`` (keyed by each candidate's description, which includes weight checksums).
+Reruns resume: checkpoints are reused from ``<out>/checkpoints``, generations from
+``<out>/eval_cache`` (keyed by each candidate's description, which includes weight checksums) and
+the main table's finished jobs from ``<out>/eval_cache/compare``.
 """
 
 from __future__ import annotations
@@ -39,23 +40,24 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import mergelab.compare
 from mergelab.eval.sandbox import Sandbox
 from mergelab.outputs import atomic_output_file
 from mergelab.results import json_with_keys
 
 from . import figures
-from .baselines import baselines
-from .candidates import Evaluator, Grids, Models, Splits, compare_candidates
+from .candidates import comparison_spec, study_tables
 from .config import SCALES, StudyConfig, parse_value, scale_config, study_device
 from .diagnostics import diagnostics_study
 from .setting import THIRD_SKILL, mini_setting, paper_setting, smollm2_setting
-from .termination import remedies_study, termination_study
+from .termination import Evaluator, remedies_study, termination_study
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"mini": mini_setting, "smollm2": smollm2_setting, "paper": paper_setting}
@@ -87,44 +89,23 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
     lap("setup_and_training")
     print(f"[setup] {seconds['setup_and_training']:.0f}s", flush=True)
 
-    # 2. The comparison. The fresh mixed set has no validation split: it is evaluated once, on
-    # test, and its best single expert is the one chosen on the mixed validation split.
-    benchmarks = {
-        name: Splits(
-            bench,
-            setting.validation.get(name),
-            setting.eval_settings[name],
-            setting.validation_of.get(name),
-        )
-        for name, bench in test.items()
-    }
-    for name, bench in fresh.items():
-        benchmarks[name] = Splits(bench, None, setting.eval_settings[name], validation_of="mixed")
-    models = Models(
-        setting.tokenizer,
-        setting.base,
-        {s: setting.experts[s] for s in ("math", "code")},
-        lora_adapters=setting.lora_adapters,
-        evaluate_lora_experts=cfg.scale == "mini",
-        base_dir=setting.base_dir,
-        expert_dirs=setting.expert_dirs,
-        merge_dir=setting.merge_dir,
-        dtype=cfg.dtype,
-        device=study_device(cfg),
-        keep_merges=cfg.keep_merges,
-    )
-    # The grids and seed of the study's config (the same field names).
-    grids = Grids(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Grids)})
+    # 2. The comparison, run by mergelab.compare: every candidate on every benchmark, each
+    # choice on validation, paired statistics against the best single expert, the baselines as
+    # floors. The fresh mixed set has no validation split: it is evaluated once, on test, and
+    # its best single expert is the one chosen on the mixed validation split.
+    spec = comparison_spec(setting, cfg, test, fresh, lora_expert_rows=cfg.scale == "mini")
     cache = out / "eval_cache"
     with Sandbox(workers=cfg.sandbox_workers) as sandbox:
-        comparison = compare_candidates(models, benchmarks, grids, cache_dir=cache, sandbox=sandbox)
-        floors = baselines({**test, **fresh}, setting.eval_settings, sandbox)  # no model involved
+        compared = mergelab.compare.run(
+            spec, cache_dir=cache / "compare", progress=sys.stderr.isatty(), sandbox=sandbox
+        )
+        comparison = study_tables(compared)
         lap("main_table")
 
         # 3. More than two experts: how the composition ends, and remedies chosen on validation.
         term, remedies = {}, {}
         if third is not None:
-            ev = Evaluator({}, cache, sandbox)
+            ev = Evaluator(cache, sandbox)
             n = cfg.termination_items
             term_benches = {k: b.head(n) for k, b in {**test, **third_test}.items()}
             term = termination_study(setting, term_benches, ev, cfg.eos_policies, third)
@@ -149,9 +130,11 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
         "benchmarks": {k: b.describe() for k, b in {**test, **third_test, **fresh}.items()},
         "choices": comparison["choices"],
         "candidates": comparison["candidates"],
-        "candidate_descriptions": comparison["descriptions"],
         "paired_vs_best_expert": comparison["paired_vs_best_expert"],
-        "baselines": floors,
+        "baselines": comparison["baselines"],
+        # What compare recorded beside: the rows (family, method, experts, grid), every split's
+        # item ids, and the spec as run (models by parameter checksum).
+        "compare": {k: compared[k] for k in ("schema", "schema_version", "rows", "splits", "spec")},
         # How many test targets are, as a string, some training target (the mixed set's constant
         # expressions can be; the fresh variant's never are).
         "test_targets_seen_in_training": {

@@ -46,9 +46,9 @@ class Setting:
     training: dict[str, Any] = field(default_factory=dict)
     # test benchmark → validation benchmark where the test set has no split of its own
     validation_of: dict[str, str] = field(default_factory=dict)
-    # saved full-model folders of the experts: weight merges then stream from disk
+    # saved full-model folders of the experts: weight merges then stream from disk (into the
+    # comparison's cache, <out>/eval_cache/compare/merges)
     expert_dirs: dict[str, Path] = field(default_factory=dict)
-    merge_dir: Path | None = None  # where streamed merges are written
     third_validation: dict[str, Benchmark] = field(default_factory=dict)
     third_test: dict[str, Benchmark] = field(default_factory=dict)
     fresh: dict[str, Benchmark] = field(default_factory=dict)
@@ -357,4 +357,4 @@ def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
     }  # fmt: skip
     expert_dirs = {"math": Path(cfg.math_path), "code": Path(cfg.code_path)}
     return Setting(tok, load(cfg.base_path), experts, validation, test, eval_settings,
-                   Path(cfg.base_path), expert_dirs=expert_dirs, merge_dir=work / "merges")  # fmt: skip
+                   Path(cfg.base_path), expert_dirs=expert_dirs)  # fmt: skip

@@ -14,18 +14,71 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
-from mergelab.eval import Benchmark, build_prompt, compare
+from mergelab.eval import Benchmark, EvalSettings, build_prompt, evaluate
+from mergelab.eval.stats import paired_comparison
 
-from .candidates import Evaluator, argmax, as_items
 from .setting import Setting
 
 N_BINS = 5  # p(EOS) inside the reference, by fifths of its length
+
+
+class Evaluator:
+    """Evaluates a candidate on a benchmark (generations cached on disk) into a record with the
+    texts and token counts of every item, which the termination measures need."""
+
+    def __init__(self, cache_dir: Path, sandbox):
+        self.cache_dir, self.sandbox = cache_dir, sandbox
+
+    def record(self, candidate, bench: Benchmark, settings: EvalSettings) -> dict[str, Any]:
+        result = evaluate(candidate, bench, settings, cache_dir=self.cache_dir,
+                          sandbox=self.sandbox, progress=sys.stderr.isatty())  # fmt: skip
+        return make_record(result, candidate)
+
+
+def make_record(result, candidate) -> dict[str, Any]:
+    """Score with CI, per-item scores, texts and token counts, cost and termination of one
+    evaluation (cost as in docs/compare.md, with wall time in seconds per token)."""
+    metric = result.primary_metric
+    with open(result.run_dir / "generations.jsonl", encoding="utf-8") as f:
+        gens = [json.loads(line) for line in f]
+    wanted = {it["item_id"] for it in result.items}
+    gens = [g for g in gens if g["item_id"] in wanted]
+    tokens = sum(g["n_tokens"] for g in gens)
+    n = max(1, len(gens))
+    return {
+        "metric": metric,
+        "score": result.summary["metrics"][metric],
+        "per_item": {it["item_id"]: it["scores"][metric] for it in result.items},
+        "per_item_tokens": {g["item_id"]: g["n_tokens"] for g in gens},
+        "per_item_text": {it["item_id"]: it["samples"][0]["text"] for it in result.items},
+        "cost": {
+            "model_evaluations_per_token": len(candidate.composition.components),
+            "forward_calls_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
+            "seconds_per_token": sum(g["seconds"] for g in gens) / max(1, tokens),
+            "mean_new_tokens": tokens / n,
+        },
+        "termination": {
+            "stop_rate": sum(g["finish_reason"] != "length" for g in gens) / n,
+            "eos_rate": sum(g["finish_reason"] == "eos" for g in gens) / n,
+        },
+        "examples": [s["samples"][0]["text"] for s in result.items[:3]],
+        "cache_dir": str(result.run_dir),
+    }
+
+
+def argmax(scores: dict[float, float], prefer: float) -> float:
+    """Best validation score; ties go to the value closest to ``prefer`` (then the first)."""
+    best = max(scores.values())
+    return min((k for k, v in scores.items() if v == best), key=lambda k: abs(k - prefer))
 
 
 @torch.no_grad()
@@ -166,8 +219,8 @@ def remedies_study(
     for label, row in rows.items():
         if label != "plain":
             row["vs_plain"] = {
-                b: compare(as_items(r), as_items(rows["plain"]["benchmarks"][b]), metric="s",
-                           n_boot=bootstrap_samples, seed=seed)
+                b: paired_comparison(r["per_item"], rows["plain"]["benchmarks"][b]["per_item"],
+                                     n_boot=bootstrap_samples, seed=seed)
                 for b, r in row["benchmarks"].items()
             }  # fmt: skip
     return {"experts": names, "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}

@@ -10,6 +10,7 @@ turns it: ``log p_b(chosen)`` far below ``log p_b(correct)``. Two confounds are 
 learning rate (from-scratch generative models used 1e-3, the aligned ones 3e-4: here the
 *aligned* protocol is also trained at 1e-3) and the sequence length (the generative sequence is
 ``2L + 2`` tokens: here it is also trained and tested at L = 8, as long as an aligned L = 16).
+Free-running generative rows are scored by ``mergelab.compare`` (:func:`generative_exact_match`).
 
 **2. Why does a wrong base still compose?** At an input A, the A→B expert says B and the C→D
 expert copies A; the composition prefers B over A iff ``d1 − d2 + db > 0`` with
@@ -51,7 +52,13 @@ from mergelab.toy import (
 )
 from mergelab.toy.tasks import IGNORE
 
-from .evaluate import aligned_predictions, exact_match, generative_predictions
+from .evaluate import (
+    aligned_predictions,
+    compare_letters,
+    exact_match,
+    letter_benchmarks,
+    row_scores,
+)
 from .summary import experiment_parser, is_rate, resummarise, summarise
 from .train import TrainConfig, tiny_gpt2, train_model
 
@@ -130,18 +137,18 @@ def explain_generative_failure(rec: Recorder, seed: int, tok) -> None:
             "product of experts (no base)": (None, Composition.product_of_experts(["e1", "e2"])),
         }
         for name, (single, formula) in rows.items():
-            if single is not None:
-                cand = ModelCandidate(models[single], tok, name=name)
-                target = [maps[single](x) for x in test]
-            else:
-                pool = {k: models[k] for k in formula.components}
-                cand = ComposedDecoder.from_models(pool, formula, tok)
-                target = joint
             if protocol == "generative":
-                preds = generative_predictions(cand, task, test)
+                values = generative_exact_match(name, single, formula, models, maps, test, tok)
             else:
-                preds = aligned_predictions(cand, task, test)
-            rec("generative failure", label, name, "exact match", exact_match(preds, target))
+                if single is not None:
+                    cand = ModelCandidate(models[single], tok, name=name)
+                    target = [maps[single](x) for x in test]
+                else:
+                    pool = {k: models[k] for k in formula.components}
+                    cand = ComposedDecoder.from_models(pool, formula, tok)
+                    target = joint
+                values = exact_match(aligned_predictions(cand, task, test), target)
+            rec("generative failure", label, name, "exact match", values)
         # Teacher-forced anatomy on the joint target.
         lp = answer_logprobs(models, *task.encode(test, joint))
         comp = lp["e1"] + lp["e2"] - lp["base"]
@@ -213,6 +220,23 @@ def explain_generative_failure(rec: Recorder, seed: int, tok) -> None:
             "median log p_b(runner-up)",
             lp["base"][idx, runner_up][~wrong].median(),
         )
+
+
+def generative_exact_match(name, single, formula, models, maps, test, tok) -> list[float]:
+    """One generative row through mergelab.compare: the model ``single`` against its own map's
+    target, or ``formula`` over ``models`` against the joint target of e1 and e2."""
+    if single == "base":
+        family, row, targets = {"family": "base"}, "base", [maps["base"]]
+    elif single is not None:
+        family = {"family": "expert", "experts": [single], "best_expert": False}
+        row, targets = single, [maps[single]]
+    else:
+        family = {"family": "composition", "name": name, "experts": ["e1", "e2"],
+                  "composition": formula.to_dict()}  # fmt: skip
+        row, targets = name, [maps["e1"], maps["e2"]]
+    benchmarks = letter_benchmarks(targets, test, skills=False, name="target")
+    results = compare_letters(models, tok, [family], benchmarks, seed=0)  # greedy: no randomness
+    return row_scores(results, row, "target")
 
 
 def margins(lp: dict, rewriter: str, copier: str, src: int, dst: int, where: torch.Tensor) -> dict:

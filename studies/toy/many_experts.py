@@ -6,7 +6,8 @@ paper's rule ``Σ_i log p_i − (k − 1) log p_b`` and scored on its parallel j
 conditions: aligned protocol with every model from scratch, aligned with experts fully
 fine-tuned from the base, and generative (``x [SEP] y [EOS]``, greedy until EOS) with experts
 fine-tuned from the generative base (first letter set only). Task arithmetic (λ = 1) of the
-fine-tuned experts is a row too.
+fine-tuned experts is a row too. Generative rows are scored by ``mergelab.compare``, one
+comparison per subset (:func:`.evaluate.compare_letters`).
 
 Diagnostics, teacher forced on the joint target, explain failures where they occur. At a
 position whose letter expert j rewrites (``src → dst``), the composition prefers ``dst`` iff
@@ -49,7 +50,13 @@ from mergelab.toy import (
     random_strings,
 )
 
-from .evaluate import aligned_predictions, exact_match, generative_predictions
+from .evaluate import (
+    aligned_predictions,
+    compare_letters,
+    exact_match,
+    letter_benchmarks,
+    row_scores,
+)
 from .explanations import answer_logprobs
 from .summary import experiment_parser, is_rate, resummarise, summarise
 from .train import TrainConfig, finetune_full, tiny_gpt2, train_model
@@ -150,25 +157,35 @@ def run_condition(rec, condition, task, base, experts: dict, maps: dict, test, t
         for subset in itertools.combinations(names, k):
             sub_maps = [maps[n] for n in subset]
             joint = [parallel_target(sub_maps, x) for x in test]
-            rows = {"composition": ComposedDecoder(base, [experts[n] for n in subset], tok)}
-            if merges:
-                merged = merge_models(
-                    "task_arithmetic", base, [experts[n] for n in subset], params={"lambda_": 1.0}
+            if generative:  # through mergelab.compare (studies/toy/evaluate.py)
+                families = [{"family": "composition", "name": "composition"}]
+                if merges:
+                    families.append({"family": "merge", "name": "task arithmetic λ=1",
+                                     "method": "task_arithmetic", "params": {"lambda": 1.0}})  # fmt: skip
+                results = compare_letters(
+                    {"base": base} | {n: experts[n] for n in subset},
+                    tok,
+                    families,
+                    letter_benchmarks(sub_maps, test, skills=False),
+                    seed=0,  # nothing random: greedy decoding, task arithmetic
                 )
-                rows["task arithmetic λ=1"] = ModelCandidate(merged, tok)
-            for method, cand in rows.items():
-                if generative:
-                    preds = generative_predictions(cand, task, test)
-                else:
-                    preds = aligned_predictions(cand, task, test)
-                rec(
-                    condition,
-                    " + ".join(subset),
-                    method,
-                    "joint exact match",
-                    k,
-                    exact_match(preds, joint),
-                )
+                scores = {f["name"]: row_scores(results, f["name"], "joint") for f in families}
+            else:
+                rows = {"composition": ComposedDecoder(base, [experts[n] for n in subset], tok)}
+                if merges:
+                    merged = merge_models(
+                        "task_arithmetic",
+                        base,
+                        [experts[n] for n in subset],
+                        params={"lambda_": 1.0},
+                    )
+                    rows["task arithmetic λ=1"] = ModelCandidate(merged, tok)
+                scores = {
+                    method: exact_match(aligned_predictions(cand, task, test), joint)
+                    for method, cand in rows.items()
+                }
+            for method, values in scores.items():
+                rec(condition, " + ".join(subset), method, "joint exact match", k, values)
             models = {"base": base} | {n: experts[n] for n in subset}
             lp = answer_logprobs(models, *task.encode(test, joint)) | {"eos": generative}
             for metric, value in anatomy(lp, list(subset), sub_maps, test, tok).items():

@@ -7,8 +7,11 @@
 3. shared      experts fine-tuned from the base (full and LoRA) so that task arithmetic (λ grid),
                TIES, DARE, linear averaging and SLERP are meaningful next to the composition.
 2. generative  ``x [SEP] y [EOS]``, greedy decoding until EOS; experts from scratch, and experts
-               fine-tuned from the generative base (then the weight merges are rows too).
-4. length      trained at length 16, tested at lengths 1..64 (parts 1–3).
+               fine-tuned from the generative base (then the weight merges are rows too, and
+               task arithmetic with λ chosen on validation strings). Evaluated by
+               ``mergelab.compare`` (:func:`.evaluate.compare_letters`).
+4. length      trained at length 16, tested at lengths 1..64 (parts 1–3; the generative rows
+               by ``mergelab.compare``).
 5. spans, 7. diagnostics: :mod:`.spans`.
 """
 
@@ -16,14 +19,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 
 from tqdm import tqdm
 
 from mergelab.toy import LetterMap, random_strings
 
-from .study import Study
-from .train import finetune_full, tiny_gpt2
+from .study import Study, merge_grid
+from .train import tiny_gpt2
 
 
 def part_authors_and_failures(st: Study, test: list[str]) -> dict:
@@ -91,43 +93,88 @@ def part_shared(st: Study, base, test: list[str]) -> dict:
 
 
 def part_generative(st: Study, test: list[str]) -> dict:
-    """Part 2: generative protocol, greedy decoding until EOS.
+    """Part 2: generative protocol, greedy decoding until EOS, every row through mergelab.compare.
 
     Experts from scratch (as in the authors' protocol) and experts fine-tuned from the
-    generative base (shared initialisation, so the weight merges are rows too).
+    generative base (shared initialisation, so the weight merges are rows too). Every merge of
+    the grid is a row on the test strings; one more row is task arithmetic with λ chosen by
+    compare on validation strings (drawn apart from the test strings): the λ of the grid with the
+    highest joint exact match, the smallest on ties.
     """
     t0 = time.perf_counter()
     maps = [LetterMap.parse("A->B"), LetterMap.parse("C->D")]
     names = [m.name for m in maps]
     base = st.scratch(LetterMap(), generative=True)
     scratch = [st.scratch(m, generative=True) for m in maps]
-    tuned = [
-        finetune_full(
-            base,
-            *st.train_data(st.generative, m, st.s.train_length),
-            replace(st.s.generative_finetune, seed=st.next_seed()),
-        )
-        for m in maps
-    ]
+    tuned = [st.finetuned(base, m, generative=True) for m in maps]
     st.tick("train generative", t0)
     t0 = time.perf_counter()
-    rows = [("base", st.single(base, "base"))]
-    rows += [("expert", st.single(e, f"expert {n}")) for e, n in zip(scratch, names)]
-    rows += [("composition", st.composed(base, scratch, names))]
-    st.eval_letters("generative", maps, rows, test, generative=True)
-    merged = st.merges(base, tuned)
-    shared_rows = [("base", st.single(base, "base"))]
-    shared_rows += [("expert", st.single(e, f"expert {n}")) for e, n in zip(tuned, names)]
-    shared_rows += [("composition", st.composed(base, tuned, names))]
-    shared_rows += [("merge", st.single(m, label)) for label, m in merged.items()]
-    st.eval_letters("generative-shared", maps, shared_rows, test, generative=True)
+    rows = [("base", "base", "base")] + [("expert", f"expert {n}", n) for n in names]
+    rows += [("composition", "composition", "composition")]
+    families = [
+        {"family": "base"},
+        {"family": "expert", "experts": names, "best_expert": False},  # rows, no choice
+        {"family": "composition", "experts": names},
+    ]
+    if st.wants("generative"):
+        models = {"base": base} | dict(zip(names, scratch))
+        st.compare_letters("generative", maps, models, families, rows, test)
+    if st.wants("generative-shared"):
+        grid = merge_grid(st.s.lambdas)
+        # compare merges with the base; the grid's merges without it (linear average, SLERP of
+        # the two experts) are merged here and given to compare as models: rows that are not
+        # best-expert candidates.
+        without_base = st.merges(base, tuned, without_base_only=True)
+        models = {"base": base} | dict(zip(names, tuned)) | without_base
+        merge_families = [
+            {"family": "merge", "name": label, "method": method, "experts": names,
+             "params": {("lambda" if k == "lambda_" else k): v for k, v in params.items()}}
+            for label, method, params, use_base in grid
+            if use_base
+        ]  # fmt: skip
+        chosen = "TA (λ chosen on validation)"
+        tuned_ta = {"family": "merge", "name": chosen, "method": "task_arithmetic",
+                    "experts": names, "grid": {"lambda": list(st.s.lambdas)}}  # fmt: skip
+        merged_here = {"family": "expert", "name": "merged without the base",
+                       "experts": list(without_base), "best_expert": False}  # fmt: skip
+        labels = [g[0] for g in grid]  # the rows in the grid's order, as in the aligned parts
+        choices = st.compare_letters(
+            "generative-shared",
+            maps,
+            models,
+            families + merge_families + [merged_here, tuned_ta],
+            rows + [("merge", label, label) for label in labels] + [("merge", chosen, chosen)],
+            test,
+            validation=random_strings(
+                st.s.n_validation, st.s.train_length, random.Random(20_000 + st.seed)
+            ),
+        )
+        st.choices["generative-shared"] = choices["families"]
     st.tick("eval generative", t0)
-    length_rows = [
-        ("base", rows[0][1]),
-        ("composition", st.composed(base, scratch, names, name="composition (scratch experts)")),
-        ("composition", st.composed(base, tuned, names, name="composition (fine-tuned experts)")),
-    ] + [("merge", st.single(merged[k], f"{k} (fine-tuned)")) for k in ("TA λ=1",) if k in merged]
-    return {"rows": length_rows, "maps": maps, "base": base, "scratch": scratch, "tuned": tuned}
+    return {"maps": maps, "names": names, "base": base, "scratch": scratch, "tuned": tuned}
+
+
+def length_generative_rows(st: Study, generative: dict) -> tuple[dict, list[dict], list[tuple]]:
+    """The length sweep's generative rows: compare's models and families, the recorded rows."""
+    names, base = generative["names"], generative["base"]
+    scratch = [f"{n} (scratch)" for n in names]
+    models = {"base": base} | dict(zip(scratch, generative["scratch"]))
+    models |= dict(zip(names, generative["tuned"]))
+    rows = [
+        ("base", "base", "base"),
+        ("composition", "composition (scratch experts)", "composition (scratch experts)"),
+        ("composition", "composition (fine-tuned experts)", "composition (fine-tuned experts)"),
+    ]
+    families = [
+        {"family": "base"},
+        {"family": "composition", "name": rows[1][1], "experts": scratch},
+        {"family": "composition", "name": rows[2][1], "experts": names},
+    ]
+    if 1.0 in st.s.lambdas:
+        rows.append(("merge", "TA λ=1 (fine-tuned)", "TA λ=1 (fine-tuned)"))
+        families.append({"family": "merge", "name": rows[3][1], "method": "task_arithmetic",
+                         "experts": names, "params": {"lambda": 1.0}})  # fmt: skip
+    return models, families, rows
 
 
 def part_length(st: Study, scratch: dict, shared: dict, generative: dict) -> None:
@@ -151,17 +198,12 @@ def part_length(st: Study, scratch: dict, shared: dict, generative: dict) -> Non
             if k in shared["full"]["merges"]
         ],
     }
+    gen_rows = length_generative_rows(st, generative)
     rng = random.Random(st.seed + 777)
     for length in tqdm(st.s.lengths, desc="  lengths", leave=False):
         inputs = random_strings(st.s.n_test_per_length, length, rng)
         for part, rows in plans.items():
             st.eval_letters(part, ab_cd, rows, inputs, x=length)
-        st.eval_letters(
-            "length-generative",
-            generative["maps"],
-            generative["rows"],
-            inputs,
-            generative=True,
-            x=length,
-        )
+        if st.wants("length-generative"):
+            st.compare_letters("length-generative", generative["maps"], *gen_rows, inputs, x=length)
     st.tick("length sweep", t0)

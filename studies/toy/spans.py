@@ -52,7 +52,7 @@ def part_spans(st: Study) -> dict:
     ]
     rng = random.Random(st.seed + 555)
     pair = " + ".join(names)
-    for k in range(st.s.span_width + 1):
+    for k in range(st.s.span_width + 1 if st.wants("spans") else 0):
         ex = task.sample_with_overlap(st.s.n_span_test, k, st.s.span_width, rng)
         inputs = [e.render(skills, []) for e in ex]
         joint = [e.render(skills, skills) for e in ex]

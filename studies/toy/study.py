@@ -6,6 +6,7 @@ fixes every model), the tokenizers, and the list of result records every part ap
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -26,7 +27,14 @@ from mergelab.toy import (
 )
 from mergelab.toy.tasks import SPAN_MARKERS
 
-from .evaluate import aligned_predictions, exact_match, generative_predictions, skill_success
+from .evaluate import (
+    aligned_predictions,
+    compare_letters,
+    exact_match,
+    letter_benchmarks,
+    row_scores,
+    skill_success,
+)
 from .train import TrainConfig, finetune_full, finetune_lora, tiny_gpt2, train_model
 
 
@@ -67,6 +75,8 @@ class Settings:
     span_width: int = 4  # letters per span in the overlap sweep (overlap 0..span_width)
     n_span_test: int = 150  # per overlap value
     lambdas: list[float] = field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0])
+    # Validation strings (length train_length) on which compare chooses the generative TA's λ.
+    n_validation: int = 100
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,12 +116,45 @@ def merge_grid(lambdas: list[float]) -> list[tuple[str, str, dict, bool]]:
     return [g for g in grid if g[1] in have]
 
 
-class Study:
-    """Holds the tokenizers and settings of one run and collects result records."""
+# What a run can be limited to (``--parts``), in run order: the record parts each unit writes,
+# and the trained models it needs (the units' training stages: scratch, shared, generative,
+# spans). Diagnostics records carry the part they diagnose and kind "diagnostic".
+UNITS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "authors": (("authors", "failure"), frozenset({"scratch"})),
+    "shared": (
+        ("shared-full", "shared-lora", "failure-shared-full"),
+        frozenset({"scratch", "shared"}),
+    ),
+    "generative": (("generative", "generative-shared"), frozenset({"generative"})),
+    "length-authors": (("length-authors",), frozenset({"scratch"})),
+    "length-shared-full": (("length-shared-full",), frozenset({"scratch", "shared"})),
+    "length-generative": (("length-generative",), frozenset({"generative"})),
+    "spans": (("spans",), frozenset({"spans"})),
+    "diagnostics": ((), frozenset({"scratch", "shared", "generative", "spans"})),
+}
 
-    def __init__(self, settings: Settings, seed: int):
+
+def unit_of(record: dict) -> str:
+    """The unit (of :data:`UNITS`) that wrote a result record."""
+    if record["kind"] == "diagnostic":
+        return "diagnostics"
+    return next(u for u, (parts, _) in UNITS.items() if record["part"] in parts)
+
+
+class Study:
+    """Holds the tokenizers and settings of one run and collects result records.
+
+    ``units``: the :data:`UNITS` to evaluate (None: all); the others are not evaluated. While
+    ``train`` is False, :meth:`scratch` and :meth:`finetuned` draw their data and seeds as training
+    would, so the models of later parts are the same, and return the model untrained.
+    """
+
+    def __init__(self, settings: Settings, seed: int, units: set[str] | None = None):
         self.s = settings
         self.seed = seed
+        self.units = units
+        self.train = True
+        self.choices: dict[str, dict] = {}  # per record part: compare's choices on validation
         self.rng = random.Random(seed)
         self.tok = build_char_tokenizer()
         self.span_tok = build_char_tokenizer(SPAN_MARKERS)
@@ -130,20 +173,38 @@ class Study:
         xs = random_strings(self.s.n_train, length, self.rng)
         return task.encode(xs, [fn(x) for x in xs])
 
+    def wants(self, part: str) -> bool:
+        """Whether this run evaluates the record part ``part`` (``diagnostics``: that unit)."""
+        return self.units is None or any(part == u or part in UNITS[u][0] for u in self.units)
+
+    def needs(self, stage: str) -> bool:
+        """Whether a unit of this run needs the models of training stage ``stage``."""
+        return self.units is None or any(stage in UNITS[u][1] for u in self.units)
+
     def scratch(self, letter_map: LetterMap, *, generative: bool = False):
         """A model trained from scratch to perform ``letter_map`` (identity = the base)."""
         task = self.generative if generative else self.aligned
         cfg = replace(self.s.generative if generative else self.s.scratch, seed=self.next_seed())
         model = tiny_gpt2(len(self.tok), seed=cfg.seed)
-        train_model(model, *self.train_data(task, letter_map, self.s.train_length), cfg)
+        data = self.train_data(task, letter_map, self.s.train_length)
+        if self.train:
+            train_model(model, *data, cfg)
         return model
 
-    def finetuned(self, base, letter_map: LetterMap, *, lora: bool = False):
-        data = self.train_data(self.aligned, letter_map, self.s.train_length)
+    def finetuned(self, base, letter_map: LetterMap, *, lora: bool = False, generative=False):
+        """A fine-tune of ``base`` (full, or LoRA merged back into a full model)."""
+        data = self.train_data(
+            self.generative if generative else self.aligned, letter_map, self.s.train_length
+        )
+        config = (
+            self.s.lora if lora else self.s.generative_finetune if generative else self.s.finetune
+        )
+        cfg = replace(config, seed=self.next_seed())
+        if not self.train:
+            return copy.deepcopy(base)
         if lora:
-            cfg = replace(self.s.lora, seed=self.next_seed())
             return finetune_lora(base, *data, cfg, rank=self.s.lora_rank)
-        return finetune_full(base, *data, replace(self.s.finetune, seed=self.next_seed()))
+        return finetune_full(base, *data, cfg)
 
     # ---- candidates --------------------------------------------------------------------
     def single(self, model, name, tok=None):
@@ -152,9 +213,15 @@ class Study:
     def composed(self, base, experts, names, tok=None, name="composition"):
         return ComposedDecoder(base, experts, tok or self.tok, expert_names=list(names), name=name)
 
-    def merges(self, base, experts) -> dict[str, torch.nn.Module]:
+    def merges(self, base, experts, *, without_base_only=False) -> dict[str, torch.nn.Module]:
+        """Every merge of the grid (or only those that leave the base out), by label; none while
+        ``train`` is False (the experts are then untrained copies of the base)."""
         out = {}
+        if not self.train:
+            return out
         for label, method, params, use_base in merge_grid(self.s.lambdas):
+            if without_base_only and use_base:
+                continue
             out[label] = merge_models(
                 method, base if use_base else None, experts, params=params, seed=self.seed
             )
@@ -175,31 +242,52 @@ class Study:
             }
         )
 
-    def eval_letters(self, part, maps, candidates, inputs, *, generative=False, x=None):
-        """Joint exact match (parallel and chain targets) and per-skill success for each row."""
+    def compare_letters(
+        self, part, maps, models, candidates, rows, inputs, *, validation=(), x=None
+    ):
+        """Generative rows through :func:`mergelab.compare.run`, recorded as :meth:`eval_letters`
+        records them: joint exact match, and (at the trained length, ``x`` None) each skill's
+        success. ``models``: ``base`` and experts by name; ``candidates``: compare's families;
+        ``rows``: ``(kind, method, compare row)`` in the order they are recorded. Returns compare's
+        choices for this seed (grid points chosen on the ``validation`` strings)."""
+        if not self.wants(part):
+            return {}
+        benchmarks = letter_benchmarks(maps, inputs, validation)
+        results = compare_letters(models, self.tok, candidates, benchmarks, self.seed)
+        pair = " + ".join(m.name for m in maps)
+        for kind, method, row in rows:
+            self.record(part, pair, method, kind, "joint", row_scores(results, row, "joint"), x)
+            if x is not None:
+                continue
+            for m in maps:  # a skill that touches no input has no benchmark: no examples
+                name = f"skill {m.name}"
+                values = row_scores(results, row, name) if name in results["benchmarks"] else []
+                self.record(part, pair, method, kind, name, values)
+        return results["choices"][str(self.seed)]
+
+    def eval_letters(self, part, maps, candidates, inputs, *, x=None):
+        """Aligned rows: joint exact match (parallel and chain targets) and per-skill success."""
+        if not self.wants(part):
+            return
         pair = " + ".join(m.name for m in maps)
         parallel = [parallel_target(maps, s) for s in inputs]
         chained = [LetterMap.chain(maps, s) for s in inputs]
         for kind, cand in candidates:
-            if generative:
-                preds = generative_predictions(cand, self.generative, inputs)
-            else:
-                preds = aligned_predictions(cand, self.aligned, inputs)
+            preds = aligned_predictions(cand, self.aligned, inputs)
             self.record(part, pair, cand.name, kind, "joint", exact_match(preds, parallel), x)
             if parallel != chained and None not in parallel:  # a true chain (A->B, B->C)
                 self.record(part, pair, cand.name, kind, "chain", exact_match(preds, chained), x)
             if x is not None:
                 continue
-            safe = [p if p is not None else "" for p in preds]
             for m in maps:
                 self.record(
-                    part, pair, cand.name, kind, f"skill {m.name}", skill_success(inputs, safe, m)
+                    part, pair, cand.name, kind, f"skill {m.name}", skill_success(inputs, preds, m)
                 )
             # What happens on letters two experts both rewrite (conflict case only).
             for letter in {a for a, _ in maps[0].pairs} & {a for m in maps[1:] for a, _ in m.pairs}:
                 outs = [
                     p[i]
-                    for s, p in zip(inputs, safe)
+                    for s, p in zip(inputs, preds)
                     for i, c in enumerate(s)
                     if c == letter and len(p) == len(s)
                 ]
