@@ -28,12 +28,12 @@ import torch
 from mergelab.eval import Sandbox
 from mergelab.eval.tasks import score_completions
 from mergelab.synthetic import GENERATORS, make_splits, mini_tokenizer, pretraining_corpus
-from mergelab.synthetic.training import finetune, new_mini_model, pretrain, sft_batch
 from studies.llm import candidates, setting
 from studies.llm import run as study
 from studies.llm.baselines import baselines
 from studies.llm.config import scale_config, study_device
 from studies.llm.termination import argmax, premature_termination
+from studies.llm.training import finetune, new_mini_model, pretrain, sft_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"

@@ -160,3 +160,26 @@ def test_two_processes_on_one_cache_share_the_work(tmp_path):
     lines = (run_dir / "generations.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert sorted(r["item_id"] for r in records) == sorted(f"toy/{i}" for i in range(16))
+
+
+def test_read_generations_is_what_a_resume_keeps(tmp_path):
+    """The public reader: complete records by (item_id, sample) in file order, a record written
+    again later wins, a broken line and a torn last line are skipped without a warning."""
+    from mergelab.eval import read_generations
+
+    def rec(item, sample, text):
+        return {"item_id": item, "sample": sample, "text": text, "finish_reason": "eos"}
+
+    path = tmp_path / "generations.jsonl"
+    lines = [rec("a", 0, "1"), rec("b", 0, "2"), {"item_id": "c"}, rec("a", 0, "3")]
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in lines)
+        + "not json\n"
+        + json.dumps(rec("d", 0, "4"))[:9]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = read_generations(path)
+    assert list(got) == [("a", 0), ("b", 0)]
+    assert got[("a", 0)]["text"] == "3" and got[("b", 0)]["text"] == "2"
+    assert read_generations(tmp_path / "missing.jsonl") == {}

@@ -1,8 +1,8 @@
 """mergelab.tiny: one tokenizer builder, tiny GPT-2 / Llama builders and one training loop.
 
 The fingerprints below were recorded from the builders and training loops these functions
-replace (``compose.tiny_models``, ``toy.train``, ``synthetic.training``, ``demo``,
-``testbed.train``): same arguments and seed must give bit-identical tokenizers, weights and
+replace (``compose.tiny_models``, ``toy.train``, ``synthetic.training`` — now
+``studies.llm.training`` —, ``demo``, ``testbed.train``): same arguments and seed must give bit-identical tokenizers, weights and
 losses, so the committed study results stay reproducible.
 """
 
@@ -104,7 +104,7 @@ def test_tokenizers_equal_the_recorded_ones():
 
 def test_models_equal_the_recorded_ones():
     from mergelab.demo import demo_model
-    from mergelab.synthetic.training import new_mini_model
+    from studies.llm.training import new_mini_model
 
     assert sd_hash(tiny_causal_lm(54, seed=0, initializer_range=0.3)) == RECORDED["gpt2_compose"]
     small = tiny_causal_lm(54, seed=3, hidden_size=16, num_layers=1)
@@ -140,9 +140,9 @@ def test_training_loops_equal_the_recorded_runs():
     from mergelab.demo import demo_model, train
     from mergelab.synthetic import mini_tokenizer as synthetic_tokenizer
     from mergelab.synthetic.corpus import pretraining_corpus
-    from mergelab.synthetic.training import finetune, new_mini_model, pretrain
     from mergelab.testbed.models import LogLinearModel
     from mergelab.testbed.train import fit_max_likelihood
+    from studies.llm.training import finetune, new_mini_model, pretrain
 
     assert sd_hash(train(demo_model(0), "copy", 4, 0)) == RECORDED["demo_train"]
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.plan import Job, Plan, fingerprint
 from mergelab.compare.spec import eval_settings_for
+from mergelab.eval import read_generations
 from mergelab.outputs import atomic_output_file
 
 JOB_FORMAT = 1
@@ -120,21 +121,8 @@ def job_record(job: Job, result, candidate) -> dict[str, Any]:
     rows; timings depend on the machine and its load, outcomes do not)."""
     metric = result.primary_metric
     wanted = {it["item_id"] for it in result.items}
-    gens = []
-    with open(result.run_dir / "generations.jsonl", encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("item_id") in wanted:
-                gens.append(rec)
-    seen, unique = set(), []
-    for g in gens:  # a record regenerated after a torn line appears once
-        if (g["item_id"], g["sample"]) not in seen:
-            seen.add((g["item_id"], g["sample"]))
-            unique.append(g)
-    gens = unique
+    records = read_generations(result.run_dir / "generations.jsonl")
+    gens = [g for (item_id, _), g in records.items() if item_id in wanted]
     tokens = sum(g["n_tokens"] for g in gens)
     texts = [s["text"] for it in result.items for s in it["samples"]]
     per_item = {it["item_id"]: float(it["scores"][metric]) for it in result.items}

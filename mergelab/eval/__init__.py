@@ -33,6 +33,7 @@ from mergelab.eval.harness import (
     cache_key,
     evaluate,
     export_evalplus_samples,
+    read_generations,
 )
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
 from mergelab.eval.sandbox import (
@@ -84,6 +85,7 @@ __all__ = [
     "cache_key",
     "compare",
     "evaluate",
+    "read_generations",
     "export_evalplus_samples",
     "extract_gsm8k",
     "extract_math_answer",

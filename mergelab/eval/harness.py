@@ -221,6 +221,13 @@ def _read_cache(path: Path, warn: bool = True) -> tuple[dict[tuple[str, int], di
     return done, bad
 
 
+def read_generations(path: str | Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """The complete generation records of a run's ``generations.jsonl``, by
+    ``(item_id, sample)`` in file order (a record written again later wins; a torn or broken
+    line is skipped) — what :func:`evaluate` itself resumes from."""
+    return _read_cache(Path(path), warn=False)[0]
+
+
 def _drop_torn_tail(path: Path) -> None:
     """Cut a last line left incomplete by a crash mid-write, so appends start on a new line."""
     if not path.exists():

@@ -143,7 +143,7 @@ def _trained(model, losses: list[float], t0: float, steps: int, **extra) -> tupl
 
 def _train_lora(cfg, base, tok, work: Path, skill: str, items, seed: int, base_id) -> tuple:
     """A LoRA adapter of ``base`` on one skill, saved under ``work/<skill>_lora``."""
-    from mergelab.synthetic.training import finetune
+    from studies.llm.training import finetune
 
     def train():
         t0 = time.time()
@@ -164,7 +164,7 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
     from transformers import LlamaForCausalLM
 
     from mergelab.synthetic import mini_tokenizer, pretraining_corpus
-    from mergelab.synthetic.training import finetune, new_mini_model, pretrain
+    from studies.llm.training import finetune, new_mini_model, pretrain
 
     tok = mini_tokenizer()
     train, setting = synthetic_data(cfg)

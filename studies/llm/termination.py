@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
-from mergelab.eval import Benchmark, EvalSettings, build_prompt, evaluate
+from mergelab.eval import Benchmark, EvalSettings, build_prompt, evaluate, read_generations
 from mergelab.eval.stats import paired_comparison
 
 from .setting import Setting
@@ -48,10 +47,9 @@ def make_record(result, candidate) -> dict[str, Any]:
     """Score with CI, per-item scores, texts and token counts, cost and termination of one
     evaluation (cost as in docs/compare.md, with wall time in seconds per token)."""
     metric = result.primary_metric
-    with open(result.run_dir / "generations.jsonl", encoding="utf-8") as f:
-        gens = [json.loads(line) for line in f]
     wanted = {it["item_id"] for it in result.items}
-    gens = [g for g in gens if g["item_id"] in wanted]
+    records = read_generations(result.run_dir / "generations.jsonl")
+    gens = [g for (item_id, _), g in records.items() if item_id in wanted]
     tokens = sum(g["n_tokens"] for g in gens)
     n = max(1, len(gens))
     return {
