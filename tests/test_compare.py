@@ -716,3 +716,39 @@ def test_accelerate_loading_options_reach_from_pretrained(world, tmp_path, monke
     spec["loading"] = {"max_memory": {"cpu": "2GB"}}
     with pytest.raises(mc.SpecError, match="loading.max_memory: needs loading.device_map"):
         mc.parse_spec(spec, source="s")
+
+
+def test_a_merge_without_the_base(world, tmp_path):
+    """``use_base: false``: the experts are merged alone (SLERP of two experts, mergekit's
+    base-less form), in memory and streamed alike; a method that needs the base refuses it."""
+    from mergelab.compare.candidates import ModelStore
+    from mergelab.compare.plan import Point
+    from mergelab.merge import merge_models
+
+    slerp = {"family": "merge", "method": "slerp", "use_base": False, "grid": {"t": [0.3]}}
+    expected = merge_models(
+        "slerp", None, [world["experts"]["math"], world["experts"]["code"]], params={"t": 0.3}
+    ).state_dict()
+    in_memory = mc.parse_spec({**_spec_dict(world), "candidates": [slerp]})
+    yaml_spec = yaml.safe_load(_yaml_spec(world, tmp_path / "s.yaml").read_text())
+    streamed = mc.parse_spec({**yaml_spec, "candidates": [slerp]}, source="s")
+    for spec in (in_memory, streamed):
+        store = ModelStore(spec, tmp_path / "c")
+        fam = spec.families[0]
+        point = Point(fam, "slerp", {"t": 0.3})
+        assert store.streams_merge(point) == (spec is streamed)
+        if spec is streamed:
+            store.ensure_merge(point, 0)
+        got = store.merged_model(point, 0).state_dict()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+    base_less = ModelStore(streamed, tmp_path / "c").merge_folder(point, 0)
+    with_base = mc.parse_spec(
+        {**yaml_spec, "candidates": [{**slerp, "use_base": True}]}, source="s"
+    )
+    with_base_point = Point(with_base.families[0], "slerp", {"t": 0.3})
+    assert ModelStore(with_base, tmp_path / "c").merge_folder(with_base_point, 0) != base_less
+    ties = {"family": "merge", "method": "ties", "use_base": False}
+    with pytest.raises(mc.SpecError, match=r"use_base: merge method 'ties' needs the base"):
+        mc.parse_spec({**_spec_dict(world), "candidates": [ties]})
+    with pytest.raises(mc.SpecError, match=r"use_base: expected true or false"):
+        mc.parse_spec({**_spec_dict(world), "candidates": [{**slerp, "use_base": "no"}]})

@@ -129,7 +129,7 @@ class ModelStore:
             return True
         if fam.family != "merge":
             return False
-        return all(self.spec.models[n].kind == "folder" for n in ("base", *fam.experts))
+        return all(self.spec.models[n].kind == "folder" for n in merge_inputs(fam))
 
     def merge_folder(self, point: Point, seed: int) -> Path:
         fam = point.family
@@ -141,7 +141,8 @@ class ModelStore:
                 "weights": fam.weights,
                 "experts": fam.experts,
                 "seed": seed,
-                "inputs": {n: self.identity()["models"][n] for n in ("base", *fam.experts)},
+                "inputs": {n: self.identity()["models"][n] for n in merge_inputs(fam)},
+                **({} if fam.use_base else {"use_base": False}),
             }
         )
         return self.cache_dir / "merges" / f"{fam.name}-{key[:16]}"
@@ -159,7 +160,7 @@ class ModelStore:
 
             merge_checkpoints(
                 fam.method,
-                self.spec.models["base"].path,
+                self.spec.models["base"].path if fam.use_base else None,
                 [self.spec.models[n].path for n in fam.experts],
                 output=folder,
                 params=params,
@@ -214,7 +215,7 @@ class ModelStore:
 
             model = merge_models(
                 fam.method,
-                self.model("base"),
+                self.model("base") if fam.use_base else None,
                 [self.model(e) for e in fam.experts],
                 params={**fam.params, **point.params},
                 weights=list(fam.weights) if fam.weights is not None else None,
@@ -275,3 +276,8 @@ class ModelStore:
     def release(self) -> None:
         """Drop the kept merged model (the base and experts stay loaded)."""
         self._last_merge = None
+
+
+def merge_inputs(family) -> tuple[str, ...]:
+    """The models a merge family reads: the base (unless ``use_base`` is false) and its experts."""
+    return ("base", *family.experts) if family.use_base else tuple(family.experts)

@@ -72,7 +72,17 @@ FAMILY_KEYS = {
         "composition",
         "prefer",
     },
-    "merge": {"family", "name", "method", "experts", "grid", "params", "weights", "prefer"},
+    "merge": {
+        "family",
+        "name",
+        "method",
+        "experts",
+        "grid",
+        "params",
+        "weights",
+        "prefer",
+        "use_base",
+    },
     "lora_composition": {"family", "name", "experts", "grid", "weights", "eos_policy", "prefer"},
     "lora_merge": {"family", "name", "method", "experts", "grid", "params", "weights", "prefer"},
 }
@@ -135,6 +145,7 @@ class Family:
     grid: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     prefer: dict[str, Any] | None = None
     best_expert: bool = True  # expert family: its experts compete to be the paired reference
+    use_base: bool = True  # merge family: False merges the experts alone (base-less methods)
 
     def points(self) -> list[dict[str, Any]]:
         """Every grid point, in the order written (the last parameter varies fastest)."""
@@ -636,6 +647,15 @@ class _Parser:
         except (KeyError, ValueError) as exc:
             raise self.fail(f"{key}.method", str(exc).strip("'\"")) from exc
         params = self.mapping(f"{key}.params", entry.get("params"))
+        use_base = entry.get("use_base", True)
+        if not isinstance(use_base, bool):
+            raise self.fail(f"{key}.use_base", f"expected true or false, got {use_base!r}")
+        if not use_base and impl.needs_base:
+            raise self.fail(
+                f"{key}.use_base",
+                f"merge method {method!r} needs the base; `use_base: false` is for methods "
+                "that merge the experts alone (e.g. linear, slerp)",
+            )
         clash = set(params) & set(grid)
         if clash:
             raise self.fail(f"{key}.grid.{sorted(clash)[0]}", "also given in params")
@@ -648,6 +668,7 @@ class _Parser:
             weights=weights,
             grid=grid,
             prefer=prefer,
+            use_base=use_base,
         )
         for point in fam_obj.points():  # every grid point is a valid call, before any tensor
             merged = {**params, **point}

@@ -121,28 +121,23 @@ def part_generative(st: Study, test: list[str]) -> dict:
         st.compare_letters("generative", maps, models, families, rows, test)
     if st.wants("generative-shared"):
         grid = merge_grid(st.s.lambdas)
-        # compare merges with the base; the grid's merges without it (linear average, SLERP of
-        # the two experts) are merged here and given to compare as models: rows that are not
-        # best-expert candidates.
-        without_base = st.merges(base, tuned, without_base_only=True)
-        models = {"base": base} | dict(zip(names, tuned)) | without_base
+        # Linear average and SLERP merge the two experts alone (use_base: false).
+        models = {"base": base} | dict(zip(names, tuned))
         merge_families = [
             {"family": "merge", "name": label, "method": method, "experts": names,
-             "params": {("lambda" if k == "lambda_" else k): v for k, v in params.items()}}
+             "params": {("lambda" if k == "lambda_" else k): v for k, v in params.items()},
+             "use_base": use_base}
             for label, method, params, use_base in grid
-            if use_base
         ]  # fmt: skip
         chosen = "TA (λ chosen on validation)"
         tuned_ta = {"family": "merge", "name": chosen, "method": "task_arithmetic",
                     "experts": names, "grid": {"lambda": list(st.s.lambdas)}}  # fmt: skip
-        merged_here = {"family": "expert", "name": "merged without the base",
-                       "experts": list(without_base), "best_expert": False}  # fmt: skip
         labels = [g[0] for g in grid]  # the rows in the grid's order, as in the aligned parts
         choices = st.compare_letters(
             "generative-shared",
             maps,
             models,
-            families + merge_families + [merged_here, tuned_ta],
+            families + merge_families + [tuned_ta],
             rows + [("merge", label, label) for label in labels] + [("merge", chosen, chosen)],
             test,
             validation=random_strings(

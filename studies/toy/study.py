@@ -213,15 +213,13 @@ class Study:
     def composed(self, base, experts, names, tok=None, name="composition"):
         return ComposedDecoder(base, experts, tok or self.tok, expert_names=list(names), name=name)
 
-    def merges(self, base, experts, *, without_base_only=False) -> dict[str, torch.nn.Module]:
-        """Every merge of the grid (or only those that leave the base out), by label; none while
-        ``train`` is False (the experts are then untrained copies of the base)."""
+    def merges(self, base, experts) -> dict[str, torch.nn.Module]:
+        """Every merge of the grid, by label; none while ``train`` is False (the experts are
+        then untrained copies of the base)."""
         out = {}
         if not self.train:
             return out
         for label, method, params, use_base in merge_grid(self.s.lambdas):
-            if without_base_only and use_base:
-                continue
             out[label] = merge_models(
                 method, base if use_base else None, experts, params=params, seed=self.seed
             )
