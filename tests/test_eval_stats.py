@@ -1,5 +1,7 @@
 """Bootstrap CIs and paired comparisons: seeded, correct against closed forms and scipy."""
 
+import math
+
 import numpy as np
 import pytest
 from scipy.stats import binomtest
@@ -99,3 +101,14 @@ def test_one_paired_comparison_for_results_and_score_mappings():
     assert graded["p_value"] == graded["paired_bootstrap"]["p_value"]
     with pytest.raises(ValueError, match="share no items"):
         paired_comparison({"x": 1.0}, {"y": 1.0})
+
+
+def test_t_interval_against_hand_computed_values():
+    from mergelab.eval.stats import t_interval
+
+    # mean 0.82, sd 0.02, n 3: half-width t(0.975, 2) · 0.02 / √3 = 4.302653 · 0.011547 = 0.049683
+    low, high = t_interval([0.80, 0.82, 0.84])
+    assert (low, high) == pytest.approx((0.770317, 0.869683), abs=1e-6)
+    assert t_interval([0.5, 0.5]) == (0.5, 0.5)
+    assert all(math.isnan(v) for v in t_interval([0.7]))
+    assert t_interval([0.0, 1.0], confidence=0.5) == pytest.approx((0.0, 1.0))  # t(0.75, 1) = 1

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mergelab.eval.stats import bootstrap_ci, paired_comparison
+from mergelab.eval.stats import bootstrap_ci, paired_comparison, t_interval
 
 SEED_INTERVAL_KINDS = {
     "t": "Student-t interval over seeds: mean ± t(1−α/2, n−1)·sd/√n of the per-seed scores",
@@ -40,12 +40,9 @@ def seed_interval(values: Sequence[float], kind: str, confidence: float, seed: i
     if a.size < 2:
         out.update(low=None, high=None)
         return out
-    alpha = 1.0 - confidence
     if kind == "t":
-        from scipy.stats import t
-
-        half = float(t.ppf(1 - alpha / 2, a.size - 1) * a.std(ddof=1) / np.sqrt(a.size))
-        out.update(low=float(a.mean() - half), high=float(a.mean() + half))
+        low, high = t_interval(a, confidence)
+        out.update(low=low, high=high)
     else:  # the seeds' scores resampled: the items' bootstrap, with seeds as the items
         ci = bootstrap_ci(a, 10_000, confidence, seed)
         out.update(low=ci["low"], high=ci["high"])

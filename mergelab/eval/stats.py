@@ -8,6 +8,8 @@
 * :func:`paired_comparison` — both, for two ``{item id: score}`` mappings on the ids they share,
   with the p-value to report: exact McNemar when every outcome is 0/1, else the bootstrap's.
 * :func:`compare` — the same for two evaluation results (``EvalResult`` or their items).
+* :func:`t_interval` — Student-t interval of a mean over a few independent replicates (e.g. one
+  score per training seed), where resampling a handful of values would undercover.
 
 A difference like 39.4 vs 38.1 on MBPP+ (378 items) is about 5 items; whether that means anything
 is exactly what these answer.
@@ -111,6 +113,18 @@ def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
     p = 1.0 if n == 0 else float(binomtest(a_only, n, 0.5, alternative="two-sided").pvalue)
     return {"a_only": a_only, "b_only": b_only, "both": int(np.sum(xa & xb)),
             "neither": int(np.sum(~xa & ~xb)), "p_value": p}  # fmt: skip
+
+
+def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """``mean ± t(½ + confidence/2, n − 1) · sd / √n`` over ``values`` (``sd`` with ``n − 1``
+    in the denominator); ``(nan, nan)`` for fewer than two values. NaN values propagate."""
+    from scipy.stats import t
+
+    a = np.asarray(values, dtype=np.float64)
+    if a.size < 2:
+        return float("nan"), float("nan")
+    half = t.ppf(0.5 + confidence / 2, a.size - 1) * a.std(ddof=1) / np.sqrt(a.size)
+    return float(a.mean() - half), float(a.mean() + half)
 
 
 def is_binary(values: Sequence[float]) -> bool:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
+from mergelab.eval.stats import t_interval
 from mergelab.outputs import atomic_output_file
 from mergelab.results import json_with_keys, starts_with, write_json_atomic
 
@@ -32,11 +32,9 @@ def seed_t_interval(
     per_seed: Sequence[float], confidence: float = 0.95, *, rate: bool = True
 ) -> tuple[float, float]:
     """``(low, high)`` of the t-interval over per-seed values, clipped to [0, 1] if ``rate``."""
-    v = np.asarray(per_seed, dtype=float)
-    if v.size < 2:
+    if len(per_seed) < 2:
         return math.nan, math.nan
-    half = stats.t.ppf(0.5 + confidence / 2, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)
-    low, high = float(v.mean() - half), float(v.mean() + half)
+    low, high = t_interval(per_seed, confidence)
     return (max(0.0, low), min(1.0, high)) if rate else (low, high)
 
 
