@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mergelab.eval.benchmarks import Benchmark, Item, read_records
-from mergelab.eval.tasks import Task, TaskScores, register_task
+from mergelab.eval.scoring_math import answer_scorer
+from mergelab.eval.tasks import Task, register_task
 
 SEPARATOR = "[SEP]"  # mergelab.toy.tokenizer's sep token
 END = "[EOS]"  # its eos token
@@ -82,29 +83,21 @@ def skill_correct(
     return len(out) == len(answer) and all(a in (WILDCARD, o) for o, a in zip(out, answer))
 
 
-def score_letter_map(benchmark, samples, settings, *, sandbox=None, progress=False):
-    """Per item, accuracy = the fraction of its samples that match exactly (the task's scorer)."""
-    return _score(benchmark, samples, letter_correct)
+def _record_check(correct: Callable[..., bool]):
+    """``answer_scorer``'s check from a verdict on (text, answer, finish_reason, n_tokens)."""
+
+    def check(rec: Mapping[str, Any], item: Item, settings: Any) -> tuple[bool, str]:
+        text = rec["text"]
+        ok = correct(text, item.answer, rec["finish_reason"], rec.get("n_tokens"))
+        return ok, generated_string(text)
+
+    return check
 
 
-def score_letter_skill(benchmark, samples, settings, *, sandbox=None, progress=False):
-    """Per item, accuracy = the fraction of its samples right at every scored position."""
-    return _score(benchmark, samples, skill_correct)
-
-
-def _score(benchmark, samples, correct) -> TaskScores:
-    items, per_item = [], []
-    for it in benchmark.items:
-        recs = []
-        for rec in samples[it.item_id]:
-            ok = correct(rec["text"], it.answer, rec["finish_reason"], rec.get("n_tokens"))
-            recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
-                         "extracted": generated_string(rec["text"]), "correct": ok})  # fmt: skip
-        acc = sum(r["correct"] for r in recs) / len(recs)
-        per_item.append(acc)
-        items.append({"item_id": it.item_id, "reference": it.answer,
-                      "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
-    return TaskScores(items, {"accuracy": per_item}, "accuracy")
+# Per item, accuracy = the fraction of its samples that match exactly (letter_map) or are right
+# at every scored position (letter_skill).
+score_letter_map = answer_scorer(_record_check(letter_correct), whole_record=True)
+score_letter_skill = answer_scorer(_record_check(skill_correct), whole_record=True)
 
 
 def items_to_benchmark(

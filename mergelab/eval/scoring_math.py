@@ -435,10 +435,12 @@ def final_line_correct(generation: str, reference: str) -> tuple[bool, str | Non
     return numbers_equal(pred, reference), pred
 
 
-def answer_scorer(check, summary_extra=None):
+def answer_scorer(check, summary_extra=None, *, whole_record=False):
     """A task scorer for answer tasks: ``check(text, item, settings)`` → ``(correct, extracted)``
     per sample; per item, accuracy = the fraction of correct samples. ``summary_extra(settings)``
-    adds entries to the summary (e.g. the checker's version)."""
+    adds entries to the summary (e.g. the checker's version). ``whole_record``: ``check`` gets
+    the sample's whole generation record (``text``, ``finish_reason``, ``n_tokens``, …) instead
+    of its text, for tasks whose verdict depends on how the generation ended."""
     from mergelab.eval.tasks import TaskScores
 
     def score(benchmark, samples, settings, *, sandbox=None, progress=False) -> TaskScores:
@@ -446,7 +448,7 @@ def answer_scorer(check, summary_extra=None):
         for it in benchmark.items:
             recs = []
             for rec in samples[it.item_id]:
-                ok, pred = check(rec["text"], it, settings)
+                ok, pred = check(rec if whole_record else rec["text"], it, settings)
                 recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
                              "extracted": pred, "correct": ok})  # fmt: skip
             acc = sum(r["correct"] for r in recs) / len(recs)
