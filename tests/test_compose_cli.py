@@ -80,6 +80,9 @@ def test_cli_lora_and_errors(checkpoints, tmp_path, capsys):
     assert record["token_ids"] == expected[0].token_ids and record["text"] == expected[0].text
     assert main(base + ["--expert", str(paths["foreign"])]) == 2
     assert "shared tokenizer" in capsys.readouterr().err
+    draft = ["--expert", str(paths["math"]), "--speculative", "--draft", str(paths["foreign"])]
+    assert main(base + draft) == 2  # a draft shipping another tokenizer is refused too
+    assert "shared tokenizer" in capsys.readouterr().err
     assert main(base + ["--expert", str(tmp_path / "missing")]) == 2
 
 

@@ -107,3 +107,15 @@ def test_spec_and_model_are_exclusive_and_a_missing_spec_is_named(folders, tmp_p
     capsys.readouterr()
     assert main(["eval", "run", "--spec", str(tmp_path / "nope.yaml"), "--benchmark", "gsm8k"]) == 2
     assert "nope.yaml not found" in capsys.readouterr().err
+
+
+def test_an_expert_shipping_another_tokenizer_is_refused(folders, tmp_path):
+    foreign = tmp_path / "foreign"
+    tiny_causal_lm(len(char_tokenizer(string.printable)), seed=7).save_pretrained(foreign)
+    char_tokenizer("abc").save_pretrained(foreign)
+    spec = {"base": str(folders / "base"), "experts": [str(folders / "math"), str(foreign)]}
+    with pytest.raises(ValueError, match="shared tokenizer"):
+        build_candidate(spec)
+    unshipped = tmp_path / "weights_only"  # an expert without tokenizer files is not checked
+    tiny_causal_lm(len(char_tokenizer(string.printable)), seed=8).save_pretrained(unshipped)
+    build_candidate({"base": str(folders / "base"), "experts": [str(unshipped)]})

@@ -195,7 +195,7 @@ def build_decoder(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .composed import ComposedDecoder
-    from .vocab import check_same_tokenizer
+    from .vocab import check_shipped_tokenizers
 
     dtype = getattr(torch, args.dtype)
 
@@ -219,22 +219,11 @@ def build_decoder(args: argparse.Namespace):
         text = read_utf8(path, "composition file")
         _json(text, str(path))  # a syntax error names the file
         composition = Composition.from_json(text)
-    # Experts that ship a tokenizer must ship the base's.
-    expert_tokenizers = []
-    for path in args.expert:
-        if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            expert_tokenizers.append((path, AutoTokenizer.from_pretrained(path)))
-    if expert_tokenizers:
-        check_same_tokenizer(
-            [tokenizer, *[t for _, t in expert_tokenizers]],
-            [args.base, *[p for p, _ in expert_tokenizers]],
-        )
+    # Experts (and a draft) that ship a tokenizer must ship the base's.
     draft_folder = _draft_folder(args)
-    if draft_folder is not None and any(
-        (Path(draft_folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        draft_tokenizer = AutoTokenizer.from_pretrained(draft_folder)
-        check_same_tokenizer([tokenizer, draft_tokenizer], [args.base, draft_folder])
+    check_shipped_tokenizers(
+        tokenizer, args.base, [*args.expert, *([draft_folder] if draft_folder else [])]
+    )
     base = load_model(args.base)
     common = dict(eos_policy=args.eos_policy, expert_names=names, composition=composition)
     if args.lora:

@@ -41,6 +41,22 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_shipped_tokenizers(tokenizer: Any, name: str, folders: Sequence[str]) -> None:
+    """Every model folder in ``folders`` that ships a tokenizer must ship ``tokenizer`` (read
+    from ``name``): ``ValueError`` naming the first difference. Folders without one are skipped."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    shipped = [str(f) for f in folders if any((Path(f) / n).is_file() for n in TOKENIZER_FILES)]
+    if shipped:
+        others = [AutoTokenizer.from_pretrained(f, local_files_only=True) for f in shipped]
+        check_same_tokenizer([tokenizer, *others], [name, *shipped])
+
+
 def check_same_tokenizer(tokenizers: Sequence[Any], names: Sequence[str] | None = None) -> None:
     """Raise ``ValueError`` naming the first difference between ``tokenizers[0]`` and the rest."""
     names = list(names) if names is not None else [f"model {i}" for i in range(len(tokenizers))]

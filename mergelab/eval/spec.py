@@ -213,7 +213,7 @@ def build_candidate(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergelab.compose import ComposedDecoder
-    from mergelab.compose.vocab import check_same_tokenizer
+    from mergelab.compose.vocab import check_shipped_tokenizers
     from mergelab.merge.config import parse_dtype
     from mergelab.model_candidate import ModelCandidate
 
@@ -254,14 +254,7 @@ def build_candidate(
         return ModelCandidate(merged, tokenizer, name=spec.default_name())
 
     # A composition: experts that ship a tokenizer must ship the base's.
-    shipped = [
-        p
-        for p in spec.experts
-        if any((Path(p) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    ]
-    if shipped:
-        others = [AutoTokenizer.from_pretrained(p, local_files_only=True) for p in shipped]
-        check_same_tokenizer([tokenizer, *others], [spec.tokenizer_folder(), *shipped])
+    check_shipped_tokenizers(tokenizer, spec.tokenizer_folder(), spec.experts)
     common = dict(
         expert_names=list(spec.expert_names) if spec.expert_names else None,
         eos_policy=spec.eos_policy,
