@@ -27,7 +27,6 @@ from mergelab.lora import LoraAdapter
 from .runners import (
     ComponentRunner,
     ModelCall,
-    crop_cache,
     eval_mode,
     has_sliding_window,
     new_cache,
@@ -56,7 +55,7 @@ class LoraRunner(ComponentRunner):
         self.forward_passes = 0
         self._targets = self._stack(base_model, list(adapters))
         self._handles: list[Any] = []
-        self._cache: Any = None
+        self._caches: list[Any] = []
         self._ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
 
@@ -133,7 +132,7 @@ class LoraRunner(ComponentRunner):
         return list(lp.chunk(self.k + 1, dim=0))
 
     def _reset(self) -> None:
-        self._cache, self._ids, self._positions = None, None, None
+        self._caches, self._ids, self._positions = [], None, None
 
     @torch.no_grad()
     def extend(
@@ -147,29 +146,12 @@ class LoraRunner(ComponentRunner):
         per component logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``)."""
         ids, positions = self._repeat(input_ids), self._repeat(position_ids)
         mask = self._repeat(attention_mask)
-        first = self._ids is None
-        if first:
-            self._ids, self._positions = ids, positions
-            self._cache = new_cache(self.call.model) if self.call.may_cache else None
-        else:
-            self._ids = torch.cat([self._ids, ids], dim=1)
-            self._positions = torch.cat([self._positions, positions], dim=1)
-        if self._cache is not None:
-            logits, self._cache = self.call(ids, mask, positions, self._cache, last_only=last_only)
-        else:  # a model without a cache: recompute the prefix
-            logits, _ = self.call(self._ids, mask, self._positions, None, last_only=last_only)
-            logits = logits[:, -input_ids.shape[1] :]
-        self.forward_passes += 1
+        if self._append(ids, positions):
+            self._caches = [new_cache(self.call.model) if self.call.may_cache else None]
+        logits, self._caches[0] = self._forward(
+            self.call, ids, mask, positions, self._caches[0], last_only
+        )
         return self._split(logits)
-
-    def rollback(self, n: int) -> None:
-        """Forget the last ``n`` appended tokens (cache slots)."""
-        if n <= 0:
-            return
-        assert self._ids is not None and n <= self._ids.shape[1], "rollback past the start"
-        self._ids, self._positions = self._ids[:, :-n], self._positions[:, :-n]
-        if self._cache is not None:
-            crop_cache(self._cache, n)
 
     def has_sliding_window(self) -> bool:
         return self.call.may_cache and has_sliding_window(self.call.model)

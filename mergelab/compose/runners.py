@@ -137,14 +137,52 @@ def eval_mode(model: nn.Module) -> nn.Module:
 
 
 class ComponentRunner:
-    """What :class:`ModelRunner` and the LoRA runner share: ``prefill`` starts fresh caches and
-    ``step`` is :meth:`extend` by one token, keeping the last position's logits."""
+    """What :class:`ModelRunner` and the LoRA runner share: ``prefill`` starts fresh caches,
+    ``step`` is :meth:`extend` by one token, keeping the last position's logits, and the
+    bookkeeping of the tokens appended so far (``_ids``, ``_positions``: the prefix a model
+    without a cache recomputes) and of the caches (``_caches``, one per forward call; ``None``
+    for a model that cannot cache), which :meth:`rollback` crops."""
+
+    _caches: list[Any]
+    _ids: torch.Tensor | None
+    _positions: torch.Tensor | None
 
     def _reset(self) -> None:
         raise NotImplementedError
 
     def extend(self, input_ids, attention_mask, position_ids, last_only=False):
         raise NotImplementedError
+
+    def _append(self, ids: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Record appended tokens; True when they are the first (the caches are to be made)."""
+        first = self._ids is None
+        if first:
+            self._ids, self._positions = ids, positions
+        else:
+            self._ids = torch.cat([self._ids, ids], dim=1)
+            self._positions = torch.cat([self._positions, positions], dim=1)
+        return first
+
+    def _forward(
+        self, call: ModelCall, ids, mask, positions, cache, last_only: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward of ``call`` on the appended ``ids``: with its cache, or (``cache`` None)
+        over the whole recorded prefix, keeping the appended positions' logits."""
+        self.forward_passes += 1
+        if cache is not None:
+            return call(ids, mask, positions, cache, last_only=last_only)
+        logits, _ = call(self._ids, mask, self._positions, None, last_only=last_only)
+        return logits[:, -ids.shape[1] :], None
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` appended tokens (cache slots) of every model."""
+        if n <= 0:
+            return
+        assert self._ids is not None and n <= self._ids.shape[1], "rollback past the start"
+        self._ids, self._positions = self._ids[:, :-n], self._positions[:, :-n]
+        for cache in self._caches:
+            if cache is not None:
+                crop_cache(cache, n)
 
     @torch.no_grad()
     def prefill(
@@ -219,43 +257,18 @@ class ModelRunner(ComponentRunner):
 
         ``attention_mask [B, S + T]`` covers every cache slot; ``position_ids [B, T]``.
         """
-        first = self._ids is None
-        if first:
-            self._ids, self._positions = input_ids, position_ids
+        if self._append(input_ids, position_ids):
             self._caches = [
                 new_cache(c.model) if (self.use_cache and c.may_cache) else None for c in self.calls
             ]
-        else:
-            self._ids = torch.cat([self._ids, input_ids], dim=1)
-            self._positions = torch.cat([self._positions, position_ids], dim=1)
         self._mask = attention_mask
-        width = input_ids.shape[1]
         out = []
         for j, call in enumerate(self.calls):
-            cache = self._caches[j]
-            if cache is not None:
-                logits, cache = call(
-                    input_ids, attention_mask, position_ids, cache, last_only=last_only
-                )
-            else:  # no cache: run the whole prefix again
-                logits, _ = call(
-                    self._ids, attention_mask, self._positions, None, last_only=last_only
-                )
-                logits = logits[:, -width:]
-            self._caches[j] = cache if self.use_cache else None
-            self.forward_passes += 1
+            logits, self._caches[j] = self._forward(
+                call, input_ids, attention_mask, position_ids, self._caches[j], last_only
+            )
             out.append(logits)
         return out
-
-    def rollback(self, n: int) -> None:
-        """Forget the last ``n`` appended tokens (cache slots) of every model."""
-        if n <= 0:
-            return
-        assert self._ids is not None and n <= self._ids.shape[1], "rollback past the start"
-        self._ids, self._positions = self._ids[:, :-n], self._positions[:, :-n]
-        for cache in self._caches:
-            if cache is not None:
-                crop_cache(cache, n)
 
     def has_sliding_window(self) -> bool:
         return any(has_sliding_window(c.model) for c in self.calls if c.may_cache)
