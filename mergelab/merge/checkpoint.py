@@ -87,7 +87,8 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
-from . import ops
+from . import kernels, ops
+from .methods import COMPILED_METHODS
 from .model_card import MODEL_CARD_NAME, model_card
 from .registry import MergeMethod, TensorContext, get_merge_method
 from .validation import (
@@ -994,6 +995,8 @@ def plan_checkpoint_merge(
     m = get_merge_method(method) if isinstance(method, str) else method
     if not models:
         raise MergeInputError("merge needs at least one model besides the base")
+    if m.name in COMPILED_METHODS and dtype == torch.float32:
+        kernels.warm_up_in_background()  # numba loads while the inputs are opened and checked
     if m.needs_base and base is None:
         raise MergeInputError(f"merge method {m.name!r} needs a base model (--base)")
     if vocab_padding not in VOCAB_PADDING_RULES:

@@ -6,21 +6,29 @@ engine casts the result back to the checkpoint's dtype. The methods registered w
 ``chunked=True`` (linear, task arithmetic, TIES, DARE, breadcrumbs) are element-wise passes over
 chunks on every core (``ops.for_chunks``); the streaming engine hands them the inputs in their
 stored dtype and an output buffer (``ctx.dtype``, ``ctx.out``), so each chunk is cast in cache
-and no full-size float32 copy of any input exists. Where the TIES/DARE papers and the tools
+and no full-size float32 copy of any input exists. TIES, DARE (per-entry rescales) and
+breadcrumbs run each chunk as one compiled loop where numba is installed (``kernels``, the same
+bits: docs/merge_performance.md); the torch code here is the reference and the fallback. Where
+the TIES/DARE papers and the tools
 (PEFT 0.21 ``merge_utils``, mergekit 0.1.5) disagree the choice is a parameter, the paper's choice
 is the default, and each docstring says which setting reproduces which tool.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
 
-from . import ops
+from . import kernels, ops
 from .ops import DareRescale, DivideBy, MajoritySign
 from .registry import Interval, TensorContext, merge_method
+
+# Methods with a compiled pass (mergelab.merge.kernels) where numba is installed; the engines
+# start loading it in the background when they plan one of these.
+COMPILED_METHODS = frozenset({"ties", "dare_linear", "dare_ties", "breadcrumbs"})
 
 # density 0 would keep nothing (the merge would be the base): a positive fraction is required.
 _DENSITY_RANGE = {"density": Interval(0.0, 1.0, low_open=True)}
@@ -265,6 +273,30 @@ def _elect_merge_into(
     torch.add(base, merged, alpha=lambda_, out=out)
 
 
+def _compiled_elect_plan(
+    dtype: torch.dtype,
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    out: torch.Tensor,
+    weight: list[float],
+    options: dict[str, Any],
+) -> tuple | None:
+    """``kernels.elect_plan`` for :func:`_elect_merge_into`'s ``options`` when the compiled loops
+    can run (float32 compute on the CPU, known options; the torch path raises on the others)."""
+    if dtype != torch.float32 or not kernels.usable(base, *experts, out):
+        return None
+    return _known_elect_plan(weight, options)
+
+
+def _known_elect_plan(weight: list[float], options: dict[str, Any]) -> tuple | None:
+    """``kernels.elect_plan`` for known options (else ``None``: the torch path raises)."""
+    if options["majority_sign"] not in ("sum", "count"):
+        return None
+    if options["divide_by"] not in ("count", "weight_sum", "none"):
+        return None
+    return kernels.elect_plan(weight, **options)
+
+
 def _trim_elect_merge(
     base: torch.Tensor,
     experts: list[torch.Tensor],
@@ -284,6 +316,13 @@ def _trim_elect_merge(
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
     out = _output(ctx, base, dtype)
+    plan = _compiled_elect_plan(dtype, base, experts, out, weight, options)
+    if plan is not None:  # the same maths in one compiled pass per chunk (kernels)
+        params, scalars, flags = plan
+        params[:, kernels.P_LOW] = [kernels.trim_below(t) for t in thresholds]
+        merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags)
+        ops.for_chunks(flat_base.numel(), merger)
+        return out.view(base.shape)
 
     def merge(part: slice) -> None:
         n = part.stop - part.start
@@ -420,15 +459,25 @@ def _dare_chunks(
     rescale: DareRescale,
     ctx: TensorContext,
     merge_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    compiled: tuple | None = None,
 ) -> torch.Tensor:
     """DARE's drop (and a per-entry rescale) fused with ``merge_into(result, base, stack)``
     chunk by chunk on every core: τ_i and its mask exist for one chunk at a time. The masks are
-    those of :func:`_dare_drop` (``ops.dare_keep_range`` per chunk)."""
+    those of :func:`_dare_drop` (``ops.dare_keep_range`` per chunk). ``compiled``: the same merge
+    as a ``kernels`` plan (params, scalars, flags), used where the compiled loops run."""
     dtype = _compute_dtype(ctx, base)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
     out = _output(ctx, base, dtype)
     seed = ctx.tensor_seed
+    if compiled is not None and dtype == torch.float32 and kernels.usable(base, *experts, out):
+        params, scalars, flags = compiled
+        for i, d in enumerate(density):
+            params[i, kernels.P_DARE_LIMIT] = kernels.dare_limit(d)
+            params[i, kernels.P_DARE_DIVISOR] = d if rescale == "keep_rate" and d < 1 else 0.0
+        merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags, dare_seed=seed)
+        ops.for_chunks(flat_base.numel(), merger, ops.DARE_BLOCK)
+        return out.view(base.shape)
 
     def merge(part: slice) -> None:
         n = part.stop - part.start
@@ -483,6 +532,7 @@ def dare_linear(
             rescale,
             ctx,
             lambda out, b, stack: _sum_rows_into(out, stack, weight, normalize, lambda_, b),
+            kernels.sum_plan(weight, lambda_=lambda_, normalize=normalize),
         )
     base, experts = _whole(base, experts, ctx)
     tv = _dare_drop(base, experts, density, rescale, ctx)
@@ -530,6 +580,7 @@ def dare_ties(
             rescale,
             ctx,
             lambda out, b, stack: _elect_merge_into(out, b, stack, weight, **options),
+            _known_elect_plan(weight, options),
         )
     base, experts = _whole(base, experts, ctx)
     tv = _dare_drop(base, experts, density, rescale, ctx)
@@ -567,6 +618,18 @@ def breadcrumbs(
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
     out = _output(ctx, base, dtype)
+    if dtype == torch.float32 and kernels.usable(base, *experts, out):  # one compiled pass
+        params, scalars, flags = kernels.sum_plan(weight, lambda_=lambda_, normalize=normalize)
+        flags[kernels.F_BAND] = 1
+        for i, (r, band) in enumerate(zip(ranks, found)):
+            if r is None:  # keeps nothing
+                params[i, kernels.P_LOW] = math.inf
+            elif r:  # τ − hardshrink(τ, largest), trimmed below the smallest kept
+                params[i, kernels.P_LOW] = kernels.trim_below(band[0])
+                params[i, kernels.P_HIGH] = band[1]
+        merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags)
+        ops.for_chunks(flat_base.numel(), merger)
+        return out.view(base.shape)
 
     def merge(part: slice) -> None:  # τ_i trimmed to its band, chunk by chunk on every core
         n = part.stop - part.start

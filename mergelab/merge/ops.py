@@ -25,12 +25,17 @@ combined in chunk order.
 DARE's random masks come from NumPy's SFC64 generator, one stream per block of
 :data:`CHUNK` entries (see :func:`dare_keep_mask`): blocks are drawn in parallel, and the raw
 64-bit output NumPy guarantees stable across versions is turned into masks here.
+
+Where numba is installed, the chunked methods and the histogram passes over task vectors run
+compiled loops instead (:mod:`mergelab.merge.kernels`): the same operations in the same order,
+so the same bits; the torch code here is their reference and the fallback.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +44,8 @@ from typing import Literal, TypeVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 R = TypeVar("R")
@@ -192,8 +199,12 @@ def abs_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite_chunk(x: torch.Tensor) -> bool:
-    """No NaN/Inf in ``x``: a sum is finite whenever ``x`` is (unless it overflows); only a
+    """No NaN/Inf in ``x``: by a compiled loop where a merge already loaded them (exponent bits,
+    one pass), else with torch: a sum is finite whenever ``x`` is (unless it overflows); only a
     non-finite sum needs the exact element-wise check."""
+    compiled = kernels.all_finite_if_loaded(x)
+    if compiled is not None:
+        return compiled
     return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
@@ -257,21 +268,25 @@ def kept_count(density: float, numel: int) -> int:
 
 
 def _bits_to_float(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32).item())
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _locate(counts: torch.Tensor, k: int) -> tuple[int, int]:
+def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     """Bucket holding the k-th largest (1-based) item of a histogram, and its rank inside it."""
-    from_top = counts.flip(0).cumsum(0)
-    i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)).item())
-    bucket = counts.numel() - 1 - i
-    above = int(from_top[i].item()) - int(counts[bucket].item())
+    from_top = np.cumsum(counts[::-1])
+    i = int(np.searchsorted(from_top, k))  # the first bucket from the top reaching k
+    bucket = counts.size - 1 - i
+    above = int(from_top[i]) - int(counts[bucket])
     return bucket, k - above
 
 
 # The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large.
 SAMPLE_STRIDE = 8
-SAMPLE_MIN_NUMEL = 1 << 21
+SAMPLE_MIN_NUMEL = 1 << 20
+# Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
+# every SAMPLE_RUN · SAMPLE_STRIDE, so the pass reads 1/SAMPLE_STRIDE of the memory (every
+# SAMPLE_STRIDE-th entry of bfloat16 weights touches every 64-byte cache line).
+SAMPLE_RUN = 32
 # A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each).
 _MAX_BAND_BUCKETS = 4
 
@@ -283,8 +298,9 @@ class KthLargestAbs:
 
     * pass 1 counts the top 16 bits (2¹⁵ buckets) and ``end_pass(k)`` finds the bucket of the
       k-th largest; pass 2 counts the low 16 bits inside that bucket: exact;
-    * with ``sample_stride`` > 1, pass 1 sees only every ``sample_stride``-th value (the caller
-      gives ``add`` the full count): from that sample, a band of at most a few buckets that holds
+    * with ``sample_stride`` > 1, pass 1 sees only a 1/``sample_stride`` sample of the values
+      (every ``sample_stride``-th, or runs of them: :func:`_sample_runs`; the caller gives
+      ``add`` the full count): from that sample, a band of at most a few buckets that holds
       the k-th largest with overwhelming probability (±4 standard deviations of the sample
       quantile), and one full pass counts the values above the band and histograms the band
       exactly. If the k-th largest is not in the band after all, the two full passes follow. The
@@ -305,7 +321,9 @@ class KthLargestAbs:
         self._k = 0
         self._mode = "sample" if sample_stride > 1 else "high"
         self._sample_stride = sample_stride
-        self._counts = torch.zeros(_HIGH_BUCKETS, dtype=torch.int64)
+        # Counts live in NumPy: single-threaded adds of up to 2¹⁸ bins, where torch woke its
+        # OpenMP team for each and, on a busy machine, waited ~10 ms for it per add.
+        self._counts = np.zeros(_HIGH_BUCKETS, dtype=np.int64)
         self._bucket = 0  # "low": the top-16-bit bucket; "band": the band's lowest bucket
         self._rank = 0
         self._width = 0  # "band": bins in the band
@@ -330,6 +348,18 @@ class KthLargestAbs:
             return self.observe(x)
         self.add(self.histogram_(x), x.numel() * self.stride)
 
+    def pass_bins(self) -> tuple[int | None, int] | None:
+        """This pass's bins as (low, width), for a counting loop outside torch
+        (:mod:`mergelab.merge.kernels`): ``low`` None counts the top 16 bits of |x| into
+        ``width`` = 2¹⁵ bins; otherwise ``bits − low`` clamped to [0, width + 1], as
+        :meth:`histogram_` does (``low`` is −1 for the lowest bucket). ``None`` once done."""
+        if self._mode in ("sample", "high"):
+            return None, _HIGH_BUCKETS
+        if self._mode in ("low", "band"):
+            width = self._width if self._mode == "band" else _LOW_BUCKETS
+            return (self._bucket << 16) - 1, width
+        return None
+
     def histogram_(self, x: torch.Tensor) -> torch.Tensor | None:
         """This pass's counts for the float32 contiguous chunk ``x`` (overwritten)."""
         bits = x.abs_().view(-1).view(torch.int32)
@@ -347,7 +377,7 @@ class KthLargestAbs:
         if self._first:
             self.count += numel
         if counts is not None:
-            self._counts[: counts.numel()] += counts.cpu()
+            self._counts[: counts.numel()] += counts.cpu().numpy()
 
     def end_pass(self, k: int | None = None) -> None:
         """End a pass; after the first, ``k`` (1-based, clipped to ``count``) is required."""
@@ -389,7 +419,7 @@ class KthLargestAbs:
 
     def _switch(self, mode: str, bins: int) -> None:
         self._mode = mode
-        self._counts = torch.zeros(bins, dtype=torch.int64)
+        self._counts = np.zeros(bins, dtype=np.int64)
 
     def _finish(self, value: float) -> None:
         self._mode, self._value = "done", value
@@ -467,10 +497,12 @@ def _find_many(
     parts = list(chunks(numel, size))
 
     def run(active: list[tuple[int, KthLargestAbs]]) -> None:
-        counted = for_chunks(numel, histograms_for(active), size)
+        count = histograms_for(active)
+        counted = for_chunks(numel, count, size)
         for part, counts in zip(parts, counted):
             for (_, finder), c in zip(active, counts):
                 finder.add(c, part.stop - part.start)
+        _add_totals(count, [f for _, f in active])
 
     def histograms_for(active: list[tuple[int, KthLargestAbs]]) -> Callable[[slice], list]:
         return histograms([f for _, f in active], [g for g, _ in active])
@@ -479,10 +511,10 @@ def _find_many(
     for group, ks in zip(groups, ranks):
         if not group:
             continue
-        count, counts = group[0].count, group[0]._counts.clone()  # noqa: SLF001
+        count, counts = group[0].count, group[0]._counts.copy()  # noqa: SLF001
         for finder, k in zip(group, ks):
             if finder is not group[0]:  # the same values: the same first pass
-                finder.count, finder._counts = count, counts.clone()  # noqa: SLF001
+                finder.count, finder._counts = count, counts.copy()  # noqa: SLF001
             finder.end_pass(k)
     while True:
         active = [(g, f) for g, group in enumerate(groups) for f in group if f.wants_pass()]
@@ -500,8 +532,10 @@ def _tau_histograms(
     """For finders of τ_i = θ_i − θ_b: a per-chunk counting function (``finders[j]`` counts
     τ of expert ``indices[j]``), τ formed in ``dtype`` (default: the base's) in scratch
     buffers, inputs cast chunk by chunk, only the entries each finder's pass needs (its
-    ``stride``), then widened to float32."""
+    ``stride``: a sampled pass reads :func:`_sample_runs`), then widened to float32."""
     dtype = dtype or base.dtype
+    if dtype == torch.float32 and base.numel() < 2**31 and kernels.usable(base, *experts):
+        return _compiled_tau_histograms(base, experts)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
 
@@ -512,11 +546,9 @@ def _tau_histograms(
             for finder, i in zip(finders, indices):
                 step = finder.stride
                 if step not in cast:
-                    cast[step] = as_dtype(
-                        flat_base[part.start : part.stop : step], dtype, f"b{step}"
-                    )
+                    cast[step] = as_dtype(_sample_runs(flat_base, part, step), dtype, f"b{step}")
                 b = cast[step]
-                e = as_dtype(flat_experts[i][part.start : part.stop : step], dtype, "in-expert")
+                e = as_dtype(_sample_runs(flat_experts[i], part, step), dtype, "in-expert")
                 if dtype == torch.float32:
                     tau = torch.sub(e, b, out=scratch("tau", b.numel()))
                 else:  # τ is formed in the compute dtype, then widened
@@ -525,6 +557,42 @@ def _tau_histograms(
             return out
 
         return count
+
+    return histograms
+
+
+def _add_totals(count: Callable[[slice], list], finders: list[KthLargestAbs]) -> None:
+    """Counts a counting function kept per worker thread instead of returning them per chunk
+    (``count.totals()``, the compiled loops'), added once per pass."""
+    totals = getattr(count, "totals", None)
+    if totals is not None:
+        for finder, c in zip(finders, totals()):
+            finder.add(c, 0)
+
+
+def _sample_runs(flat: torch.Tensor, part: slice, stride: int) -> torch.Tensor:
+    """The entries of ``flat[part]`` a pass with ``stride`` reads: all for stride 1, else the
+    first :data:`SAMPLE_RUN` of every ``SAMPLE_RUN · stride`` (counted from ``part.start``, a
+    multiple of that period for every chunk of a tensor)."""
+    x = flat[part]
+    if stride == 1:
+        return x
+    period = SAMPLE_RUN * stride
+    full = x.numel() // period * period
+    head = x[:full].view(-1, period)[:, :SAMPLE_RUN].reshape(-1)
+    tail = x[full:][:SAMPLE_RUN]
+    return torch.cat([head, tail]) if tail.numel() else head
+
+
+def _compiled_tau_histograms(
+    base: torch.Tensor, experts: list[torch.Tensor]
+) -> Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]]:
+    """:func:`_tau_histograms` for float32 τ, counted by a compiled loop straight from the stored
+    inputs (:class:`kernels.TauHistograms`): the same counts, one pass per chunk and finder."""
+    counter = kernels.TauHistograms(base, experts)
+
+    def histograms(finders: list[KthLargestAbs], indices: list[int]) -> Callable[[slice], list]:
+        return counter.pass_counts([(i, f.stride, f.pass_bins()) for f, i in zip(finders, indices)])
 
     return histograms
 
@@ -569,6 +637,7 @@ def global_magnitude_thresholds(
             for part, counts in zip(chunks(numel, size), for_chunks(numel, count, size)):
                 for (_, finder), c in zip(active, counts):
                     finder.add(c, part.stop - part.start)
+            _add_totals(count, [f for _, f in active])
         for i, finder in active:
             density = densities[i]
             if first:  # a density of 1 keeps everything: no threshold to find

@@ -1,0 +1,401 @@
+"""Fused compiled loops (numba) for the chunked merge methods: one pass per chunk instead of
+about forty torch operations, with bit-identical results.
+
+The torch code in :mod:`ops` and :mod:`methods` stays the reference and the fallback: without
+numba installed, or with ``MERGELAB_KERNELS=torch`` in the environment, it runs unchanged. With
+numba, the same chunks (:func:`ops.for_chunks`, so the same worker threads and chunk boundaries)
+run compiled loops that release the GIL:
+
+* :func:`kernels_numba.merge_chunk` — per position: widen the stored inputs (bfloat16 or
+  float32) to float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and rescale,
+  then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and disjoint
+  merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
+* :func:`kernels_numba.tau_abs_histograms` — the radix-histogram passes of
+  :class:`ops.KthLargestAbs` over |τ_i| for one chunk, straight from the stored inputs, the
+  base read once for every expert.
+
+Every float32 operation is the one torch performs, in the same order: ``add_(x, alpha=w)`` is a
+fused multiply-add in torch's vectorised kernels, so it is ``llvm.fma`` here; ``relu``, ``sign``,
+``hardshrink`` and ``clamp`` keep torch's treatment of −0.0. The loops work on tiles of
+:data:`TILE` positions (the task vectors of a tile stay in L1), so LLVM vectorises each step.
+DARE's masks are the same as the torch path's: the SFC64 stream NumPy would produce for the block
+(state taken from ``numpy.random.SFC64``, then generated here), so no generator changes.
+
+The stored dtypes are run-time flags, so each loop is compiled once, on first use, and cached on
+disk (numba's ``cache=True``, in ``__pycache__`` next to the module); numba itself is imported
+only then (:func:`loops`). docs/merge_performance.md gives the compile and load costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+import torch
+
+# "torch" turns the compiled loops off (the torch path is the reference; tests compare both).
+ENV_VAR = "MERGELAB_KERNELS"
+enabled = os.environ.get(ENV_VAR, "").strip().lower() != "torch"
+
+# Positions per tile inside a chunk: the [n_experts, TILE] task vectors of a tile stay in L1.
+TILE = 512
+# Stored dtypes the loops read and write directly (others are cast chunk by chunk with torch).
+_NATIVE = {torch.bfloat16: np.uint16, torch.float32: np.float32}
+
+# merge_chunk's per-expert parameters, columns of a float32 [n_experts, 9] array
+P_LOW, P_HIGH, P_DARE_LIMIT, P_DARE_DIVISOR = 0, 1, 2, 3
+P_SUM_W, P_VOTE_W, P_FLIP, P_MERGE_W, P_DIVISOR_W = 4, 5, 6, 7, 8
+# its flags (int64) and scalars (float32)
+F_KIND, F_BAND, F_VOTE_COUNT, F_VOTE_PLAIN, F_ANY_FLIP, F_MERGE_PLAIN = 0, 1, 2, 3, 4, 5
+F_DIVIDE_BY, F_DIVISOR_PLAIN, F_ALL_POSITIVE, F_SUM_DIVIDE, F_SCALE = 6, 7, 8, 9, 10
+S_LAMBDA, S_TOTAL, S_MIN_W = 0, 1, 2
+KIND_SUM, KIND_ELECT = 0, 1
+DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM = 0, 1, 2
+
+
+_loops: ModuleType | None = None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether numba is installed (without importing it)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def active() -> bool:
+    """Whether the compiled loops run (numba installed and not turned off)."""
+    return enabled and available()
+
+
+def loops() -> ModuleType:
+    """:mod:`mergelab.merge.kernels_numba`, imported on first use."""
+    global _loops
+    if _loops is None:
+        from . import kernels_numba
+
+        _loops = kernels_numba
+    return _loops
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled loops run for these tensors: active, and all of them on the CPU
+    (inputs in other dtypes than bfloat16 and float32 are cast chunk by chunk)."""
+    return active() and all(t.device.type == "cpu" for t in tensors)
+
+
+def all_finite_if_loaded(x: torch.Tensor) -> bool | None:
+    """Whether ``x`` has no NaN/Inf, by a compiled loop, where the loops are already loaded (a
+    merge method that uses them loaded them) and ``x`` is a contiguous bfloat16 or float32 CPU
+    tensor; else ``None`` (check with torch: a linear merge does not load numba for this)."""
+    if _loops is None or not enabled or x.device.type != "cpu" or x.dtype not in _NATIVE:
+        return None
+    if not x.is_contiguous():
+        return None
+    return bool(_loops.all_finite(x.data_ptr(), x.dtype == torch.bfloat16, x.numel()))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1)  # the loops read raw memory: contiguous, no copy if already
+
+
+# --- Python side: parameters and calls ----------------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _plain(weights: Sequence[float] | None) -> bool:
+    """ops._weighted_rows_sum's test for a plain sum (no multiplications)."""
+    return weights is None or all(w == 1 for w in weights)
+
+
+def _flip(w: float) -> float:
+    return math.copysign(1.0, w) * (w != 0)
+
+
+def elect_plan(
+    weights: Sequence[float],
+    *,
+    lambda_: float,
+    majority_sign: str,
+    weighted_sign: bool,
+    divide_by: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """merge_chunk's (params, scalars, flags) for TIES' elect and disjoint merge (kind ELECT);
+    per-expert trim/DARE columns are filled in by the caller. Mirrors ops.elect_sign and
+    ops.disjoint_merge_ (which raise on unknown options before this runs)."""
+    n = len(weights)
+    params = np.zeros((n, 9), dtype=np.float32)
+    params[:, P_LOW] = -1.0  # hardshrink with λ < 0 keeps everything
+    params[:, P_HIGH] = np.inf
+    flags = np.zeros(11, dtype=np.int64)
+    flags[F_KIND] = KIND_ELECT
+    vote_weights = list(weights) if weighted_sign else None
+    if majority_sign == "count" and vote_weights is not None:
+        vote_weights = [_flip(w) for w in vote_weights]
+    flags[F_VOTE_COUNT] = majority_sign == "count"
+    flags[F_VOTE_PLAIN] = _plain(vote_weights)
+    if vote_weights is not None:
+        params[:, P_VOTE_W] = vote_weights
+    flips = [_flip(w) if weighted_sign else 1.0 for w in weights]
+    params[:, P_FLIP] = flips
+    flags[F_ANY_FLIP] = any(f != 1 for f in flips)
+    merge_weights = [w * f for w, f in zip(weights, flips)]
+    params[:, P_MERGE_W] = merge_weights
+    flags[F_MERGE_PLAIN] = _plain(merge_weights)
+    flags[F_DIVIDE_BY] = {"none": DIVIDE_NONE, "count": DIVIDE_COUNT}.get(
+        divide_by, DIVIDE_WEIGHT_SUM
+    )
+    params[:, P_DIVISOR_W] = weights
+    flags[F_DIVISOR_PLAIN] = _plain(weights)
+    flags[F_ALL_POSITIVE] = all(w > 0 for w in weights)
+    scalars = np.array([lambda_, 0.0, min(weights)], dtype=np.float32)
+    return params, scalars, flags
+
+
+def sum_plan(
+    weights: Sequence[float], *, lambda_: float, normalize: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """merge_chunk's (params, scalars, flags) for θ_b + λ Σ w_i τ_i (methods._sum_rows_into)."""
+    n = len(weights)
+    params = np.zeros((n, 9), dtype=np.float32)
+    params[:, P_LOW] = -1.0
+    params[:, P_HIGH] = np.inf
+    params[:, P_SUM_W] = weights
+    flags = np.zeros(11, dtype=np.int64)
+    flags[F_KIND] = KIND_SUM
+    total = sum(weights)
+    flags[F_SUM_DIVIDE] = normalize and abs(total) >= 1e-8
+    flags[F_SCALE] = lambda_ != 1
+    scalars = np.array([lambda_, total, 0.0], dtype=np.float32)
+    return params, scalars, flags
+
+
+def trim_below(threshold: float) -> float:
+    """The hardshrink λ of ops.threshold_trim_: keep |τ| ≥ ``threshold`` (−1: keep all,
+    inf: none)."""
+    if threshold == math.inf:
+        return math.inf
+    if threshold <= 0:
+        return -1.0
+    as_float32 = np.float32(threshold)
+    if float(as_float32) >= threshold:
+        as_float32 = np.nextafter(as_float32, np.float32(0))
+    return float(as_float32)
+
+
+def dare_limit(density: float) -> float:
+    """The float32 comparison limit of ops.dare_keep_block (0: no drop)."""
+    if density >= 1:
+        return 0.0
+    return _f32(1 + round(density * (1 << 23)) / (1 << 23))
+
+
+def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
+    """SFC64's state [a, b, c, counter] for ``SeedSequence(seed, spawn_key=(expert, block))``,
+    the stream ops.dare_keep_block draws from."""
+    generator = np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(expert, block)))
+    return np.asarray(generator.state["state"]["state"], dtype=np.uint64)
+
+
+class ChunkMerger:
+    """Runs :func:`kernels_numba.merge_chunk` over the chunks of one tensor: ``merger(part)``
+    merges ``part`` into ``out`` (to hand to ``ops.for_chunks``). Inputs in another dtype than
+    bfloat16 or float32 are cast to float32 per chunk, and an output in another dtype is rounded
+    from a float32 scratch buffer, with torch, as the torch path does."""
+
+    def __init__(
+        self,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        params: np.ndarray,
+        scalars: np.ndarray,
+        flags: np.ndarray,
+        dare_seed: int | None = None,
+    ) -> None:
+        self.inputs = _Inputs(base, experts)
+        self.out = out.view(-1)
+        self.params, self.scalars, self.flags = params, scalars, flags
+        self.dare_seed = dare_seed
+        self.dare = [i for i in range(len(experts)) if params[i, P_DARE_LIMIT] != 0]
+        self.states = np.zeros((len(experts), 4), dtype=np.uint64)
+
+    def __call__(self, part: slice) -> None:
+        from .ops import DARE_BLOCK, scratch
+
+        m = part.stop - part.start
+        addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
+        states = self.states
+        if self.dare:
+            if part.start % DARE_BLOCK or m > DARE_BLOCK:
+                raise ValueError("DARE chunks must be whole blocks of ops.DARE_BLOCK entries")
+            states = self.states.copy()
+            for i in self.dare:
+                states[i] = sfc64_state(self.dare_seed, i, part.start // DARE_BLOCK)
+        direct = self.out.dtype in _NATIVE
+        result = self.out[part] if direct else scratch("kernel-out", m)
+        bf16_out = result.dtype == torch.bfloat16
+        loops().merge_chunk(
+            addresses,
+            self.inputs.bf16,
+            m,
+            result.data_ptr(),
+            bf16_out,
+            self.params,
+            self.scalars,
+            self.flags,
+            states,
+        )
+        if not direct:
+            self.out[part].copy_(result)
+
+
+class _Inputs:
+    """Base and expert tensors as the loops read them: flat, contiguous, bfloat16 or float32
+    (anything else is cast to float32 chunk by chunk, into this thread's scratch buffers)."""
+
+    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
+        self.tensors = [_flat(base), *(_flat(e) for e in experts)]
+        dtype = self.tensors[0].dtype
+        self.cast = dtype not in _NATIVE
+        self.bf16 = dtype == torch.bfloat16
+        self.itemsize = dtype.itemsize
+        self.starts = [x.data_ptr() for x in self.tensors]
+
+    def addresses(self, part: slice) -> list[int]:
+        """Where entry ``part.start`` of each input is (base first)."""
+        if self.cast:
+            from .ops import scratch
+
+            m = part.stop - part.start
+            return [
+                scratch(f"kernel-in-{i}", m).copy_(x[part]).data_ptr()
+                for i, x in enumerate(self.tensors)
+            ]
+        return [a + part.start * self.itemsize for a in self.starts]
+
+
+class TauHistograms:
+    """:class:`ops.KthLargestAbs` passes over |τ_i| = |θ_i − θ_b|, τ formed in float32 straight
+    from the stored inputs (what ops._tau_histograms computes with torch)."""
+
+    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
+        self.inputs = _Inputs(base, experts)
+
+    def pass_counts(self, finders: Sequence[tuple[int, int, tuple | None]]) -> PassCounts:
+        """The counting function of one pass of finders given as (expert, stride,
+        ``KthLargestAbs.pass_bins()``)."""
+        return PassCounts(self.inputs, finders)
+
+    def count(self, part: slice, finders: Sequence[tuple[int, int, tuple | None]]) -> list:
+        """One chunk's counts, one int64 tensor per finder (``None`` for a finished one)."""
+        counting = self.pass_counts(finders)
+        counting(part)
+        return counting.totals()
+
+
+class PassCounts:
+    """One histogram pass over a tensor's chunks: ``self(part)`` counts a chunk into this worker
+    thread's own arrays (and returns ``None`` per finder: nothing to add per chunk);
+    ``totals()`` adds the threads' arrays up, once. Passes with the same stride share one read
+    of each chunk."""
+
+    def __init__(self, inputs: _Inputs, finders: Sequence[tuple[int, int, tuple | None]]) -> None:
+        self.inputs = inputs
+        self.n = len(finders)
+        self.groups = []  # (stride, finder indices, experts, top_bits, lows, widths, sizes)
+        live = [(k, f) for k, f in enumerate(finders) if f[2] is not None]
+        for step in sorted({f[1] for _, f in live}):
+            group = sorted((f[0], k) for k, f in live if f[1] == step)
+            ks = [k for _, k in group]
+            bins = [finders[k][2] for k in ks]
+            self.groups.append(
+                (
+                    step,
+                    ks,
+                    np.array([e for e, _ in group], dtype=np.int64),
+                    np.array([low is None for low, _ in bins], dtype=np.bool_),
+                    np.array([low or 0 for low, _ in bins], dtype=np.int64),
+                    np.array([width for _, width in bins], dtype=np.int64),
+                    [width + (0 if low is None else 2) for low, width in bins],
+                )
+            )
+        self.per_thread: dict[int, list[np.ndarray]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, part: slice) -> list[None]:
+        from .ops import SAMPLE_RUN
+
+        arrays = self.per_thread.get(threading.get_ident())
+        if arrays is None:
+            # int32: half the cache footprint of the band's random increments (callers keep
+            # tensors under 2³¹ entries)
+            arrays = [np.zeros((len(g[1]), max(g[6])), dtype=np.int32) for g in self.groups]
+            with self.lock:
+                self.per_thread[threading.get_ident()] = arrays
+        addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
+        for (step, _, experts, top_bits, lows, widths, _), counts in zip(self.groups, arrays):
+            loops().tau_abs_histograms(
+                addresses,
+                self.inputs.bf16,
+                part.stop - part.start,
+                step,
+                SAMPLE_RUN,
+                experts,
+                top_bits,
+                lows,
+                widths,
+                counts,
+            )
+        return [None] * self.n
+
+    def totals(self) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * self.n
+        threads = list(self.per_thread.values())
+        for g, (_, ks, *_, sizes) in enumerate(self.groups):
+            if not threads:
+                break
+            total = threads[0][g]
+            for other in threads[1:]:
+                total += other[g]
+            for row, (k, size) in enumerate(zip(ks, sizes)):
+                out[k] = torch.from_numpy(total[row, :size])  # int32; the finder adds it up
+        return out
+
+
+def warm_up() -> float:
+    """Compile (or load from numba's cache) every loop by running it once on a few entries;
+    returns the seconds it took (0 when the loops are not active). A merge does this on its
+    first chunk anyway; the benchmark calls it to time compilation apart from merging."""
+    import time
+
+    if not active():
+        return 0.0
+    start = time.perf_counter()
+    base = torch.zeros(8, dtype=torch.bfloat16)
+    out = torch.empty(8, dtype=torch.bfloat16)
+    ChunkMerger(base, [base], out, *sum_plan([1.0], lambda_=1.0, normalize=False))(slice(0, 8))
+    TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15))])
+    all_finite_if_loaded(base)
+    return time.perf_counter() - start
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_up_in_background() -> None:
+    """Start :func:`warm_up` on a daemon thread (once per process), so that importing numba
+    and loading the cached loops (about half a second) overlaps with opening the inputs; the
+    first chunk that needs the loops waits for it through Python's import lock."""
+    global _warming
+    if _warming is None and active():
+        _warming = threading.Thread(target=warm_up, name="mergelab-kernels", daemon=True)
+        _warming.start()

@@ -1,0 +1,518 @@
+"""The numba loops behind :mod:`mergelab.merge.kernels` (imported on first use only: importing
+numba and loading the cached machine code takes about half a second, which a linear merge or a
+plain ``import mergelab`` should not pay). Read kernels' docstring first; every function here
+mirrors a torch operation sequence named in its docstring.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .kernels import (
+    DIVIDE_COUNT,
+    DIVIDE_NONE,
+    DIVIDE_WEIGHT_SUM,
+    F_ALL_POSITIVE,
+    F_ANY_FLIP,
+    F_BAND,
+    F_DIVIDE_BY,
+    F_DIVISOR_PLAIN,
+    F_KIND,
+    F_MERGE_PLAIN,
+    F_SCALE,
+    F_SUM_DIVIDE,
+    F_VOTE_COUNT,
+    F_VOTE_PLAIN,
+    KIND_SUM,
+    P_DARE_DIVISOR,
+    P_DARE_LIMIT,
+    P_DIVISOR_W,
+    P_FLIP,
+    P_HIGH,
+    P_LOW,
+    P_MERGE_W,
+    P_SUM_W,
+    P_VOTE_W,
+    S_LAMBDA,
+    S_MIN_W,
+    S_TOTAL,
+    TILE,
+)
+
+_f32 = np.float32
+_ZERO, _ONE, _MINUS_ONE = _f32(0.0), _f32(1.0), _f32(-1.0)
+_MINUS_2_24 = _f32(-(2.0**24))
+
+
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a·b + c rounded once (what torch's vectorised ``add_(b, alpha=a)`` computes)."""
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _u16_pointer(typingctx, address):
+    """The int64 ``address`` as a uint16 pointer (bfloat16 bits)."""
+    pointer = types.CPointer(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(types.int64), codegen
+
+
+@intrinsic
+def _f32_pointer(typingctx, address):
+    """The int64 ``address`` as a float32 pointer."""
+    pointer = types.CPointer(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(types.int64), codegen
+
+
+_jit = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+
+
+@_jit
+def _hardshrink(x, lam):
+    """torch.hardshrink: +0.0 where −λ ≤ x ≤ λ, else x (λ < 0 keeps everything)."""
+    return _ZERO if (x >= -lam) & (x <= lam) else x
+
+
+@_jit
+def _sign(x):
+    """torch.sign: ±1, and +0.0 for ±0."""
+    return _ONE if x > _ZERO else (_MINUS_ONE if x < _ZERO else _ZERO)
+
+
+@_jit
+def _bf16_to_f32(bits):
+    return _u32_as_f32(np.uint32(np.uint32(bits) << np.uint32(16)))
+
+
+@_jit
+def _f32_to_bf16(v):
+    """Round to nearest even, as torch (NaN: 0xFFFF, what torch's vectorised cast gives)."""
+    u = np.uint32(_f32_as_u32(v))
+    rounded = np.uint32(u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.uint16(0xFFFF) if nan else np.uint16(rounded >> np.uint32(16))
+
+
+@_jit
+def _load(address, bf16, start, count, dst):
+    """Entries [start, start + count) of the array at ``address`` (bfloat16 bits or float32),
+    widened to float32 into ``dst``. The dtype is a run-time flag, so every loop here is
+    compiled once, not once per dtype."""
+    if bf16:
+        src = numba.carray(_u16_pointer(address + 2 * start), (count,))
+        for j in range(count):
+            dst[j] = _bf16_to_f32(src[j])
+    else:
+        src32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
+        for j in range(count):
+            dst[j] = src32[j]
+
+
+@_jit
+def _emit(address, bf16, start, count, src):
+    """``src[:count]`` into entries [start, start + count) at ``address``, rounded to bfloat16
+    or stored as float32."""
+    if bf16:
+        dst = numba.carray(_u16_pointer(address + 2 * start), (count,))
+        for j in range(count):
+            dst[j] = _f32_to_bf16(src[j])
+    else:
+        dst32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
+        for j in range(count):
+            dst32[j] = src[j]
+
+
+@_jit
+def sfc64_fill(state, raw, count):
+    """``count`` raw 64-bit outputs of SFC64 (NumPy's algorithm) into ``raw``; ``state`` =
+    [a, b, c, counter] is advanced."""
+    a, b, c, counter = state[0], state[1], state[2], state[3]
+    for p in range(count):
+        out = a + b + counter
+        counter += np.uint64(1)
+        a = b ^ (b >> np.uint64(11))
+        b = c + (c << np.uint64(3))
+        c = ((c << np.uint64(24)) | (c >> np.uint64(40))) + out
+        raw[p] = out
+    state[0], state[1], state[2], state[3] = a, b, c, counter
+
+
+@_jit
+def _fill_streams(state, experts, raw, count):
+    """:func:`sfc64_fill` for the streams of ``experts`` (rows of ``state`` and ``raw``), two
+    at a time: each stream is one long dependency chain, two interleaved keep the core busy."""
+    k = 0
+    while k + 1 < experts.shape[0]:
+        i, j = experts[k], experts[k + 1]
+        a, b, c, counter = state[i, 0], state[i, 1], state[i, 2], state[i, 3]
+        a2, b2, c2, counter2 = state[j, 0], state[j, 1], state[j, 2], state[j, 3]
+        out_i, out_j = raw[i], raw[j]
+        for p in range(count):
+            out = a + b + counter
+            counter += np.uint64(1)
+            a = b ^ (b >> np.uint64(11))
+            b = c + (c << np.uint64(3))
+            c = ((c << np.uint64(24)) | (c >> np.uint64(40))) + out
+            out_i[p] = out
+            out2 = a2 + b2 + counter2
+            counter2 += np.uint64(1)
+            a2 = b2 ^ (b2 >> np.uint64(11))
+            b2 = c2 + (c2 << np.uint64(3))
+            c2 = ((c2 << np.uint64(24)) | (c2 >> np.uint64(40))) + out2
+            out_j[p] = out2
+        state[i, 0], state[i, 1], state[i, 2], state[i, 3] = a, b, c, counter
+        state[j, 0], state[j, 1], state[j, 2], state[j, 3] = a2, b2, c2, counter2
+        k += 2
+    if k < experts.shape[0]:
+        sfc64_fill(state[experts[k]], raw[experts[k]], count)
+
+
+@_jit
+def _keep_value(half, limit):
+    """DARE's float mask entry from 32 random bits (ops.dare_keep_block, operation for
+    operation): 1 + u·2⁻²³ from the low 23 bits, then clamp((x − limit)·(−2²⁴), 0, 1)."""
+    x = _u32_as_f32(np.uint32((half & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)))
+    k = (x - limit) * _MINUS_2_24
+    k = _ZERO if k < _ZERO else k
+    return _ONE if k > _ONE else k
+
+
+@_jit
+def _add_row(acc, x, length, first, plain, w):
+    """One step of ops._weighted_rows_sum over a tile: acc = x (· w) for the first row, then
+    acc + x, or fma(x, w, acc) (torch's ``add_(x, alpha=w)``)."""
+    if first:
+        if plain:
+            for j in range(length):
+                acc[j] = x[j]
+        else:
+            for j in range(length):
+                acc[j] = x[j] * w
+    elif plain:
+        for j in range(length):
+            acc[j] = acc[j] + x[j]
+    else:
+        for j in range(length):
+            acc[j] = _fma(x[j], w, acc[j])
+
+
+@_jit
+def merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states):
+    """One chunk of m positions. ``addresses``: base then experts (int64, pointing at the
+    chunk's first entry; bfloat16 bits if ``bf16_in`` else float32); ``out_address``: m entries
+    (bfloat16 bits if ``bf16_out`` else float32); ``params``/``scalars``/``flags``: see the
+    P_/S_/F_ constants; ``states``: [n, 4] SFC64 states (uint64) of the experts DARE drops for
+    (a row is ignored where P_DARE_LIMIT is 0).
+
+    Each step is a straight loop over a tile (no data-dependent branches: LLVM vectorises
+    them), in the order of the torch operations it replaces."""
+    n = addresses.shape[0] - 1
+    tau = np.empty((n, TILE), dtype=np.float32)
+    work = np.empty((8, TILE), dtype=np.float32)
+    raw = np.empty((n, TILE // 2), dtype=np.uint64)
+    halves = raw.view(np.uint32)  # little-endian: entry j's 32 bits, low half first
+    dropping = np.array([i for i in range(n) if params[i, P_DARE_LIMIT] != _ZERO], np.int64)
+    b, x = work[0], work[7]
+    band = flags[F_BAND] != 0
+    state = states.copy()
+    for t0 in range(0, m, TILE):
+        length = min(TILE, m - t0)
+        _load(addresses[0], bf16_in, t0, length, b)
+        if dropping.shape[0]:  # DARE: this tile's random bits of every expert that drops
+            _fill_streams(state, dropping, raw, (length + 1) // 2)
+        for i in range(n):
+            _load(addresses[1 + i], bf16_in, t0, length, x)
+            low, high = params[i, P_LOW], params[i, P_HIGH]
+            row = tau[i]
+            if band:  # breadcrumbs: trim below, then τ − hardshrink(τ, largest)
+                for j in range(length):
+                    d = x[j] - b[j]
+                    row[j] = _hardshrink(d, low) - _hardshrink(d, high)
+            else:
+                for j in range(length):
+                    row[j] = _hardshrink(x[j] - b[j], low)
+            limit = params[i, P_DARE_LIMIT]
+            if limit != _ZERO:
+                bits = halves[i]
+                for j in range(length):
+                    row[j] = row[j] * _keep_value(bits[j], limit)
+                divisor = params[i, P_DARE_DIVISOR]
+                if divisor != _ZERO:
+                    for j in range(length):
+                        row[j] = row[j] / divisor
+        if flags[F_KIND] == KIND_SUM:
+            result = _sum_rows(tau, work, length, params, flags, scalars)
+        elif n == 2:
+            result = _elect_merge_two(tau, work, length, params, flags, scalars)
+        else:
+            result = _elect_merge(tau, work, length, params, flags, scalars)
+        _emit(out_address, bf16_out, t0, length, result)
+
+
+@_jit
+def _sum_rows(tau, work, length, params, flags, scalars):
+    """θ_b + λ Σ_i w_i τ_i (÷ Σ w_i) for a tile, into work[1]: methods._sum_rows_into,
+    operation for operation."""
+    b, acc = work[0], work[1]
+    if tau.shape[0] == 2:  # one loop for the common case, the same operations in order
+        t0, t1 = tau[0], tau[1]
+        w0, w1 = params[0, P_SUM_W], params[1, P_SUM_W]
+        divide, scale = flags[F_SUM_DIVIDE] != 0, flags[F_SCALE] != 0
+        total, lam = scalars[S_TOTAL], scalars[S_LAMBDA]
+        for j in range(length):
+            v = _fma(t1[j], w1, t0[j] * w0)
+            if divide:
+                v = v / total
+            if scale:
+                v = v * lam
+            acc[j] = v + b[j]
+        return acc
+    for i in range(tau.shape[0]):  # weighted_sum multiplies the first row too
+        _add_row(acc, tau[i], length, i == 0, False, params[i, P_SUM_W])
+    if flags[F_SUM_DIVIDE] != 0:
+        total = scalars[S_TOTAL]
+        for j in range(length):
+            acc[j] = acc[j] / total
+    if flags[F_SCALE] != 0:
+        lam = scalars[S_LAMBDA]
+        for j in range(length):
+            acc[j] = acc[j] * lam
+    for j in range(length):
+        acc[j] = acc[j] + b[j]
+    return acc
+
+
+@_jit
+def _elect_merge_two(tau, work, length, params, flags, scalars):
+    """:func:`_elect_merge` for two experts, every step of a position in one loop (the same
+    operations in the same order; the flags are loop-invariant, so each loop vectorises)."""
+    b, merged = work[0], work[2]
+    t0, t1 = tau[0], tau[1]
+    count_votes, plain_votes = flags[F_VOTE_COUNT] != 0, flags[F_VOTE_PLAIN] != 0
+    any_flip, plain_merge = flags[F_ANY_FLIP] != 0, flags[F_MERGE_PLAIN] != 0
+    divide_by, plain_divisor = flags[F_DIVIDE_BY], flags[F_DIVISOR_PLAIN] != 0
+    all_positive = flags[F_ALL_POSITIVE] != 0
+    vw0, vw1 = params[0, P_VOTE_W], params[1, P_VOTE_W]
+    f0, f1 = params[0, P_FLIP], params[1, P_FLIP]
+    mw0, mw1 = params[0, P_MERGE_W], params[1, P_MERGE_W]
+    dw0, dw1 = params[0, P_DIVISOR_W], params[1, P_DIVISOR_W]
+    lam, min_w = scalars[S_LAMBDA], scalars[S_MIN_W]
+    for j in range(length):
+        x0, x1 = t0[j], t1[j]
+        r0 = _sign(x0) if count_votes else x0
+        r1 = _sign(x1) if count_votes else x1
+        votes = r0 + r1 if plain_votes else _fma(r1, vw1, r0 * vw0)
+        elected = _MINUS_ONE if votes < _ZERO else _ONE
+        m0, m1 = x0 * elected, x1 * elected
+        if any_flip:
+            m0, m1 = m0 * f0, m1 * f1
+        m0 = _ZERO if m0 < _ZERO else m0  # relu keeps −0.0
+        m1 = _ZERO if m1 < _ZERO else m1
+        total = m0 + m1 if plain_merge else _fma(m1, mw1, m0 * mw0)
+        total = total * elected
+        a0 = _ONE if m0 > _ZERO else _ZERO
+        a1 = _ONE if m1 > _ZERO else _ZERO
+        if divide_by == DIVIDE_COUNT:
+            count = a0 + a1
+            total = total / (_ONE if count < _ONE else count)
+        elif divide_by == DIVIDE_WEIGHT_SUM:
+            divisor = a0 + a1 if plain_divisor else _fma(a1, dw1, a0 * dw0)
+            if all_positive:
+                divisor = min_w if divisor < min_w else divisor
+            else:
+                divisor = _ONE if divisor == _ZERO else divisor
+            total = total / divisor
+        merged[j] = _fma(total, lam, b[j])
+    return merged
+
+
+@_jit
+def _elect_merge(tau, work, length, params, flags, scalars):
+    """θ_b + λ · disjoint_merge(elect_sign(τ)) for a tile, into work[2]: ops.elect_sign and
+    ops.disjoint_merge_, operation for operation."""
+    b, votes, merged, agreeing, divisor, x, agrees = (
+        work[0],
+        work[1],
+        work[2],
+        work[3],
+        work[4],
+        work[5],
+        work[6],
+    )
+    elected = votes  # the votes are only needed for their sign
+    n = tau.shape[0]
+    count_votes, plain_votes = flags[F_VOTE_COUNT] != 0, flags[F_VOTE_PLAIN] != 0
+    any_flip, plain_merge = flags[F_ANY_FLIP] != 0, flags[F_MERGE_PLAIN] != 0
+    divide_by, plain_divisor = flags[F_DIVIDE_BY], flags[F_DIVISOR_PLAIN] != 0
+    for i in range(n):
+        row = tau[i]
+        if count_votes:
+            for j in range(length):
+                x[j] = _sign(row[j])
+            _add_row(votes, x, length, i == 0, plain_votes, params[i, P_VOTE_W])
+        else:
+            _add_row(votes, row, length, i == 0, plain_votes, params[i, P_VOTE_W])
+    for j in range(length):  # sign(votes) + 0.5, signed again: −1, or +1 for ties
+        elected[j] = _MINUS_ONE if votes[j] < _ZERO else _ONE
+    for i in range(n):
+        row = tau[i]
+        flip = params[i, P_FLIP]
+        for j in range(length):
+            mag = row[j] * elected[j]
+            if any_flip:
+                mag = mag * flip
+            x[j] = _ZERO if mag < _ZERO else mag  # relu keeps −0.0
+        _add_row(merged, x, length, i == 0, plain_merge, params[i, P_MERGE_W])
+        if divide_by != DIVIDE_NONE:
+            for j in range(length):
+                agrees[j] = _ONE if x[j] > _ZERO else _ZERO
+            if divide_by == DIVIDE_COUNT:
+                _add_row(agreeing, agrees, length, i == 0, True, _ONE)
+            else:
+                _add_row(divisor, agrees, length, i == 0, plain_divisor, params[i, P_DIVISOR_W])
+    for j in range(length):
+        merged[j] = merged[j] * elected[j]
+    if divide_by == DIVIDE_COUNT:
+        for j in range(length):
+            merged[j] = merged[j] / (_ONE if agreeing[j] < _ONE else agreeing[j])
+    elif divide_by == DIVIDE_WEIGHT_SUM:
+        if flags[F_ALL_POSITIVE] != 0:
+            min_w = scalars[S_MIN_W]
+            for j in range(length):
+                merged[j] = merged[j] / (min_w if divisor[j] < min_w else divisor[j])
+        else:
+            for j in range(length):
+                merged[j] = merged[j] / (_ONE if divisor[j] == _ZERO else divisor[j])
+    lam = scalars[S_LAMBDA]
+    for j in range(length):
+        merged[j] = _fma(merged[j], lam, b[j])
+    return merged
+
+
+_GROUPED = 1024  # entries per tile of a histogram pass (a multiple of 8 and of the sample run)
+
+
+@_jit
+def _load_sample(address, bf16, m, first, count, step, run, dst):
+    """Sampled entries ``first`` … ``first + count − 1`` of m (all entries for ``step`` 1,
+    else runs of ``run`` entries, one every ``run · step``; ``first`` a multiple of ``run``),
+    widened to float32 into ``dst``."""
+    if step == 1:
+        _load(address, bf16, first, count, dst)
+        return
+    period = run * step
+    for r in range(0, count, run):
+        start = (first + r) // run * period
+        _load(address, bf16, start, min(run, count - r, m - start), dst[r:])
+
+
+@_jit
+def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, counts):
+    """Counts of :class:`ops.KthLargestAbs` passes over |τ_e| = |θ_e − θ_b| (float32 bits),
+    one per row of ``counts``, for every ``step``-th of the m entries at ``addresses`` (base
+    first, then the experts: bfloat16 bits if ``bf16``, else float32). Pass k counts expert
+    ``experts[k]``: with ``top_bits[k]`` its top 16 bits (2¹⁵ bins), else ``bits − lows[k]``
+    clamped to [0, widths[k] + 1]. The base is read once for all passes. With ``step`` > 1 the
+    pass reads runs of ``run`` entries, one every ``run · step`` (ops._sample_runs)."""
+    period = run * step
+    total = m if step == 1 else m // period * run + min(run, m % period)
+    base = np.empty(_GROUPED, dtype=np.float32)
+    expert = np.empty(_GROUPED, dtype=np.float32)
+    bins = np.empty(_GROUPED, dtype=np.int32)  # 32-bit lanes throughout: |τ|'s bits are < 2³¹
+    inside = np.zeros(_GROUPED, dtype=np.uint8)
+    groups = inside.view(np.uint64)
+    n_passes = experts.shape[0]
+    ends = np.zeros((n_passes, 2), dtype=np.int64)  # below, above the band
+    for t0 in range(0, total, _GROUPED):
+        length = min(_GROUPED, total - t0)
+        _load_sample(addresses[0], bf16, m, t0, length, step, run, base)
+        loaded = -1
+        for k in range(n_passes):
+            if experts[k] != loaded:
+                loaded = experts[k]
+                _load_sample(addresses[1 + loaded], bf16, m, t0, length, step, run, expert)
+            low = lows[k]
+            row = counts[k]
+            if top_bits[k]:
+                for j in range(length):
+                    bits = _f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)
+                    row[bits >> np.uint32(16)] += 1
+                continue
+            # Most entries fall outside the band: a vectorised loop counts those and flags the
+            # others, and a second loop visits only the 8-entry groups that hold a flagged
+            # entry (a data-dependent branch per entry, or an increment of the end bins for
+            # each, cost several times more).
+            top = np.int32(widths[k] + 1)
+            low32 = np.int32(low)
+            below = np.int32(0)
+            above = np.int32(0)
+            for j in range(length):
+                v = np.int32(_f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)) - low32
+                bins[j] = v
+                below += np.int32(v <= 0)
+                above += np.int32(v >= top)
+                inside[j] = np.uint8((v > 0) & (v < top))
+            for j in range(length, _GROUPED):
+                inside[j] = 0
+            for g in range(_GROUPED // 8):
+                if groups[g] != 0:
+                    for j in range(8 * g, 8 * g + 8):
+                        if inside[j] != 0:
+                            row[bins[j]] += 1
+            ends[k, 0] += below
+            ends[k, 1] += above
+    for k in range(n_passes):
+        if not top_bits[k]:
+            counts[k, 0] += ends[k, 0]
+            counts[k, widths[k] + 1] += ends[k, 1]
+
+
+@_jit
+def all_finite(address, bf16, m):
+    """No NaN or Inf among the m entries at ``address`` (bfloat16 bits or float32): no entry
+    with every exponent bit set."""
+    found = 0
+    if bf16:
+        src = numba.carray(_u16_pointer(address), (m,))
+        for j in range(m):
+            found |= np.int32((src[j] & np.uint16(0x7F80)) == np.uint16(0x7F80))
+    else:
+        src32 = numba.carray(_f32_pointer(address), (m,))
+        for j in range(m):
+            bits = _f32_as_u32(src32[j])
+            found |= np.int32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+    return found == 0

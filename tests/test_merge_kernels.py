@@ -1,0 +1,257 @@
+"""The compiled loops (mergelab.merge.kernels, numba) give the torch path's bits.
+
+Every chunked method that has a compiled pass (TIES, DARE-linear, DARE-TIES, breadcrumbs and the
+exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is run twice on the same inputs,
+once with the compiled loops and once with them turned off (the torch code, which is also the
+fallback without numba), and the outputs must be equal bit for bit: stored bfloat16, float16 and
+float32 inputs, bfloat16/float32/float16 outputs, one to three experts, negative and zero weights,
+λ ≠ 1, both sign rules and every divisor, tensors over several chunks with a partial last one,
+and inputs full of exact zeros, −0.0 and ties at the thresholds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mergelab.merge import TensorContext, get_merge_method, kernels, ops
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
+
+# a chunk and a bit (two chunks, the second partial, ending in a partial tile), in rows of 67
+ROW = 67
+NUMEL = ROW * (ops.CHUNK // ROW + 20)
+
+
+def inputs(n_experts: int, dtype: torch.dtype, seed: int = 0, numel: int = NUMEL):
+    """bf16-like weights with a sprinkling of exact zeros, −0.0 and repeated values."""
+    g = torch.Generator().manual_seed(seed)
+    base = 0.02 * torch.randn(numel, generator=g)
+    experts = [base + 0.002 * torch.randn(numel, generator=g) for _ in range(n_experts)]
+    zeros = torch.rand(numel, generator=g) < 0.01
+    base[zeros] = -0.0
+    for i, e in enumerate(experts):
+        e[torch.rand(numel, generator=g) < 0.01] = 0.0
+        e[zeros & (torch.rand(numel, generator=g) < 0.5)] = -0.0
+        if i == 0:  # entries equal to the base: τ = ±0
+            same = torch.rand(numel, generator=g) < 0.02
+            e[same] = base[same]
+    return base.to(dtype).view(-1, ROW), [e.to(dtype).view(-1, ROW) for e in experts]
+
+
+def both_paths(monkeypatch, method: str, base, experts, params: dict, out_dtype=None, dtype=None):
+    m = get_merge_method(method)
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
+        if out_dtype is not None:  # the streaming engine's way: stored dtype in, buffer out
+            ctx.dtype = dtype or torch.float32
+            ctx.out = torch.empty(base.shape, dtype=out_dtype)
+        results.append(m(base, experts, ctx=ctx, **params).clone())
+    return results
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    same = a.view(bits) == b.view(bits)
+    assert bool(same.all()), f"{int((~same).sum())} entries differ, first at {(~same).nonzero()[0]}"
+
+
+TIES = [
+    {"density": 0.2, "trim_scope": "tensor"},
+    {"density": [0.2, 0.5], "trim_scope": "tensor", "majority_sign": "count"},
+    {
+        "density": 0.2,
+        "weight": [1.0, 0.5],
+        "trim_scope": "tensor",
+        "weighted_sign": True,
+        "divide_by": "weight_sum",
+    },
+    {
+        "density": [0.3, 0.9],
+        "weight": [-0.7, 1.3],
+        "trim_scope": "tensor",
+        "weighted_sign": True,
+        "majority_sign": "count",
+        "divide_by": "weight_sum",
+        "lambda_": 0.7,
+    },
+    {"density": 0.25, "weight": [0.0, 1.0], "trim_scope": "tensor", "divide_by": "weight_sum"},
+    {"density": 0.4, "weight": [0.3, 2.0], "trim_scope": "tensor", "divide_by": "none"},
+    {"density": 1.0, "trim_scope": "tensor", "lambda_": 1.5},
+]
+
+
+@pytest.mark.parametrize("params", TIES, ids=range(len(TIES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ties_compiled_equals_torch(monkeypatch, params, dtype):
+    base, experts = inputs(2, dtype)
+    stored = both_paths(monkeypatch, "ties", base, experts, params, out_dtype=dtype)
+    assert_same_bits(*stored)
+    in_memory = both_paths(monkeypatch, "ties", base.float(), [e.float() for e in experts], params)
+    assert_same_bits(*in_memory)
+    # and the streamed (stored dtype) result is the in-memory one, rounded
+    assert_same_bits(stored[0], in_memory[0].to(dtype))
+
+
+@pytest.mark.parametrize("n_experts", [1, 3])
+def test_ties_any_number_of_experts_and_other_dtypes(monkeypatch, n_experts):
+    base, experts = inputs(n_experts, torch.float16, seed=n_experts)
+    params = {"density": 0.3, "trim_scope": "tensor", "weight": [0.5, 1.0, 2.0][:n_experts]}
+    for out_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert_same_bits(*both_paths(monkeypatch, "ties", base, experts, params, out_dtype))
+
+
+def test_ties_whole_model_thresholds_compiled_equal_torch(monkeypatch):
+    tensors = [inputs(2, torch.bfloat16, seed=s, numel=n) for s, n in [(1, NUMEL), (2, ROW * 75)]]
+    found = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+
+        def make_iter():
+            return ((f"t{i}", b, e) for i, (b, e) in enumerate(tensors))
+
+        found.append(ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32))
+    assert found[0] == found[1]
+    assert all(0 < t < 1 for t in found[0])
+
+
+DARE = [
+    ("dare_linear", {"density": 0.2}),
+    ("dare_linear", {"density": [0.3, 1.0], "weight": [0.6, -0.4], "normalize": True}),
+    ("dare_linear", {"density": 0.5, "rescale": "none", "lambda_": 0.8}),
+    ("dare_ties", {"density": 0.2}),
+    ("dare_ties", {"density": [0.3, 0.6], "weight": [1.0, 0.7], "majority_sign": "count"}),
+    (
+        "dare_ties",
+        {"density": 0.1, "weight": [1.0, 0.5], "weighted_sign": True, "divide_by": "none"},
+    ),
+]
+
+
+@pytest.mark.parametrize("method,params", DARE, ids=range(len(DARE)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dare_compiled_equals_torch(monkeypatch, method, params, dtype):
+    base, experts = inputs(2, dtype, seed=3)
+    stored = both_paths(monkeypatch, method, base, experts, params, out_dtype=dtype)
+    assert_same_bits(*stored)
+    in_memory = both_paths(monkeypatch, method, base.float(), [e.float() for e in experts], params)
+    assert_same_bits(*in_memory)
+
+
+BREADCRUMBS = [
+    {"density": 0.9, "gamma": 0.01},
+    {"density": [0.5, 1.0], "gamma": [0.1, 0.0], "weight": [0.7, 1.2], "lambda_": 0.9},
+    {"density": [1e-7, 0.6], "gamma": 0.2, "normalize": True, "weight": [1.0, 3.0]},
+]
+
+
+@pytest.mark.parametrize("params", BREADCRUMBS, ids=range(len(BREADCRUMBS)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_breadcrumbs_compiled_equals_torch(monkeypatch, params, dtype):
+    base, experts = inputs(2, dtype, seed=4)
+    assert_same_bits(*both_paths(monkeypatch, "breadcrumbs", base, experts, params, dtype))
+    in_memory = [base.float(), [e.float() for e in experts]]
+    assert_same_bits(*both_paths(monkeypatch, "breadcrumbs", *in_memory, params))
+
+
+def test_sfc64_stream_is_numpys():
+    state = kernels.sfc64_state(11, 1, 5)
+    reference = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(1, 5))).random_raw(9)
+    raw = np.empty(9, dtype=np.uint64)
+    kernels.loops().sfc64_fill(state, raw[:4], 4)  # in two calls: the state carries over
+    kernels.loops().sfc64_fill(state, raw[4:], 5)
+    assert raw.tolist() == reference.tolist()
+
+
+def test_bfloat16_rounding_is_torchs():
+    """Round to nearest even, including halfway cases, infinities and the largest finites."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64)
+    halfway = (bits & ~0xFFFF) | 0x8000
+    x = torch.cat([bits, halfway]).to(torch.int32).view(torch.float32)
+    x = x[torch.isfinite(x)]
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0])])
+    params, scalars, flags = kernels.sum_plan([1.0], lambda_=1.0, normalize=False)
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    # θ_b + (θ_1 − θ_b) with θ_b = 0 reproduces x (but −0.0) exactly in float32, then rounds it
+    kernels.ChunkMerger(torch.zeros_like(x), [x], out, params, scalars, flags)(slice(0, x.numel()))
+    assert_same_bits(out, x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kth_largest_tau_compiled_equals_torch_and_sort(monkeypatch, dtype):
+    """Several ranks per expert (breadcrumbs' band), a sampled first pass and the exact passes."""
+    base, experts = inputs(3, dtype, seed=5, numel=ROW * 16000)  # above SAMPLE_MIN_NUMEL
+    numel = base.numel()
+    ranks = [[1, numel // 5, numel], [numel // 100, numel // 2], [7]]
+    found = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        found.append(ops.tau_kth_largest_abs(base, experts, ranks, torch.float32))
+    assert found[0] == found[1]
+    for e, ks, values in zip(experts, ranks, found[0]):
+        magnitudes = (e.float() - base.float()).abs().flatten().sort(descending=True).values
+        assert values == [float(magnitudes[k - 1]) for k in ks]
+
+
+def test_the_torch_path_runs_without_numba(monkeypatch):
+    """MERGELAB_KERNELS=torch (or no numba): no compiled loop is called."""
+    monkeypatch.setattr(kernels, "enabled", False)
+    monkeypatch.setattr(kernels, "_loops", None)
+
+    def refuse() -> None:
+        raise AssertionError("the compiled loops were used")
+
+    monkeypatch.setattr(kernels, "loops", refuse)
+    base, experts = inputs(2, torch.bfloat16, numel=ROW * 100)
+    for method, params in [("ties", TIES[0]), *DARE[:1], ("breadcrumbs", BREADCRUMBS[0])]:
+        get_merge_method(method)(base, experts, ctx=TensorContext("t"), **params)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
+    """Same counts in every pass kind (sampled runs, top bits, a band), chunk by chunk."""
+    base, experts = inputs(2, dtype, seed=6)
+    part = slice(ops.CHUNK, base.numel())  # a partial last chunk: a partial last run
+    finders = [ops.KthLargestAbs(ops.SAMPLE_STRIDE), ops.KthLargestAbs(1), ops.KthLargestAbs(1)]
+    finders[2]._mode, finders[2]._bucket, finders[2]._width = "band", 0x3A80, 3 << 16
+    counted = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        count = ops._tau_histograms(base, experts, torch.float32)(finders, [1, 0, 1])
+        per_chunk = count(part)
+        # the compiled loops keep counts per worker thread, handed over once per pass
+        counted.append(count.totals() if compiled else per_chunk)
+    for a, b in zip(*counted):  # torch's bincount stops at the highest bin it saw
+        size = max(a.numel(), b.numel())
+        a, b = a.long(), b.long()
+        assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
+
+
+def test_dare_three_experts_compiled_equals_torch(monkeypatch):
+    """Random streams drawn two at a time, plus an odd one."""
+    base, experts = inputs(3, torch.bfloat16, seed=8)
+    params = {"density": [0.2, 0.5, 0.7], "weight": [1.0, 0.5, 0.25]}
+    for method in ("dare_linear", "dare_ties"):
+        got = both_paths(monkeypatch, method, base, experts, params, out_dtype=torch.bfloat16)
+        assert_same_bits(*got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_finiteness_check_compiled_equals_torch(monkeypatch, dtype):
+    kernels.loops()  # the compiled check runs only once the loops are loaded
+    x = torch.randn(5000).to(dtype)
+    assert kernels.all_finite_if_loaded(x) is True
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[4321] = bad
+        assert kernels.all_finite_if_loaded(y) is False
+        assert ops.all_finite_chunk(y) is False
+    monkeypatch.setattr(kernels, "enabled", False)
+    assert kernels.all_finite_if_loaded(x) is None
+    assert kernels.all_finite_if_loaded(torch.randn(10, dtype=torch.float16)) is None
