@@ -15,12 +15,14 @@ N(0, 0.002²) (dense task vectors), a real ``config.json``. They are written onc
 best wall time kept. Without ``--threads`` each tool runs at its default thread count (what users
 run); ``--threads N`` sets ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and mergekit's ``-j`` for both.
 
-The floors are subprocesses that import torch (both tools do), read every byte of the input
-shards of the variant's models and then write one output of the merged size, flushed to disk
-(``fsync``, as mergelab's output is): the least a tool that reads its inputs and writes its output
-that way can take. "direct" maps the inputs and writes with ``O_DIRECT`` (as mergelab does);
-"buffered" uses ``read()`` and ``write()`` through the page cache (as a plain tool does). They
-run in every round too (``--only-floor`` measures just them, into an existing results file).
+The floors are subprocesses (``benchmarks/io_floor.py``) that import torch (both tools do), read
+every byte of the input shards of the variant's models and then write one output of the merged
+size, flushed to disk (``fsync``, as mergelab's output is): the least a tool that reads its inputs
+and writes its output that way can take. They keep Python's garbage collector out of torch's
+import and exit, as the ``mergelab`` command does. "direct" maps the inputs and writes with
+``O_DIRECT`` (as mergelab does); "buffered" uses ``read()`` and ``write()`` through the page
+cache (as a plain tool does). They run in every round too (``--only-floor`` measures just them,
+into an existing results file).
 Before the first round the inputs are read once (page cache) and an output-sized file is written
 and deleted: on a VM the first writes into never-used memory cost several times more, whichever
 tool comes first. Every run starts after ``sync`` (nothing of the previous run is still being
@@ -30,7 +32,7 @@ Before the rounds, two fresh processes get mergelab's compiled loops ready
 (``mergelab.merge.kernels.warm_up``; seconds in ``kernels_ready_s``): the first compiles them if
 numba's on-disk cache is cold (a fresh install, or after an edit), so no timed run includes
 compilation; every timed mergelab run still imports numba and loads the cached loops, as a
-user's merge does.
+user's merge does. mergelab's modules are byte-compiled first, as an installed package's are.
 
 Peak RSS is the subprocess's maximum resident set size as GNU ``/usr/bin/time`` reports it. The
 machine's load average before and after goes into the results (``--results``, JSON with the
@@ -57,6 +59,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from io_floor import io_floor, shard_files
 from safetensors.torch import save_file
 
 # ~0.95B parameters: 59 layers, hidden 1024, MLP 4096, 16 heads with 8 KV heads, vocab 32000.
@@ -271,52 +274,6 @@ def tool_env(threads: int | None) -> dict[str, str]:
 # --- the read-and-write floor ------------------------------------------------------------------
 
 
-def shard_files(folders: list[Path]) -> list[Path]:
-    return sorted(f for folder in folders for f in folder.glob("*.safetensors"))
-
-
-def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "direct") -> None:
-    """Read every byte of every shard of ``inputs``, write ``out_bytes`` into a file in
-    ``out_dir`` and flush it to disk, one after the other (run in a subprocess: ``--io-floor``).
-
-    ``mode`` "direct": the inputs memory-mapped and every 8-byte word loaded once (a sum), the
-    output written with ``O_DIRECT`` (mergelab's way of reading and writing); "buffered":
-    ``read()`` into a buffer and ``write()`` through the page cache (a plain tool's way).
-    """
-    import mmap
-
-    import torch
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    block = mmap.mmap(-1, 64 << 20)  # page-aligned, as O_DIRECT needs
-    view = memoryview(block)
-    for shard in shard_files(inputs):
-        with open(shard, "rb", buffering=0) as f:
-            if mode == "buffered":
-                while f.readinto(view):
-                    pass
-                continue
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-            words = torch.frombuffer(mapped, dtype=torch.int64, count=size // 8)
-            words.sum()  # every byte from the page cache through the CPU, once
-            del words
-            mapped.close()
-    path = out_dir / "floor.bin"
-    direct = getattr(os, "O_DIRECT", 0) if mode == "direct" else 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct)
-    left = out_bytes - out_bytes % 4096 if direct else out_bytes
-    while left:
-        left -= os.write(fd, view[: min(left, len(view))])
-    os.close(fd)
-    with open(path, "ab") as f:  # the unaligned tail, then everything flushed
-        f.write(view[: out_bytes - os.path.getsize(path)])
-        os.fsync(f.fileno())
-    view.release()
-    block.close()
-    shutil.rmtree(out_dir, ignore_errors=True)
-
-
 def read_through(folders: list[Path]) -> None:
     """Read every shard of ``folders`` (into the page cache, where they mostly are already)."""
     buffer = bytearray(64 << 20)
@@ -340,6 +297,17 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def compile_sources() -> None:
+    """Byte-compile mergelab's modules, as ``pip install`` does: with ``PYTHONDONTWRITEBYTECODE``
+    set (as on the project's machines) an editable install would otherwise compile every
+    changed module from source in every timed run."""
+    import compileall
+
+    import mergelab
+
+    compileall.compile_dir(Path(mergelab.__file__).parent, quiet=1)
 
 
 def kernels_load_times(env: dict[str, str]) -> list[float]:
@@ -420,13 +388,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     load_before = load_average()
     print(f"load average before: {load_before}")
     warm_up(folder, out_bytes, work)
+    compile_sources()
     kernel_load = kernels_load_times(env)
 
     models = [folder / n for n in ("base", "expert_0", "expert_1")]
 
     def floor_command(n_inputs: int, mode: str) -> list[str]:
         names = ["expert_0", "expert_1"] if n_inputs == 2 else ["base", "expert_0", "expert_1"]
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--io-floor", mode, str(out_bytes)]
+        cmd = [sys.executable, str(Path(__file__).with_name("io_floor.py")), mode, str(out_bytes)]
         cmd += [str(work / "floor"), *[str(folder / n) for n in names]]
         return cmd
 
@@ -651,9 +620,6 @@ def run_mergekit_config(args: argparse.Namespace, env: dict[str, str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--io-floor"]:  # the floor's subprocess: MODE OUT_BYTES OUT_DIR INPUT...
-        io_floor([Path(p) for p in argv[4:]], int(argv[2]), Path(argv[3]), mode=argv[1])
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=".cache/merge_speed")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))

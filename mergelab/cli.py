@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import signal
@@ -17,27 +18,31 @@ import traceback
 
 from .errors import exit_code, may_be_a_bug, one_line, raise_terminated
 
-# module path -> each module defines add_subcommand(subparsers) that sets `func` on its parser.
-SUBCOMMAND_MODULES = [
-    "mergelab.merge.cli",  # mergelab merge
-    "mergelab.compose.cli",  # mergelab compose
-    "mergelab.eval.cli",  # mergelab eval
-    "mergelab.compare.cli",  # mergelab compare
-    "mergelab.demo",  # mergelab demo  (the README's main job)
-]
+# subcommand -> module that defines add_subcommand(subparsers), which sets `func` on its parser.
+SUBCOMMAND_MODULES = {
+    "merge": "mergelab.merge.cli",
+    "compose": "mergelab.compose.cli",
+    "eval": "mergelab.eval.cli",
+    "compare": "mergelab.compare.cli",
+    "demo": "mergelab.demo",  # the README's main job
+}
 
 DEBUG_ENV = "MERGELAB_DEBUG"
 DEBUG_HELP = f"show the full traceback of an error (or set {DEBUG_ENV}=1)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of subcommand ``only`` alone (importing just its
+    module: a merge need not wait for the evaluation code to load)."""
     parser = argparse.ArgumentParser(
         prog="mergelab",
         description="Weight-space merges and logit composition of language models, compared.",
     )
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module_name in SUBCOMMAND_MODULES:
+    for name, module_name in SUBCOMMAND_MODULES.items():
+        if only is not None and name != only:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -47,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_subcommand(sub)
     _add_debug_flag(sub)
     return parser
+
+
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (the first word that is not an option: the
+    top-level options take no values), if it is one."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in SUBCOMMAND_MODULES else None
 
 
 def _add_debug_flag(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +89,20 @@ def _command_name(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    as_program = argv is None  # the `mergelab` command, not a call from Python
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    finally:
+        if as_program:
+            # The process is about to exit: Python's last garbage collection would walk every
+            # object torch created (tenths of a second) only to free memory the OS takes
+            # back anyway. Frozen objects are left out of it; finalizers still run (atexit).
+            gc.freeze()
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser(_subcommand(argv))
     args = parser.parse_args(argv)
     debug = args.debug or _debug_from_env()
     # SIGTERM unwinds like Ctrl-C (outputs being written are removed), unless an application

@@ -252,3 +252,46 @@ def test_error_lines_for_each_kind_of_exception():
     assert one_line(KeyError("seed")) == "KeyError: 'seed'"  # a bare lookup may be a bug
     assert one_line(ValueError("two\nlines")) == "two lines"
     assert exit_code(RuntimeError("?")) == 1 and exit_code(KeyboardInterrupt()) == 130
+
+
+def test_one_subcommand_is_loaded_and_the_help_lists_them_all(monkeypatch, capsys):
+    """`mergelab merge ...` imports only the merge command's module; the top-level help (or an
+    unknown command) builds every subcommand."""
+    import importlib
+
+    from mergelab import cli
+
+    imported = []
+    real = importlib.import_module
+    monkeypatch.setattr(cli.importlib, "import_module", lambda n: imported.append(n) or real(n))
+    assert cli._subcommand(["--debug", "merge", "--config", "x.yml"]) == "merge"
+    assert cli._subcommand(["--help"]) is None and cli._subcommand(["mrege"]) is None
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert imported == ["mergelab.merge.cli"]
+    imported.clear()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert imported == list(cli.SUBCOMMAND_MODULES.values())
+    shown = capsys.readouterr().out
+    assert all(name in shown for name in cli.SUBCOMMAND_MODULES)
+
+
+def test_the_command_leaves_torch_out_of_the_last_collection():
+    """Run as a program, `mergelab` freezes the collector's objects before exiting (the exit's
+    full collection would walk all of torch's); called from Python, it leaves them alone."""
+    import gc
+
+    before = gc.get_freeze_count()
+    code = (
+        "import gc, sys\n"
+        "from mergelab.cli import main\n"
+        "sys.argv = ['mergelab', 'merge', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(gc.get_freeze_count() > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip().endswith("True"), done.stderr
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert gc.get_freeze_count() == before

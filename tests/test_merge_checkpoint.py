@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from mergelab.merge import (
     MergeInputError,
     get_merge_method,
+    kernels,
     list_merge_methods,
     merge_method,
     merge_state_dicts,
@@ -273,21 +274,46 @@ def test_dtype_mismatch_is_refused(ckpts, tmp_path):
         plan_checkpoint_merge("task_arithmetic", base, [e0, e1])
 
 
-def test_nan_is_found_while_streaming_and_nothing_is_left(ckpts, tmp_path):
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("task_arithmetic", {}),
+        ("linear", {}),
+        ("ties", {"density": 0.2, "trim_scope": "tensor"}),
+        ("dare_ties", {"density": 0.1}),  # the poisoned entry is most likely dropped
+        ("breadcrumbs", {}),
+    ],
+)
+@pytest.mark.parametrize("compiled", [True, False])
+def test_nan_is_found_while_streaming_and_nothing_is_left(
+    ckpts, tmp_path, monkeypatch, method, params, compiled
+):
+    """NaN/Inf in any input names the model, whether the compiled loop saw it (and kept or
+    dropped the entry) or the torch path's pass over the inputs did."""
+    monkeypatch.setattr(kernels, "enabled", compiled)
     base, e0, e1 = copy_set(ckpts, tmp_path)
     name = "model.layers.1.self_attn.o_proj.weight"
 
-    def poison(t):
-        t = t.clone()
-        t[3, 4] = float("nan")
-        return t
+    def poison(value):
+        def rewrite(t):
+            t = t.clone()
+            t[3, 4] = value
+            return t
 
-    rewrite_tensor(e1, name, poison)
+        return rewrite
+
+    rewrite_tensor(e1, name, poison(float("nan")))
     with pytest.raises(MergeInputError, match=rf"{name}.*model 1.*NaN"):
-        merge_checkpoints(
-            "task_arithmetic", base, [e0, e1], output=tmp_path / "out", progress=False
-        )
+        merge_checkpoints(method, base, [e0, e1], output=tmp_path / "out", progress=False,
+                          params=params)  # fmt: skip
     assert_nothing_left(tmp_path, "out")
+    if method != "linear":  # the base is an input too
+        rewrite_tensor(e1, name, poison(0.0))
+        rewrite_tensor(base, name, poison(float("inf")))
+        with pytest.raises(MergeInputError, match=rf"{name}.*base.*NaN or Inf"):
+            merge_checkpoints(method, base, [e0, e1], output=tmp_path / "out", progress=False,
+                              params=params)  # fmt: skip
+        assert_nothing_left(tmp_path, "out")
 
 
 def test_truncated_and_missing_shards_name_the_file(ckpts, tmp_path):
@@ -332,11 +358,11 @@ def test_interrupted_merge_leaves_no_finished_looking_folder(ckpts, tmp_path, mo
     calls = []
     original = checkpoint.CheckpointMergePlan.merge_tensor
 
-    def interrupt(self, t):
+    def interrupt(self, t, phase=None):
         calls.append(t.name)
         if len(calls) == 7:
             raise KeyboardInterrupt
-        return original(self, t)
+        return original(self, t, phase)
 
     monkeypatch.setattr(checkpoint.CheckpointMergePlan, "merge_tensor", interrupt)
     with pytest.raises(KeyboardInterrupt):

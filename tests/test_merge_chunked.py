@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts, ops
-from mergelab.merge.checkpoint import CheckpointFolder, DirectStream, merge_checkpoints
+from mergelab.merge.checkpoint import (
+    DIRECT_ALIGN,
+    BufferPool,
+    CheckpointFolder,
+    DirectStream,
+    merge_checkpoints,
+)
 
 CHUNKED = {
     "linear": {"weight": [0.3, 0.7]},
@@ -213,6 +219,46 @@ def test_direct_writes_give_the_same_bytes_as_ordinary_writes(tmp_path, monkeypa
     assert write(tmp_path / "b.bin", staging=1 << 20) == expected
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # where the OS has no direct I/O
     assert write(tmp_path / "c.bin", staging=8192) == expected
+
+
+def test_placed_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch):
+    """A buffer taken with its file position's phase goes to the disk from its own memory: only
+    the partial blocks at its ends pass through the staging buffer; the bytes are the same."""
+    g = torch.Generator().manual_seed(1)
+    pool = BufferPool()
+    header = b"h" * 13
+    pieces: list[bytes | torch.Tensor] = [header]
+    position = len(header)
+    for i, (n, dtype) in enumerate(
+        [
+            (9000, torch.uint8),
+            (3 * 4096, torch.uint8),
+            (70001, torch.uint8),
+            (20000, torch.bfloat16),
+        ]
+    ):
+        placed = pool.take(f"out-{i % 2}", (n,), dtype, phase=position % DIRECT_ALIGN)
+        assert placed.data_ptr() % DIRECT_ALIGN == position % DIRECT_ALIGN
+        placed.view(torch.uint8).copy_(
+            torch.randint(0, 256, (placed.nbytes,), generator=g, dtype=torch.uint8)
+        )
+        pieces.append(placed.clone() if i < 2 else placed)  # a clone: placed otherwise
+        position += placed.nbytes
+    expected = b"".join(
+        p if isinstance(p, bytes) else p.view(torch.uint8).numpy().tobytes() for p in pieces
+    )
+    staged: list[int] = []
+    stage = DirectStream._stage
+    monkeypatch.setattr(
+        DirectStream, "_stage", lambda self, d: staged.append(d.numel()) or stage(self, d)
+    )
+    stream = DirectStream(tmp_path / "placed.bin", staging=8192)
+    for piece in pieces:
+        stream.write(piece)
+    stream.close()
+    assert (tmp_path / "placed.bin").read_bytes() == expected
+    clones = sum(p.nbytes for p in pieces[1:3])
+    assert sum(staged) < len(header) + clones + 4 * 2 * DIRECT_ALIGN  # the placed: ends only
 
 
 def test_a_shard_truncated_after_planning_is_an_error_not_a_crash(tmp_path):

@@ -1,7 +1,7 @@
 """The compiled loops (mergelab.merge.kernels, numba) give the torch path's bits.
 
-Every chunked method that has a compiled pass (TIES, DARE-linear, DARE-TIES, breadcrumbs and the
-exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is run twice on the same inputs,
+Every chunked method that has a compiled pass (linear, task arithmetic, TIES, DARE-linear,
+DARE-TIES, breadcrumbs and the exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is run twice on the same inputs,
 once with the compiled loops and once with them turned off (the torch code, which is also the
 fallback without numba), and the outputs must be equal bit for bit: stored bfloat16, float16 and
 float32 inputs, bfloat16/float32/float16 outputs, one to three experts, negative and zero weights,
@@ -11,12 +11,14 @@ and inputs full of exact zeros, −0.0 and ties at the thresholds.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mergelab.merge import TensorContext, get_merge_method, kernels, ops
+from mergelab.merge import MergeInputError, TensorContext, get_merge_method, kernels, ops
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 
@@ -49,7 +51,7 @@ def both_paths(monkeypatch, method: str, base, experts, params: dict, out_dtype=
         ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
         if out_dtype is not None:  # the streaming engine's way: stored dtype in, buffer out
             ctx.dtype = dtype or torch.float32
-            ctx.out = torch.empty(base.shape, dtype=out_dtype)
+            ctx.out = torch.empty(experts[0].shape, dtype=out_dtype)
         results.append(m(base, experts, ctx=ctx, **params).clone())
     return results
 
@@ -159,6 +161,73 @@ def test_breadcrumbs_compiled_equals_torch(monkeypatch, params, dtype):
     assert_same_bits(*both_paths(monkeypatch, "breadcrumbs", *in_memory, params))
 
 
+SUMS = [
+    ("linear", {}),
+    ("linear", {"weight": [0.3, 1.7], "normalize": False}),
+    ("linear", {"weight": [2.0, -0.5]}),
+    ("task_arithmetic", {}),
+    ("task_arithmetic", {"weight": [0.6, -0.4], "lambda_": 0.7}),
+    ("task_arithmetic", {"weight": [1.0, 0.5], "normalize": True, "lambda_": 1.3}),
+]
+
+
+@pytest.mark.parametrize("method,params", SUMS, ids=range(len(SUMS)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_and_task_arithmetic_compiled_equal_torch(monkeypatch, method, params, dtype):
+    base, experts = inputs(2, dtype, seed=9)
+    if method == "linear":
+        base = None
+    stored = both_paths(monkeypatch, method, base, experts, params, out_dtype=dtype)
+    assert_same_bits(*stored)
+    as_float = None if base is None else base.float()
+    in_memory = both_paths(monkeypatch, method, as_float, [e.float() for e in experts], params)
+    assert_same_bits(*in_memory)
+    assert_same_bits(stored[0], in_memory[0].to(dtype))
+
+
+@pytest.mark.parametrize("n_experts", [1, 3])
+def test_sums_any_number_of_experts_and_other_dtypes(monkeypatch, n_experts):
+    base, experts = inputs(n_experts, torch.float16, seed=10 + n_experts)
+    weight = [0.5, 1.0, 2.0][:n_experts]
+    for out_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for method, b in (("linear", None), ("task_arithmetic", base)):
+            got = both_paths(monkeypatch, method, b, experts, {"weight": weight}, out_dtype)
+            assert_same_bits(*got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare_ties", "breadcrumbs"])
+def test_loops_report_nonfinite_inputs_and_results(method, dtype):
+    """What the loops saw (ctx.checks): NaN/Inf in any input, and a result that overflows to Inf
+    (inputs finite), each found wherever it sits."""
+    params = {"ties": TIES[0], "dare_ties": DARE[3][1], "breadcrumbs": BREADCRUMBS[0]}
+    m = get_merge_method(method)
+    base, experts = inputs(2, dtype, seed=12)
+
+    def checks(b, e, out_dtype=dtype):
+        ctx = TensorContext("t", seed=1, dtype=torch.float32)
+        ctx.out = torch.empty(b.shape, dtype=out_dtype)
+        with contextlib.suppress(MergeInputError):  # a non-finite result is refused, after
+            m(b, e, ctx=ctx, **params.get(method, {}))
+        assert ctx.checks is not None and ctx.checks.covers_inputs([b, *e])
+        assert ctx.checks.covers_result(ctx.out)
+        return ctx.checks.inputs_finite, ctx.checks.result_finite
+
+    assert checks(base, experts) == (True, True)
+    for which in range(3):
+        for bad in (float("nan"), float("inf")):
+            b, e = base.clone(), [x.clone() for x in experts]
+            target = b if which == 0 else e[which - 1]
+            target.view(-1)[NUMEL - 3] = bad
+            assert checks(b, e)[0] is False
+    if method == "task_arithmetic":  # finite inputs, a result beyond float16's range
+        e = [x.clone() for x in experts]
+        e[0].view(-1)[5] = 6e4 if dtype == torch.float32 else 3e38
+        e[1].view(-1)[5] = 6e4 if dtype == torch.float32 else 3e38
+        out_dtype = torch.float16 if dtype == torch.float32 else dtype
+        assert checks(base, e, out_dtype) == (True, False)
+
+
 def test_sfc64_stream_is_numpys():
     state = kernels.sfc64_state(11, 1, 5)
     reference = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(1, 5))).random_raw(9)
@@ -211,6 +280,8 @@ def test_the_torch_path_runs_without_numba(monkeypatch):
     base, experts = inputs(2, torch.bfloat16, numel=ROW * 100)
     for method, params in [("ties", TIES[0]), *DARE[:1], ("breadcrumbs", BREADCRUMBS[0])]:
         get_merge_method(method)(base, experts, ctx=TensorContext("t"), **params)
+    get_merge_method("task_arithmetic")(base, experts, ctx=TensorContext("t"))
+    get_merge_method("linear")(None, experts, ctx=TensorContext("t"), weight=[1.0, 1.0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

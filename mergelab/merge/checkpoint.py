@@ -90,7 +90,7 @@ from mergelab.outputs import atomic_output_dir, check_output_path
 from . import kernels, ops
 from .methods import COMPILED_METHODS
 from .model_card import MODEL_CARD_NAME, model_card
-from .registry import MergeMethod, TensorContext, get_merge_method
+from .registry import LoopChecks, MergeMethod, TensorContext, get_merge_method, result_finite
 from .validation import (
     VOCAB_PADDING_RULES,
     MergeInputError,
@@ -248,8 +248,12 @@ class CheckpointFolder:
                     f"{index}: 'weight_map' must map tensor names to shard files ({found})"
                 )
             shards: dict[Path, list[str]] = {}
+            confined: dict[Any, Path] = {}  # each file checked once (paths resolve slowly)
             for name, file in weight_map.items():
-                shards.setdefault(self._confined_shard(index, name, file), []).append(name)
+                if not isinstance(file, str) or file not in confined:
+                    shard = self._confined_shard(index, name, file)
+                    confined[file] = shard
+                shards.setdefault(confined[file], []).append(name)
             for shard in shards:
                 if not shard.is_file():
                     raise MergeInputError(
@@ -410,7 +414,7 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_shards(tensors: Sequence[OutputTensor], shard_size: int) -> list[list[OutputTensor]]:
@@ -434,7 +438,8 @@ def shard_file_names(n: int) -> list[str]:
 class DirectStream:
     """Writes a file front to back with ``O_DIRECT`` where the OS and file system allow it.
 
-    Direct writes go from a page-aligned staging buffer straight to the disk: the kernel does not
+    Direct writes go from the caller's memory (see :meth:`write`) or a page-aligned staging
+    buffer straight to the disk: the kernel does not
     copy the bytes into its page cache (for a 2 GB output that copy took several CPU-seconds
     here, the most expensive single step of a linear merge) and does not keep them there, so
     the inputs stay cached. Every direct write is a multiple of :data:`DIRECT_ALIGN` bytes at an
@@ -461,7 +466,11 @@ class DirectStream:
         self._offset = 0  # bytes already written to the file
 
     def write(self, data: torch.Tensor | bytes) -> None:
-        """Append ``data`` (bytes, or a tensor's bytes)."""
+        """Append ``data`` (bytes, or a tensor's bytes). The whole blocks of a tensor whose
+        address has the file position's remainder modulo :data:`DIRECT_ALIGN` (see
+        :meth:`BufferPool.take`'s ``phase``) go straight from its memory to the disk; the rest
+        (a partial block at either end, or all of a tensor placed otherwise) is copied through
+        the staging buffer."""
         if not isinstance(data, torch.Tensor):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
             if data is None:
@@ -470,6 +479,23 @@ class DirectStream:
         if self._staged is None:
             self._file.write(data.numpy().data)
             return
+        head = min(-self._used % DIRECT_ALIGN, data.numel())  # up to the next block boundary
+        if head:
+            self._stage(data[:head])
+            data = data[head:]
+        whole = data.numel() - data.numel() % DIRECT_ALIGN
+        if whole and data.data_ptr() % DIRECT_ALIGN == 0:
+            self._flush_blocks()  # the staged bytes end on a block boundary: all of them
+            view = memoryview(data[:whole].numpy())
+            done = 0
+            while done < whole:
+                done += os.pwrite(self._direct, view[done:], self._offset + done)
+            self._offset += whole
+            data = data[whole:]
+        self._stage(data)
+
+    def _stage(self, data: torch.Tensor) -> None:
+        """Copy ``data`` (flat uint8) into the staging buffer, writing it out whenever full."""
         while data.numel():
             n = min(data.numel(), self._staged.numel() - self._used)
             self._staged[self._used : self._used + n].copy_(data[:n])
@@ -537,6 +563,9 @@ class ShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+        start = 8 + len(raw)
+        # where each tensor's bytes start in the file
+        self.positions = {t.name: start + header[t.name]["data_offsets"][0] for t in self.expected}
         self._file = DirectStream(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
@@ -571,13 +600,16 @@ OUTPUT_SLOTS = WRITE_BEHIND + 1
 def write_sharded(
     folder: Path,
     tensors: Sequence[OutputTensor],
-    produce: Callable[[OutputTensor], torch.Tensor],
+    produce: Callable[[OutputTensor, int], torch.Tensor],
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     progress: bool = True,
     description: str = "merging",
 ) -> dict[str, Any]:
-    """Write ``produce(t)`` for every ``t`` in order into shards plus ``model.safetensors.index.json``.
+    """Write ``produce(t, phase)`` for every ``t`` in order into shards plus
+    ``model.safetensors.index.json``. ``phase`` is ``t``'s position in its file modulo
+    :data:`DIRECT_ALIGN`: a result at an address with that remainder is written straight from
+    its memory (:meth:`BufferPool.take`).
 
     ``produce`` is called in order; when it is called for tensor ``k``, the writes of tensors
     ``≤ k − OUTPUT_SLOTS`` have finished (so it may reuse ``OUTPUT_SLOTS`` rotating buffers). At
@@ -601,7 +633,8 @@ def write_sharded(
             try:
                 for t in shard:
                     drain(WRITE_BEHIND)
-                    pending.append(executor.submit(writer.write, t.name, produce(t)))
+                    result = produce(t, writer.positions[t.name] % DIRECT_ALIGN)
+                    pending.append(executor.submit(writer.write, t.name, result))
                     weight_map[t.name] = file_name
                     bar.update(1)
                 drain(0)
@@ -804,10 +837,11 @@ class CheckpointMergePlan:
     def load(
         self, t: OutputTensor, slot: str = "", *, check: bool = True, stored: bool | None = None
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
-        """Inputs of ``t``, memory-mapped, checked for NaN/Inf on every core (unless ``check`` is
-        off); ``None`` for a non-floating tensor. They stay mapped in their stored dtype when
-        ``stored`` (default: :meth:`streams_stored`), else they are cast to the compute dtype in
-        the pool's buffers (set ``slot``)."""
+        """Inputs of ``t``, memory-mapped; ``None`` for a non-floating tensor. They stay mapped in
+        their stored dtype when ``stored`` (default: :meth:`streams_stored`), else they are cast
+        to the compute dtype in the pool's buffers (set ``slot``) and checked for NaN/Inf while
+        they are copied (unless ``check`` is off). Stored inputs are checked after the merge
+        (:meth:`_check_inputs`): the method's compiled loop sees every entry anyway."""
         pool = self._pool
         base, experts = self.inputs(t.name, mapped=True)
         reference = base if base is not None else experts[0]
@@ -825,20 +859,37 @@ class CheckpointMergePlan:
 
         def cast(x: torch.Tensor, key: str, folder: CheckpointFolder) -> torch.Tensor:
             if stored:
-                finite = not check or ops.all_finite(x)
-            else:
-                buffer = pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype)
-                finite = ops.parallel_copy_(buffer, x, check="dst" if check else None)
-                x = buffer
-            if not finite:
-                raise MergeInputError(
-                    f"tensor {t.name!r} in {folder.label} ({folder.path}) contains NaN or Inf"
-                )
-            return x
+                return x
+            buffer = pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype)
+            if not ops.parallel_copy_(buffer, x, check="dst" if check else None):
+                raise _nonfinite_input(t.name, folder)
+            return buffer
 
         base = cast(base, "base", base_folder) if base is not None else None
         experts = [cast(e, str(i), f) for i, (e, f) in enumerate(zip(experts, expert_folders))]
         return base, experts
+
+    def _check_inputs(
+        self,
+        t: OutputTensor,
+        base: torch.Tensor | None,
+        experts: list[torch.Tensor],
+        checks: LoopChecks | None,
+    ) -> None:
+        """NaN/Inf in stored inputs is an error naming the model: from what the method's compiled
+        loop saw of these very tensors (``checks``), else by a pass over them; either way each
+        input is looked at alone only to name the one at fault."""
+        inputs = ([] if base is None else [base]) + list(experts)
+        if checks is not None and checks.covers_inputs(inputs) and checks.inputs_finite:
+            return
+        recipe = self.recipes.get(t.name) if self.recipes is not None else None
+        if recipe is not None:
+            folders = [s.folder for s in recipe.sources]
+        else:
+            folders = ([] if self.base is None else [self.base]) + list(self.experts)
+        for x, folder in zip(inputs, folders):
+            if not ops.all_finite(x):
+                raise _nonfinite_input(t.name, folder)
 
     def _as_inputs(
         self, name: str, base: torch.Tensor | None, experts: list[torch.Tensor]
@@ -853,9 +904,10 @@ class CheckpointMergePlan:
             base, experts = (aligned[0], aligned[1:]) if base is not None else (None, aligned)
         return base, experts
 
-    def merge_tensor(self, t: OutputTensor) -> torch.Tensor:
+    def merge_tensor(self, t: OutputTensor, phase: int | None = None) -> torch.Tensor:
         """The merged tensor ``t``, in its output dtype; NaN/Inf in an input or the result is an
-        error naming the tensor and the model.
+        error naming the tensor and the model. ``phase``: as :func:`write_sharded` passes it,
+        the remainder the result's address should have (:meth:`BufferPool.take`).
 
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
         (mapped, checked, and cast unless the method takes them in their stored dtype) in a
@@ -880,15 +932,17 @@ class CheckpointMergePlan:
                 self._prefetched = (index + 1, future)
         # write_sharded may still be writing the last WRITE_BEHIND outputs: rotate buffers
         self._n_produced += 1
-        return self._merge_loaded(t, loaded, f"output-{self._n_produced % OUTPUT_SLOTS}")
+        return self._merge_loaded(t, loaded, f"output-{self._n_produced % OUTPUT_SLOTS}", phase)
 
     def _merge_loaded(
         self,
         t: OutputTensor,
         loaded: tuple[torch.Tensor | None, list[torch.Tensor]] | None,
         slot: str,
+        phase: int | None = None,
     ) -> torch.Tensor:
-        """Merge the loaded inputs of ``t`` into the pool's buffer ``slot`` (output dtype)."""
+        """Merge the loaded inputs of ``t`` into the pool's buffer ``slot`` (output dtype,
+        placed at ``phase``)."""
         recipe = self.recipes.get(t.name) if self.recipes is not None else None
         if loaded is None:  # integer buffers: the base's (a recipe's first input's), unchanged
             if recipe is not None:
@@ -902,16 +956,27 @@ class CheckpointMergePlan:
             (recipe.params, recipe.per_model) if recipe else (self.params, self.per_model)
         )
         rows = self.truncated_rows.get(t.name)
-        if self.streams_stored(t.name):
+        if self.streams_stored(t.name):  # the inputs are checked after the merge
             ctx.dtype = self.compute_dtype
             whole = rows is None or t.shape[0] <= rows
             if whole and self.round_to in (None, t.dtype):  # rounded straight into the output
-                ctx.out = pool.take(slot, t.shape, t.dtype)
-        # Without ctx.out, finiteness is checked below while the result is copied out.
-        merged = self.method.apply(
-            base, experts, ctx, {**params, **per_model}, check_finite=ctx.out is not None
-        )
+                ctx.out = pool.take(slot, t.shape, t.dtype, phase)
+        # Finiteness of the result is checked below (while it is copied out, without ctx.out),
+        # after the inputs': NaN in an input is reported as the input's.
+        stored = self.streams_stored(t.name)
+        try:
+            merged = self.method.apply(
+                base, experts, ctx, {**params, **per_model}, check_finite=False
+            )
+        except Exception:
+            if stored:  # NaN in an input may be what the method tripped over: say so first
+                self._check_inputs(t, base, experts, None)
+            raise
+        if stored:
+            self._check_inputs(t, base, experts, ctx.checks)
         if ctx.out is not None:
+            if not result_finite(merged, ctx):
+                raise self.method.nonfinite_error(t.name)
             return ctx.out
         if self.round_to is not None:
             merged = merged.to(self.round_to)
@@ -919,7 +984,7 @@ class CheckpointMergePlan:
             if not ops.all_finite(merged):
                 raise self.method.nonfinite_error(t.name)
             return torch.cat([merged.to(t.dtype), self.template.read(t.name)[rows:].to(t.dtype)])
-        out = pool.take(slot, merged.shape, t.dtype)
+        out = pool.take(slot, merged.shape, t.dtype, phase)
         if not ops.parallel_copy_(out, merged, check="src"):  # cast and check on every core
             raise self.method.nonfinite_error(t.name)
         return out
@@ -965,14 +1030,36 @@ class BufferPool:
         self._lock = threading.Lock()  # the reader thread takes slots too
 
     def take(
-        self, slot: str, shape: Sequence[int] | torch.Size, dtype: torch.dtype
+        self,
+        slot: str,
+        shape: Sequence[int] | torch.Size,
+        dtype: torch.dtype,
+        phase: int | None = None,
     ) -> torch.Tensor:
+        """A ``shape`` tensor of ``dtype`` in slot ``slot``'s memory. With ``phase`` (a byte
+        offset modulo :data:`DIRECT_ALIGN`) its address has that remainder too, so a
+        :class:`DirectStream` writing it at a file position with that remainder writes it
+        straight from this memory (where the dtype's alignment allows)."""
         n = math.prod(shape)
+        if phase is not None:
+            nbytes = n * dtype.itemsize
+            with self._lock:
+                key = (f"{slot}@placed", torch.uint8)
+                raw = self._flat.get(key)
+                if raw is None or raw.numel() < nbytes + DIRECT_ALIGN:
+                    raw = self._flat[key] = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+            start = (phase - raw.data_ptr()) % DIRECT_ALIGN
+            if start % dtype.itemsize == 0:
+                return raw[start : start + nbytes].view(dtype).view(tuple(shape))
         with self._lock:
             flat = self._flat.get((slot, dtype))
             if flat is None or flat.numel() < n:
                 flat = self._flat[(slot, dtype)] = torch.empty(n, dtype=dtype)
         return flat[:n].view(tuple(shape))
+
+
+def _nonfinite_input(name: str, folder: CheckpointFolder) -> MergeInputError:
+    return MergeInputError(f"tensor {name!r} in {folder.label} ({folder.path}) contains NaN or Inf")
 
 
 def plan_checkpoint_merge(
@@ -996,7 +1083,8 @@ def plan_checkpoint_merge(
     if not models:
         raise MergeInputError("merge needs at least one model besides the base")
     if m.name in COMPILED_METHODS and dtype == torch.float32:
-        kernels.warm_up_in_background()  # numba loads while the inputs are opened and checked
+        # numba and the method's loops load while the inputs are opened and checked
+        kernels.warm_up_in_background(COMPILED_METHODS[m.name])
     if m.needs_base and base is None:
         raise MergeInputError(f"merge method {m.name!r} needs a base model (--base)")
     if vocab_padding not in VOCAB_PADDING_RULES:

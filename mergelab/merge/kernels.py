@@ -57,6 +57,8 @@ F_DIVIDE_BY, F_DIVISOR_PLAIN, F_ALL_POSITIVE, F_SUM_DIVIDE, F_SCALE = 6, 7, 8, 9
 S_LAMBDA, S_TOTAL, S_MIN_W = 0, 1, 2
 KIND_SUM, KIND_ELECT = 0, 1
 DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM = 0, 1, 2
+# What a merge loop returns: bits set where it met NaN or Inf in an input or a stored result
+FOUND_IN_INPUT, FOUND_IN_RESULT = 1, 2
 
 
 _loops: ModuleType | None = None
@@ -243,7 +245,7 @@ class ChunkMerger:
         direct = self.out.dtype in _NATIVE
         result = self.out[part] if direct else scratch("kernel-out", m)
         bf16_out = result.dtype == torch.bfloat16
-        loops().merge_chunk(
+        found = loops().merge_chunk(
             addresses,
             self.inputs.bf16,
             m,
@@ -254,16 +256,70 @@ class ChunkMerger:
             self.flags,
             states,
         )
-        if not direct:
-            self.out[part].copy_(result)
+        return _finish(self.out, part, result, direct, found)
+
+
+def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, found: int) -> int:
+    """A loop's flags for ``out[part]``, after rounding a float32 ``result`` into an output
+    of another dtype (whose stored entries the loop did not see: checked here)."""
+    if direct:
+        return int(found)
+    target = out[part]
+    target.copy_(result)
+    finite = bool(torch.isfinite(target.sum())) or bool(torch.isfinite(target).all())
+    return (int(found) & FOUND_IN_INPUT) | (0 if finite else FOUND_IN_RESULT)
+
+
+class ChunkSummer:
+    """Runs :func:`kernels_numba.sum_chunk` (methods._combine: the weighted sum of linear and
+    task arithmetic) over the chunks of one tensor, as :class:`ChunkMerger` runs merge_chunk;
+    ``summer(part)`` returns the chunk's NaN/Inf flags."""
+
+    def __init__(
+        self,
+        base: torch.Tensor | None,
+        experts: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        weights: Sequence[float],
+        *,
+        lambda_: float,
+        normalize: bool,
+    ) -> None:
+        self.inputs = _Inputs(base, experts)
+        self.has_base = base is not None
+        self.out = out.view(-1)
+        total = sum(weights)
+        self.weights = np.array(weights, dtype=np.float32)
+        self.scalars = np.array([lambda_, total, 0.0], dtype=np.float32)
+        self.flags = np.zeros(11, dtype=np.int64)
+        self.flags[F_SUM_DIVIDE] = normalize and abs(total) >= 1e-8
+
+    def __call__(self, part: slice) -> int:
+        from .ops import scratch
+
+        m = part.stop - part.start
+        direct = self.out.dtype in _NATIVE
+        result = self.out[part] if direct else scratch("kernel-out", m)
+        found = loops().sum_chunk(
+            np.array(self.inputs.addresses(part), dtype=np.int64),
+            self.has_base,
+            self.inputs.bf16,
+            m,
+            result.data_ptr(),
+            result.dtype == torch.bfloat16,
+            self.weights,
+            self.scalars,
+            self.flags,
+        )
+        return _finish(self.out, part, result, direct, found)
 
 
 class _Inputs:
-    """Base and expert tensors as the loops read them: flat, contiguous, bfloat16 or float32
+    """Base (if any) and expert tensors as the loops read them: flat, contiguous, bfloat16 or float32
     (anything else is cast to float32 chunk by chunk, into this thread's scratch buffers)."""
 
-    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
-        self.tensors = [_flat(base), *(_flat(e) for e in experts)]
+    def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor]) -> None:
+        self.tensors = ([] if base is None else [_flat(base)]) + [_flat(e) for e in experts]
         dtype = self.tensors[0].dtype
         self.cast = dtype not in _NATIVE
         self.bf16 = dtype == torch.bfloat16
@@ -271,7 +327,7 @@ class _Inputs:
         self.starts = [x.data_ptr() for x in self.tensors]
 
     def addresses(self, part: slice) -> list[int]:
-        """Where entry ``part.start`` of each input is (base first)."""
+        """Where entry ``part.start`` of each input is (the base first, if any)."""
         if self.cast:
             from .ops import scratch
 
@@ -371,31 +427,46 @@ class PassCounts:
         return out
 
 
-def warm_up() -> float:
-    """Compile (or load from numba's cache) every loop by running it once on a few entries;
-    returns the seconds it took (0 when the loops are not active). A merge does this on its
-    first chunk anyway; the benchmark calls it to time compilation apart from merging."""
+# The loops a method's merge calls (warm_up's names)
+LOOPS = ("sum", "merge", "histograms")
+
+
+def warm_up(which: Sequence[str] = LOOPS) -> float:
+    """Compile (or load from numba's cache) the loops named in ``which`` (:data:`LOOPS`) by
+    running each once on a few entries; returns the seconds it took (0 when the loops are not
+    active). A merge does this on its first chunk anyway; the benchmark calls it to time
+    compilation apart from merging. Each loop loaded costs time: a merge loads only its own."""
     import time
 
     if not active():
         return 0.0
+    unknown = set(which) - set(LOOPS)
+    if unknown:
+        raise ValueError(f"unknown compiled loops {sorted(unknown)}; known: {LOOPS}")
     start = time.perf_counter()
     base = torch.zeros(8, dtype=torch.bfloat16)
     out = torch.empty(8, dtype=torch.bfloat16)
-    ChunkMerger(base, [base], out, *sum_plan([1.0], lambda_=1.0, normalize=False))(slice(0, 8))
-    TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15))])
-    all_finite_if_loaded(base)
+    if "sum" in which:
+        ChunkSummer(base, [base], out, [1.0], lambda_=1.0, normalize=False)(slice(0, 8))
+    if "merge" in which:
+        plan = sum_plan([1.0], lambda_=1.0, normalize=False)
+        ChunkMerger(base, [base], out, *plan)(slice(0, 8))
+    if "histograms" in which:
+        TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15))])
     return time.perf_counter() - start
 
 
 _warming: threading.Thread | None = None
 
 
-def warm_up_in_background() -> None:
-    """Start :func:`warm_up` on a daemon thread (once per process), so that importing numba
-    and loading the cached loops (about half a second) overlaps with opening the inputs; the
-    first chunk that needs the loops waits for it through Python's import lock."""
+def warm_up_in_background(which: Sequence[str] = LOOPS) -> None:
+    """Start :func:`warm_up` of ``which`` on a daemon thread (once per process), so that
+    importing numba and loading the cached loops (about half a second for all of them)
+    overlaps with opening the inputs; the first chunk that needs a loop waits for it through
+    Python's import lock (or numba's dispatcher lock)."""
     global _warming
     if _warming is None and active():
-        _warming = threading.Thread(target=warm_up, name="mergelab-kernels", daemon=True)
+        _warming = threading.Thread(
+            target=warm_up, args=(tuple(which),), name="mergelab-kernels", daemon=True
+        )
         _warming.start()

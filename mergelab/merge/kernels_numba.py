@@ -27,6 +27,8 @@ from .kernels import (
     F_SUM_DIVIDE,
     F_VOTE_COUNT,
     F_VOTE_PLAIN,
+    FOUND_IN_INPUT,
+    FOUND_IN_RESULT,
     KIND_SUM,
     P_DARE_DIVISOR,
     P_DARE_LIMIT,
@@ -143,17 +145,46 @@ def _load(address, bf16, start, count, dst):
 
 
 @_jit
-def _emit(address, bf16, start, count, src):
+def _load_checked(address, bf16, start, count, dst):
+    """:func:`_load`, and whether any of the entries is NaN or Inf (1, else 0): every exponent
+    bit set, tested on the stored bits while they are loaded anyway."""
+    found = np.uint32(0)
+    if bf16:
+        src = numba.carray(_u16_pointer(address + 2 * start), (count,))
+        for j in range(count):
+            bits = np.uint32(src[j])
+            found |= np.uint32((bits & np.uint32(0x7F80)) == np.uint32(0x7F80))
+            dst[j] = _u32_as_f32(bits << np.uint32(16))
+    else:
+        src32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
+        for j in range(count):
+            v = src32[j]
+            bits = _f32_as_u32(v)
+            found |= np.uint32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+            dst[j] = v
+    return np.int64(found != 0)
+
+
+@_jit
+def _emit_checked(address, bf16, start, count, src):
     """``src[:count]`` into entries [start, start + count) at ``address``, rounded to bfloat16
-    or stored as float32."""
+    or stored as float32, and whether any stored entry is NaN or Inf (1, else 0; checked after
+    rounding: a float32 beyond bfloat16's range rounds to Inf)."""
+    found = np.uint32(0)
     if bf16:
         dst = numba.carray(_u16_pointer(address + 2 * start), (count,))
         for j in range(count):
-            dst[j] = _f32_to_bf16(src[j])
+            h = _f32_to_bf16(src[j])
+            found |= np.uint32((h & np.uint16(0x7F80)) == np.uint16(0x7F80))
+            dst[j] = h
     else:
         dst32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
         for j in range(count):
-            dst32[j] = src[j]
+            v = src[j]
+            bits = _f32_as_u32(v)
+            found |= np.uint32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+            dst32[j] = v
+    return np.int64(found != 0)
 
 
 @_jit
@@ -236,7 +267,8 @@ def merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, f
     chunk's first entry; bfloat16 bits if ``bf16_in`` else float32); ``out_address``: m entries
     (bfloat16 bits if ``bf16_out`` else float32); ``params``/``scalars``/``flags``: see the
     P_/S_/F_ constants; ``states``: [n, 4] SFC64 states (uint64) of the experts DARE drops for
-    (a row is ignored where P_DARE_LIMIT is 0).
+    (a row is ignored where P_DARE_LIMIT is 0). Returns the NaN/Inf flags (FOUND_IN_INPUT: an
+    input entry, FOUND_IN_RESULT: a stored result entry).
 
     Each step is a straight loop over a tile (no data-dependent branches: LLVM vectorises
     them), in the order of the torch operations it replaces."""
@@ -249,13 +281,15 @@ def merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, f
     b, x = work[0], work[7]
     band = flags[F_BAND] != 0
     state = states.copy()
+    bad_input = np.int64(0)
+    bad_result = np.int64(0)
     for t0 in range(0, m, TILE):
         length = min(TILE, m - t0)
-        _load(addresses[0], bf16_in, t0, length, b)
+        bad_input |= _load_checked(addresses[0], bf16_in, t0, length, b)
         if dropping.shape[0]:  # DARE: this tile's random bits of every expert that drops
             _fill_streams(state, dropping, raw, (length + 1) // 2)
         for i in range(n):
-            _load(addresses[1 + i], bf16_in, t0, length, x)
+            bad_input |= _load_checked(addresses[1 + i], bf16_in, t0, length, x)
             low, high = params[i, P_LOW], params[i, P_HIGH]
             row = tau[i]
             if band:  # breadcrumbs: trim below, then τ − hardshrink(τ, largest)
@@ -280,7 +314,45 @@ def merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, f
             result = _elect_merge_two(tau, work, length, params, flags, scalars)
         else:
             result = _elect_merge(tau, work, length, params, flags, scalars)
-        _emit(out_address, bf16_out, t0, length, result)
+        bad_result |= _emit_checked(out_address, bf16_out, t0, length, result)
+    return bad_input * FOUND_IN_INPUT + bad_result * FOUND_IN_RESULT
+
+
+@_jit
+def sum_chunk(addresses, has_base, bf16_in, m, out_address, bf16_out, weights, scalars, flags):
+    """methods._combine for one chunk of m positions: Σ_i w_i x_i without a base, else
+    θ_b + λ Σ_i w_i (x_i − θ_b); the sum divided by Σ w_i where ``flags[F_SUM_DIVIDE]``.
+    ``addresses``: the base (if ``has_base``) then the experts, as in :func:`merge_chunk`;
+    ``weights``: float32, one per expert; ``scalars``: S_LAMBDA, S_TOTAL. Returns the NaN/Inf
+    flags as :func:`merge_chunk` does. torch's operations in its order: the first term
+    multiplied, the others added by ``add_(x, alpha=w)`` (an FMA), then ``div_``, then
+    ``torch.add(θ_b, Σ, alpha=λ)`` (an FMA too)."""
+    first = 1 if has_base else 0
+    n = addresses.shape[0] - first
+    work = np.empty((3, TILE), dtype=np.float32)
+    b, x, acc = work[0], work[1], work[2]
+    divide = flags[F_SUM_DIVIDE] != 0
+    total, lam = scalars[S_TOTAL], scalars[S_LAMBDA]
+    bad_input = np.int64(0)
+    bad_result = np.int64(0)
+    for t0 in range(0, m, TILE):
+        length = min(TILE, m - t0)
+        if has_base:
+            bad_input |= _load_checked(addresses[0], bf16_in, t0, length, b)
+        for i in range(n):
+            bad_input |= _load_checked(addresses[first + i], bf16_in, t0, length, x)
+            if has_base:
+                for j in range(length):
+                    x[j] = x[j] - b[j]
+            _add_row(acc, x, length, i == 0, False, weights[i])
+        if divide:
+            for j in range(length):
+                acc[j] = acc[j] / total
+        if has_base:
+            for j in range(length):
+                acc[j] = _fma(acc[j], lam, b[j])
+        bad_result |= _emit_checked(out_address, bf16_out, t0, length, acc)
+    return bad_input * FOUND_IN_INPUT + bad_result * FOUND_IN_RESULT
 
 
 @_jit

@@ -266,7 +266,7 @@ def _write_full(
     )
     tensors = [OutputTensor(n, folder.tensors[n].shape, folder.tensors[n].dtype) for n in order]
 
-    def produce(t: OutputTensor) -> torch.Tensor:
+    def produce(t: OutputTensor, phase: int) -> torch.Tensor:  # (fresh tensors: no placement)
         weight = folder.read(t.name)
         if t.name not in adapted:
             return weight

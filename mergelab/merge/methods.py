@@ -24,11 +24,19 @@ import torch
 
 from . import kernels, ops
 from .ops import DareRescale, DivideBy, MajoritySign
-from .registry import Interval, TensorContext, merge_method
+from .registry import Interval, LoopChecks, TensorContext, merge_method
 
-# Methods with a compiled pass (mergelab.merge.kernels) where numba is installed; the engines
-# start loading it in the background when they plan one of these.
-COMPILED_METHODS = frozenset({"ties", "dare_linear", "dare_ties", "breadcrumbs"})
+# Methods with a compiled pass (mergelab.merge.kernels) where numba is installed, and the loops
+# each calls (kernels.LOOPS); the engines start loading them in the background when they plan
+# one of these.
+COMPILED_METHODS: dict[str, tuple[str, ...]] = {
+    "linear": ("sum",),
+    "task_arithmetic": ("sum",),
+    "ties": ("merge", "histograms"),
+    "dare_linear": ("merge",),
+    "dare_ties": ("merge",),
+    "breadcrumbs": ("merge", "histograms"),
+}
 
 # density 0 would keep nothing (the merge would be the base): a positive fraction is required.
 _DENSITY_RANGE = {"density": Interval(0.0, 1.0, low_open=True)}
@@ -81,6 +89,21 @@ def _emit(out: torch.Tensor, part: slice, result: torch.Tensor) -> None:
         target.copy_(result)
 
 
+def _run_loop(
+    loop: Callable[[slice], int],
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    ctx: TensorContext,
+    size: int | None = None,
+) -> None:
+    """A compiled loop (``kernels.ChunkMerger`` / ``ChunkSummer``) over every chunk of ``out``
+    on every core; what it saw of NaN/Inf goes into ``ctx.checks``."""
+    found = 0
+    for flags in ops.for_chunks(out.numel(), loop, size):
+        found |= flags
+    ctx.checks = LoopChecks.of(found, inputs, out)
+
+
 def _combine(
     base: torch.Tensor | None,
     tensors: list[torch.Tensor],
@@ -94,7 +117,8 @@ def _combine(
     ``normalize`` (unless |Σ w_i| < 1e-8, mergekit's rule).
 
     Walks the tensors chunk by chunk on every core (``ops.for_chunks``) with reused cache-sized
-    buffers per thread: no task-vector stack, no full-size temporaries besides the output.
+    buffers per thread: no task-vector stack, no full-size temporaries besides the output. With
+    the compiled loops, one pass per chunk (``kernels.ChunkSummer``, the same bits).
     """
     total = sum(weight)
     divide = normalize and abs(total) >= 1e-8
@@ -102,8 +126,15 @@ def _combine(
     flat_base = base.reshape(-1) if base is not None else None
     flat = [x.reshape(-1) for x in tensors]
     out = _output(ctx, tensors[0], dtype)
+    inputs = ([] if base is None else [base]) + list(tensors)
+    if dtype == torch.float32 and kernels.usable(*inputs, out):  # one compiled pass
+        summer = kernels.ChunkSummer(
+            base, tensors, out, weight, lambda_=lambda_, normalize=normalize
+        )
+        _run_loop(summer, inputs, out, ctx)
+        return out.view(tensors[0].shape)
 
-    def combine(part: slice) -> None:
+    def combine(part: slice) -> bool:
         n = part.stop - part.start
         d = ops.scratch("delta", n, dtype, out.device)
         a = ops.scratch("acc", n, dtype, out.device)
@@ -124,8 +155,12 @@ def _combine(
             result = _result(out, part, dtype)
             torch.add(b, a, alpha=lambda_, out=result)
             _emit(out, part, result)
+        # NaN/Inf in an input makes the sum, and so the stored result, non-finite: a finite
+        # sum of the stored chunk (in cache) clears both (a sum that overflows clears nothing)
+        return bool(torch.isfinite(out[part].sum()))
 
-    ops.for_chunks(out.numel(), combine)
+    if all(ops.for_chunks(out.numel(), combine)):
+        ctx.checks = LoopChecks.of(0, inputs, out)
     return out.view(tensors[0].shape)
 
 
@@ -321,7 +356,7 @@ def _trim_elect_merge(
         params, scalars, flags = plan
         params[:, kernels.P_LOW] = [kernels.trim_below(t) for t in thresholds]
         merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags)
-        ops.for_chunks(flat_base.numel(), merger)
+        _run_loop(merger, [base, *experts], out, ctx)
         return out.view(base.shape)
 
     def merge(part: slice) -> None:
@@ -476,7 +511,7 @@ def _dare_chunks(
             params[i, kernels.P_DARE_LIMIT] = kernels.dare_limit(d)
             params[i, kernels.P_DARE_DIVISOR] = d if rescale == "keep_rate" and d < 1 else 0.0
         merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags, dare_seed=seed)
-        ops.for_chunks(flat_base.numel(), merger, ops.DARE_BLOCK)
+        _run_loop(merger, [base, *experts], out, ctx, ops.DARE_BLOCK)
         return out.view(base.shape)
 
     def merge(part: slice) -> None:
@@ -628,7 +663,7 @@ def breadcrumbs(
                 params[i, kernels.P_LOW] = kernels.trim_below(band[0])
                 params[i, kernels.P_HIGH] = band[1]
         merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags)
-        ops.for_chunks(flat_base.numel(), merger)
+        _run_loop(merger, [base, *experts], out, ctx)
         return out.view(base.shape)
 
     def merge(part: slice) -> None:  # τ_i trimmed to its band, chunk by chunk on every core

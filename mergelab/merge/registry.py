@@ -122,6 +122,46 @@ def _shown(key: str) -> str:
     return "lambda" if key == "lambda_" else key
 
 
+def _where(x: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return (x.data_ptr(), x.numel(), x.dtype)
+
+
+@dataclass(frozen=True)
+class LoopChecks:
+    """Whether a compiled merge loop met NaN or Inf among its inputs and among the result
+    entries it stored, and which tensors those were (so a check is only reused for them)."""
+
+    inputs_finite: bool
+    result_finite: bool
+    inputs: tuple[tuple[int, int, torch.dtype], ...]
+    result: tuple[int, int, torch.dtype]
+
+    @classmethod
+    def of(cls, found: int, inputs: Iterable[torch.Tensor], result: torch.Tensor) -> LoopChecks:
+        """From the loops' flags (``kernels.FOUND_IN_INPUT`` / ``FOUND_IN_RESULT`` bits)."""
+        from .kernels import FOUND_IN_INPUT, FOUND_IN_RESULT
+
+        return cls(
+            inputs_finite=not found & FOUND_IN_INPUT,
+            result_finite=not found & FOUND_IN_RESULT,
+            inputs=tuple(_where(x) for x in inputs),
+            result=_where(result),
+        )
+
+    def covers_inputs(self, inputs: Iterable[torch.Tensor]) -> bool:
+        return self.inputs == tuple(_where(x) for x in inputs)
+
+    def covers_result(self, result: torch.Tensor) -> bool:
+        return self.result == _where(result)
+
+
+def result_finite(merged: torch.Tensor, ctx: TensorContext) -> bool:
+    """No NaN/Inf in a method's result: what its compiled loop saw, else a pass over it."""
+    if ctx.checks is not None and ctx.checks.covers_result(merged):
+        return ctx.checks.result_finite
+    return ops.all_finite(merged)
+
+
 @dataclass
 class TensorContext:
     """What a method may know about the tensor it merges, besides the values."""
@@ -136,6 +176,9 @@ class TensorContext:
     # written into, rounded chunk by chunk. ``None``: the inputs' dtype, a new output.
     dtype: torch.dtype | None = None
     out: torch.Tensor | None = None
+    # Set by a method whose compiled loop read every input entry and wrote every result entry:
+    # what it saw, so the engines skip their own NaN/Inf passes over the same memory.
+    checks: LoopChecks | None = None
 
     @property
     def tensor_seed(self) -> int:
@@ -354,7 +397,7 @@ class MergeMethod:
         dtype = ctx.out.dtype if ctx.out is not None else (ctx.dtype or like.dtype)
         if merged.dtype != dtype:
             raise TypeError(f"{where} {merged.dtype} for tensor {ctx.name!r}, expected {dtype}")
-        if check_finite and not ops.all_finite(merged):
+        if check_finite and not result_finite(merged, ctx):
             raise self.nonfinite_error(ctx.name)
 
     def nonfinite_error(self, tensor_name: str) -> MergeInputError:

@@ -1,0 +1,80 @@
+"""The read-and-write floor of ``benchmarks/merge_speed.py``: a process that imports torch (as
+both merge tools do), reads every byte of its input checkpoints and writes one output of the
+merged size, flushed to disk, and nothing else.
+
+    python benchmarks/io_floor.py MODE OUT_BYTES OUT_DIR INPUT_FOLDER...
+
+It treats Python's garbage collector as the ``mergelab`` command does (none while torch is
+imported, ``mergelab/__init__.py``; none of torch's objects walked at exit, ``mergelab/cli.py``),
+so that the floor is no slower than a tool that does the least.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def shard_files(folders: list[Path]) -> list[Path]:
+    return sorted(f for folder in folders for f in folder.glob("*.safetensors"))
+
+
+def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "direct") -> None:
+    """Read every byte of every shard of ``inputs``, write ``out_bytes`` into a file in
+    ``out_dir`` and flush it to disk, one after the other.
+
+    ``mode`` "direct": the inputs memory-mapped and every 8-byte word loaded once (a sum), the
+    output written with ``O_DIRECT`` (mergelab's way of reading and writing); "buffered":
+    ``read()`` into a buffer and ``write()`` through the page cache (a plain tool's way).
+    """
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    block = mmap.mmap(-1, 64 << 20)  # page-aligned, as O_DIRECT needs
+    view = memoryview(block)
+    for shard in shard_files(inputs):
+        with open(shard, "rb", buffering=0) as f:
+            if mode == "buffered":
+                while f.readinto(view):
+                    pass
+                continue
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+            words = torch.frombuffer(mapped, dtype=torch.int64, count=size // 8)
+            words.sum()  # every byte from the page cache through the CPU, once
+            del words
+            mapped.close()
+    path = out_dir / "floor.bin"
+    direct = getattr(os, "O_DIRECT", 0) if mode == "direct" else 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct)
+    left = out_bytes - out_bytes % 4096 if direct else out_bytes
+    while left:
+        left -= os.write(fd, view[: min(left, len(view))])
+    os.close(fd)
+    with open(path, "ab") as f:  # the unaligned tail, then everything flushed
+        f.write(view[: out_bytes - os.path.getsize(path)])
+        os.fsync(f.fileno())
+    view.release()
+    block.close()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    mode, out_bytes, out_dir, *inputs = argv
+    collecting = gc.isenabled()
+    gc.disable()
+    import torch  # noqa: F401  (what both tools load first)
+
+    if collecting:
+        gc.enable()
+    io_floor([Path(p) for p in inputs], int(out_bytes), Path(out_dir), mode=mode)
+    gc.freeze()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
