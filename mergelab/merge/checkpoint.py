@@ -64,6 +64,7 @@ are the same.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -810,19 +811,15 @@ class CheckpointMergePlan:
             experts = [e[:rows] for e in experts]
         return base, experts
 
-    def iter_inputs(self) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
-        """Every floating tensor as (name, base, experts) in the compute dtype — one pass. The
-        tensors live in reused buffers: each is valid until the next is yielded."""
+    def iter_inputs(
+        self, stored: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
+        """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
+        reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
+        dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
+        chunk by chunk)."""
         for t in self.tensors:
-            loaded = self.load(t, "-pass", check=False, stored=False)
-            if loaded is not None:
-                yield (t.name, *loaded)
-
-    def iter_stored(self) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
-        """``iter_inputs`` with the tensors in their stored dtype, as read-only memory maps (for a
-        ``chunked`` method's prepare pass, which casts chunk by chunk)."""
-        for t in self.tensors:
-            loaded = self.load(t, check=False, stored=True)
+            loaded = self.load(t, "-pass", check=False, stored=stored)
             if loaded is not None:
                 yield (t.name, *loaded)
 
@@ -1252,7 +1249,8 @@ def run_checkpoint_merge(
         if plan.recipes is None:  # recipes carry their own parameters, and need no first pass
             params = {**plan.params, **plan.per_model}
             if m.chunked and plan.input_dtype is None:  # cast chunk by chunk, in cache
-                plan.stats = m.compute_stats(params, plan.iter_stored, plan.compute_dtype)
+                stored = functools.partial(plan.iter_inputs, stored=True)
+                plan.stats = m.compute_stats(params, stored, plan.compute_dtype)
             else:
                 plan.stats = m.compute_stats(params, plan.iter_inputs)
         write_sharded(
