@@ -26,7 +26,7 @@ How memory stays bounded by a few tensors, not by the model, and the merge near 
   ``O_DIRECT`` where the file system allows it (:class:`DirectStream`: the kernel neither copies
   the output into its page cache, which cost more CPU than a linear merge's arithmetic, nor keeps
   it there);
-* while one tensor is merged, a background thread maps and checks (or reads and casts) the next
+* while one tensor is merged, a background thread maps (or reads, casts and checks) the next
   tensor's inputs and another writes the previous results (``PREFETCH_MAX_BYTES``,
   ``WRITE_BEHIND``): at most about two tensors' inputs and three outputs are alive, each buffer
   the size of the largest tensor it has held;
@@ -440,10 +440,9 @@ class DirectStream:
     """Writes a file front to back with ``O_DIRECT`` where the OS and file system allow it.
 
     Direct writes go from the caller's memory (see :meth:`write`) or a page-aligned staging
-    buffer straight to the disk: the kernel does not
-    copy the bytes into its page cache (for a 2 GB output that copy took several CPU-seconds
-    here, the most expensive single step of a linear merge) and does not keep them there, so
-    the inputs stay cached. Every direct write is a multiple of :data:`DIRECT_ALIGN` bytes at an
+    buffer straight to the disk: the kernel does not copy the bytes into its page cache (for a
+    2 GB output that copy took several CPU-seconds here, the most expensive single step of a
+    linear merge) and does not keep them there, so the inputs stay cached. Every direct write is a multiple of :data:`DIRECT_ALIGN` bytes at an
     offset that is one too; the last partial block goes through an ordinary descriptor, and the
     caller's ``fsync`` of the file then flushes it. Where ``O_DIRECT`` is refused (tmpfs, macOS)
     everything goes through the ordinary descriptor.
@@ -907,7 +906,7 @@ class CheckpointMergePlan:
         the remainder the result's address should have (:meth:`BufferPool.take`).
 
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
-        (mapped, checked, and cast unless the method takes them in their stored dtype) in a
+        (mapped; cast and checked unless the method takes them in their stored dtype) in a
         background thread while this one is merged (two alternating buffer sets, except for the
         largest tensors, see ``_buffer_set``).
         """
