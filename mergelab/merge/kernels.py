@@ -1,5 +1,7 @@
-"""Fused compiled loops (numba) for the chunked merge methods: one pass per chunk instead of
-about forty torch operations, with bit-identical results.
+"""Fused compiled loops (numba) for the chunked merge methods: one pass per chunk instead of a
+torch operation per step (about forty for TIES), with bit-identical results. The merge loops
+also report whether they loaded or stored a NaN/Inf (``FOUND_IN_INPUT``, ``FOUND_IN_RESULT``),
+so the engines need no separate pass to check.
 
 The torch code in :mod:`ops` and :mod:`methods` stays the reference and the fallback: without
 numba installed, or with ``MERGELAB_KERNELS=torch`` in the environment, it runs unchanged. With
@@ -10,6 +12,8 @@ run compiled loops that release the GIL:
   float32) to float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and rescale,
   then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and disjoint
   merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
+* :func:`kernels_numba.sum_chunk` — linear's and task arithmetic's weighted sum
+  (``methods._combine``), per position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
 * :func:`kernels_numba.tau_abs_histograms` — the radix-histogram passes of
   :class:`ops.KthLargestAbs` over |τ_i| for one chunk, straight from the stored inputs, the
   base read once for every expert.
