@@ -1,7 +1,7 @@
 """The numba loops behind :mod:`mergelab.merge.kernels` (imported on first use only: importing
 numba and loading the cached machine code takes over half a second, which a plain ``import
-mergelab`` or a merge by another method should not pay). Read kernels' docstring first; every function here
-mirrors a torch operation sequence named in its docstring.
+mergelab`` or a merge by another method should not pay). Read kernels' docstring first; every
+function here mirrors a torch operation sequence named in its docstring.
 """
 
 from __future__ import annotations
