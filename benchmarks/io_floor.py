@@ -64,6 +64,11 @@ def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "dir
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] not in ("direct", "buffered"):
+        print(
+            "usage: io_floor.py direct|buffered OUT_BYTES OUT_DIR INPUT_FOLDER...", file=sys.stderr
+        )
+        return 2
     mode, out_bytes, out_dir, *inputs = argv
     collecting = gc.isenabled()
     gc.disable()
