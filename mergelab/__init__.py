@@ -3,8 +3,7 @@
 import gc as _gc
 
 # Importing torch creates about a million objects, and each full collection Python runs while
-# they are being created walks all of them (a few tenths of a second in total here): the
-# collector waits until the imports are done.
+# they are being created walks all of them: the collector waits until the imports are done.
 _collecting = _gc.isenabled()
 _gc.disable()
 try:

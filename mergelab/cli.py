@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if as_program:
             # The process is about to exit: Python's last garbage collection would walk every
-            # object torch created (tenths of a second) only to free memory the OS takes
-            # back anyway. Frozen objects are left out of it; finalizers still run (atexit).
+            # object torch created only to free memory the OS takes back anyway. Frozen
+            # objects are left out of it; finalizers still run (atexit).
             gc.freeze()
 
 
