@@ -846,24 +846,29 @@ class CheckpointMergePlan:
         if stored is None:
             stored = self.streams_stored(t.name)
         base, experts = self._as_inputs(t.name, base, experts)
-        recipe = self.recipes.get(t.name) if self.recipes is not None else None
-        if recipe is not None:
-            base_folder = recipe.base.folder if recipe.base is not None else None
-            expert_folders = [s.folder for s in recipe.experts]
-        else:
-            base_folder, expert_folders = self.base, self.experts
+        if stored:
+            return base, experts
+        folders = self._input_folders(t.name)
 
         def cast(x: torch.Tensor, key: str, folder: CheckpointFolder) -> torch.Tensor:
-            if stored:
-                return x
             buffer = pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype)
             if not ops.parallel_copy_(buffer, x, check="dst" if check else None):
                 raise _nonfinite_input(t.name, folder)
             return buffer
 
-        base = cast(base, "base", base_folder) if base is not None else None
-        experts = [cast(e, str(i), f) for i, (e, f) in enumerate(zip(experts, expert_folders))]
+        if base is not None:
+            base = cast(base, "base", folders[0])
+            folders = folders[1:]
+        experts = [cast(e, str(i), f) for i, (e, f) in enumerate(zip(experts, folders))]
         return base, experts
+
+    def _input_folders(self, name: str) -> list[CheckpointFolder]:
+        """The folders tensor ``name``'s inputs come from: the base's (if any), then each
+        expert's."""
+        recipe = self.recipes.get(name) if self.recipes is not None else None
+        if recipe is not None:
+            return [s.folder for s in recipe.sources]
+        return ([] if self.base is None else [self.base]) + list(self.experts)
 
     def _check_inputs(
         self,
@@ -878,12 +883,7 @@ class CheckpointMergePlan:
         inputs = ([] if base is None else [base]) + list(experts)
         if checks is not None and checks.covers_inputs(inputs) and checks.inputs_finite:
             return
-        recipe = self.recipes.get(t.name) if self.recipes is not None else None
-        if recipe is not None:
-            folders = [s.folder for s in recipe.sources]
-        else:
-            folders = ([] if self.base is None else [self.base]) + list(self.experts)
-        for x, folder in zip(inputs, folders):
+        for x, folder in zip(inputs, self._input_folders(t.name)):
             if not ops.all_finite(x):
                 raise _nonfinite_input(t.name, folder)
 
@@ -1037,21 +1037,20 @@ class BufferPool:
         :class:`DirectStream` writing it at a file position with that remainder writes it
         straight from this memory (where the dtype's alignment allows)."""
         n = math.prod(shape)
-        if phase is not None:
-            nbytes = n * dtype.itemsize
-            with self._lock:
-                key = (f"{slot}@placed", torch.uint8)
-                raw = self._flat.get(key)
-                if raw is None or raw.numel() < nbytes + DIRECT_ALIGN:
-                    raw = self._flat[key] = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-            start = (phase - raw.data_ptr()) % DIRECT_ALIGN
-            if start % dtype.itemsize == 0:
-                return raw[start : start + nbytes].view(dtype).view(tuple(shape))
+        if phase is None:
+            key, size = (slot, dtype), n
+        else:  # bytes, with room to start at any remainder
+            key, size = (f"{slot}@placed", torch.uint8), n * dtype.itemsize + DIRECT_ALIGN
         with self._lock:
-            flat = self._flat.get((slot, dtype))
-            if flat is None or flat.numel() < n:
-                flat = self._flat[(slot, dtype)] = torch.empty(n, dtype=dtype)
-        return flat[:n].view(tuple(shape))
+            flat = self._flat.get(key)
+            if flat is None or flat.numel() < size:
+                flat = self._flat[key] = torch.empty(size, dtype=key[1])
+        if phase is None:
+            return flat[:n].view(tuple(shape))
+        start = (phase - flat.data_ptr()) % DIRECT_ALIGN
+        if start % dtype.itemsize:  # the dtype cannot sit there: an ordinary buffer
+            return self.take(slot, shape, dtype)
+        return flat[start : start + n * dtype.itemsize].view(dtype).view(tuple(shape))
 
 
 def _nonfinite_input(name: str, folder: CheckpointFolder) -> MergeInputError:

@@ -268,10 +268,11 @@ def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, 
     of another dtype (whose stored entries the loop did not see: checked here)."""
     if direct:
         return int(found)
+    from .ops import all_finite_chunk
+
     target = out[part]
     target.copy_(result)
-    finite = bool(torch.isfinite(target.sum())) or bool(torch.isfinite(target).all())
-    return (int(found) & FOUND_IN_INPUT) | (0 if finite else FOUND_IN_RESULT)
+    return (int(found) & FOUND_IN_INPUT) | (0 if all_finite_chunk(target) else FOUND_IN_RESULT)
 
 
 class ChunkSummer:

@@ -130,6 +130,18 @@ def _f32_to_bf16(v):
 
 
 @_jit
+def _bf16_nonfinite(bits):
+    """1 if the bfloat16 bit pattern is NaN or Inf (every exponent bit set), else 0."""
+    return np.uint32((np.uint32(bits) & np.uint32(0x7F80)) == np.uint32(0x7F80))
+
+
+@_jit
+def _f32_nonfinite(v):
+    """1 if the float32 is NaN or Inf (every exponent bit set), else 0."""
+    return np.uint32((_f32_as_u32(v) & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+
+
+@_jit
 def _load(address, bf16, start, count, dst):
     """Entries [start, start + count) of the array at ``address`` (bfloat16 bits or float32),
     widened to float32 into ``dst``. The dtype is a run-time flag, so every loop here is
@@ -152,16 +164,13 @@ def _load_checked(address, bf16, start, count, dst):
     if bf16:
         src = numba.carray(_u16_pointer(address + 2 * start), (count,))
         for j in range(count):
-            bits = np.uint32(src[j])
-            found |= np.uint32((bits & np.uint32(0x7F80)) == np.uint32(0x7F80))
-            dst[j] = _u32_as_f32(bits << np.uint32(16))
+            found |= _bf16_nonfinite(src[j])
+            dst[j] = _bf16_to_f32(src[j])
     else:
         src32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
         for j in range(count):
-            v = src32[j]
-            bits = _f32_as_u32(v)
-            found |= np.uint32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
-            dst[j] = v
+            found |= _f32_nonfinite(src32[j])
+            dst[j] = src32[j]
     return np.int64(found != 0)
 
 
@@ -175,15 +184,13 @@ def _emit_checked(address, bf16, start, count, src):
         dst = numba.carray(_u16_pointer(address + 2 * start), (count,))
         for j in range(count):
             h = _f32_to_bf16(src[j])
-            found |= np.uint32((h & np.uint16(0x7F80)) == np.uint16(0x7F80))
+            found |= _bf16_nonfinite(h)
             dst[j] = h
     else:
         dst32 = numba.carray(_f32_pointer(address + 4 * start), (count,))
         for j in range(count):
-            v = src[j]
-            bits = _f32_as_u32(v)
-            found |= np.uint32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
-            dst32[j] = v
+            found |= _f32_nonfinite(src[j])
+            dst32[j] = src[j]
     return np.int64(found != 0)
 
 
@@ -577,14 +584,13 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
 def all_finite(address, bf16, m):
     """No NaN or Inf among the m entries at ``address`` (bfloat16 bits or float32): no entry
     with every exponent bit set."""
-    found = 0
+    found = np.uint32(0)
     if bf16:
         src = numba.carray(_u16_pointer(address), (m,))
         for j in range(m):
-            found |= np.int32((src[j] & np.uint16(0x7F80)) == np.uint16(0x7F80))
+            found |= _bf16_nonfinite(src[j])
     else:
         src32 = numba.carray(_f32_pointer(address), (m,))
         for j in range(m):
-            bits = _f32_as_u32(src32[j])
-            found |= np.int32((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+            found |= _f32_nonfinite(src32[j])
     return found == 0

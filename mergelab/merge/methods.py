@@ -155,9 +155,9 @@ def _combine(
             result = _result(out, part, dtype)
             torch.add(b, a, alpha=lambda_, out=result)
             _emit(out, part, result)
-        # NaN/Inf in an input makes the sum, and so the stored result, non-finite: a finite
-        # sum of the stored chunk (in cache) clears both (a sum that overflows clears nothing)
-        return bool(torch.isfinite(out[part].sum()))
+        # NaN/Inf in an input makes the stored result non-finite: a finite stored chunk
+        # (checked while in cache) clears its inputs too
+        return ops.all_finite_chunk(out[part])
 
     if all(ops.for_chunks(out.numel(), combine)):
         ctx.checks = LoopChecks.of(0, inputs, out)

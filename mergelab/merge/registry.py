@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 
 from . import ops
+from .kernels import FOUND_IN_INPUT, FOUND_IN_RESULT
 from .validation import MergeInputError
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
@@ -139,8 +140,6 @@ class LoopChecks:
     @classmethod
     def of(cls, found: int, inputs: Iterable[torch.Tensor], result: torch.Tensor) -> LoopChecks:
         """From the loops' flags (``kernels.FOUND_IN_INPUT`` / ``FOUND_IN_RESULT`` bits)."""
-        from .kernels import FOUND_IN_INPUT, FOUND_IN_RESULT
-
         return cls(
             inputs_finite=not found & FOUND_IN_INPUT,
             result_finite=not found & FOUND_IN_RESULT,
