@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -24,8 +25,9 @@ def shard_files(folders: list[Path]) -> list[Path]:
 
 
 def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "direct") -> None:
-    """Read every byte of every shard of ``inputs``, write ``out_bytes`` into a file in
-    ``out_dir`` and flush it to disk, one after the other.
+    """Read every byte of every shard of ``inputs``, write ``out_bytes`` into a file in a new
+    folder inside ``out_dir`` and flush it to disk, one after the other; then delete that new
+    folder (only it: nothing already in ``out_dir`` is touched).
 
     ``mode`` "direct": the inputs memory-mapped and every 8-byte word loaded once (a sum), the
     output written with ``O_DIRECT`` (mergelab's way of reading and writing); "buffered":
@@ -48,7 +50,8 @@ def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "dir
             words.sum()  # every byte from the page cache through the CPU, once
             del words
             mapped.close()
-    path = out_dir / "floor.bin"
+    scratch = Path(tempfile.mkdtemp(prefix="io-floor-", dir=out_dir))
+    path = scratch / "floor.bin"
     direct = getattr(os, "O_DIRECT", 0) if mode == "direct" else 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct)
     left = out_bytes - out_bytes % 4096 if direct else out_bytes
@@ -60,7 +63,7 @@ def io_floor(inputs: list[Path], out_bytes: int, out_dir: Path, mode: str = "dir
         os.fsync(f.fileno())
     view.release()
     block.close()
-    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
