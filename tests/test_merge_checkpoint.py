@@ -528,3 +528,87 @@ def test_shard_sizes_must_be_positive_sizes(size):
     with pytest.raises(ValueError, match="size"):
         parse_size(size)
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1KiB") == 1024 and parse_size(7) == 7
+
+
+def test_per_tensor_thresholds_are_computed_once_ahead_on_the_reader_thread(
+    ckpts, tmp_path, monkeypatch
+):
+    """TIES' per-tensor passes run once per tensor, in the engine's reader thread for the tensors
+    it reads ahead, and the merge is the in-memory one."""
+    import threading
+
+    from mergelab.merge import ops
+
+    calls: list[tuple[int, str]] = []
+    real = ops.tau_kth_largest_abs
+
+    def counted(base, experts, ranks, dtype=None):
+        calls.append((base.numel(), threading.current_thread().name))
+        return real(base, experts, ranks, dtype)
+
+    monkeypatch.setattr(ops, "tau_kth_largest_abs", counted)
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    params = {"density": 0.3, "trim_scope": "tensor"}
+    out = merge_checkpoints(
+        "ties", base, [e0, e1], output=tmp_path / "o", params=params, progress=False
+    )
+    floating = [n for n, v in base_sd.items() if v.is_floating_point()]
+    assert len(calls) == len(floating)  # once per tensor: the merge used what was computed ahead
+    assert any(thread.startswith("mergelab-reader") for _, thread in calls)
+    monkeypatch.setattr(ops, "tau_kth_largest_abs", real)
+    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
+    got = stored_state_dict(out)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path):
+    """A method's ``ahead`` statistics reach it in ctx.stats; a hook that fails leaves the
+    method to compute them itself, with the same result."""
+    seen: list[bool] = []
+
+    def ahead(base, experts, ctx, params):
+        if params["fail"]:
+            raise RuntimeError("not now")
+        return {"mean_tau": (experts[0].float() - base.float()).mean().item()}
+
+    @merge_method("ahead_probe", per_model=(), ahead=ahead)
+    def ahead_probe(base, experts, *, fail: bool = False, ctx):
+        seen.append("mean_tau" in ctx.stats)
+        mean = ctx.stats.get("mean_tau")
+        if mean is None:
+            mean = (experts[0] - base).mean().item()
+        return base + mean
+
+    try:
+        (base, e0, _), _ = ckpts
+        outputs = []
+        for fail in (False, True):
+            seen.clear()
+            out = merge_checkpoints(
+                "ahead_probe",
+                base,
+                [e0],
+                output=tmp_path / f"o{fail}",
+                params={"fail": fail},
+                progress=False,
+            )
+            assert any(seen) != fail and (all(seen) or fail)
+            outputs.append(stored_state_dict(out))
+        assert all(torch.equal(outputs[0][n], outputs[1][n]) for n in outputs[0])
+    finally:
+        unregister_merge_method("ahead_probe")
+
+
+def test_thresholds_for_other_ranks_are_not_used(ckpts):
+    """ctx.stats entries computed for other ranks than the method needs are ignored."""
+    from mergelab.merge import TensorContext
+    from mergelab.merge.methods import _TAU_KTH
+
+    _, (base_sd, sd0, sd1) = ckpts
+    name = "model.layers.0.mlp.up_proj.weight"
+    base, experts = base_sd[name].float(), [sd0[name].float(), sd1[name].float()]
+    ties = get_merge_method("ties")
+    params = {"density": 0.3, "trim_scope": "tensor"}
+    plain = ties(base, experts, ctx=TensorContext(name), **params)
+    stale = TensorContext(name, stats={_TAU_KTH: ([[1], [1]], [[0.0], [0.0]])})
+    assert torch.equal(ties(base, experts, ctx=stale, **params), plain)

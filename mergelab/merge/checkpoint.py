@@ -908,7 +908,9 @@ class CheckpointMergePlan:
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
         (mapped; cast and checked unless the method takes them in their stored dtype) in a
         background thread while this one is merged (two alternating buffer sets, except for the
-        largest tensors, see ``_buffer_set``).
+        largest tensors, see ``_buffer_set``), and the method's ``ahead`` statistics of them
+        computed there too (e.g. TIES' thresholds: their passes fill the cores while this
+        tensor's merge waits on Python between chunks).
         """
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}
@@ -916,19 +918,51 @@ class CheckpointMergePlan:
         index = self._order[t.name]
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
-            loaded = prefetched[1].result()
+            loaded, ahead = prefetched[1].result()
         else:
             if prefetched is not None:
                 futures_wait([prefetched[1]])  # a background read must not outlive its turn
-            loaded = self.load(t, self._buffer_set(index))
+            loaded, ahead = self._load_ahead(t, self._buffer_set(index))
         if index + 1 < len(self.tensors):
             slot = self._buffer_set(index + 1)
             if slot != "-large":  # large inputs are read in turn, not ahead
-                future = self._loader.submit(self.load, self.tensors[index + 1], slot)
+                future = self._loader.submit(self._load_ahead, self.tensors[index + 1], slot)
                 self._prefetched = (index + 1, future)
         # write_sharded may still be writing the last WRITE_BEHIND outputs: rotate buffers
         self._n_produced += 1
-        return self._merge_loaded(t, loaded, f"output-{self._n_produced % OUTPUT_SLOTS}", phase)
+        slot = f"output-{self._n_produced % OUTPUT_SLOTS}"
+        return self._merge_loaded(t, loaded, slot, phase, ahead)
+
+    def _load_ahead(
+        self, t: OutputTensor, slot: str
+    ) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, dict[str, Any]]:
+        """:meth:`load`, then the method's ``ahead`` statistics of the inputs (``{}`` without the
+        hook, or if it failed: the method then computes them itself, inside the merge, where its
+        error is reported as usual, after the inputs' NaN/Inf check)."""
+        loaded = self.load(t, slot)
+        if loaded is None or self.method.ahead is None:
+            return loaded, {}
+        base, experts = loaded
+        ctx = self._context(t)
+        try:
+            return loaded, self.method.ahead(base, experts, ctx, self._params(t))
+        except Exception:
+            return loaded, {}
+
+    def _context(self, t: OutputTensor) -> TensorContext:
+        """Tensor ``t``'s context for the method (``dtype`` set when it gets stored inputs)."""
+        ctx = TensorContext(name=t.name, seed=self.seed, stats=self.stats)
+        if self.streams_stored(t.name):
+            ctx.dtype = self.compute_dtype
+        return ctx
+
+    def _params(self, t: OutputTensor) -> dict[str, Any]:
+        """The method's parameters for tensor ``t`` (a recipe's own, else the plan's)."""
+        recipe = self.recipes.get(t.name) if self.recipes is not None else None
+        params, per_model = (
+            (recipe.params, recipe.per_model) if recipe else (self.params, self.per_model)
+        )
+        return {**params, **per_model}
 
     def _merge_loaded(
         self,
@@ -936,9 +970,10 @@ class CheckpointMergePlan:
         loaded: tuple[torch.Tensor | None, list[torch.Tensor]] | None,
         slot: str,
         phase: int | None = None,
+        ahead: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Merge the loaded inputs of ``t`` into the pool's buffer ``slot`` (output dtype,
-        placed at ``phase``)."""
+        placed at ``phase``); ``ahead``: the method's statistics of them (:meth:`_load_ahead`)."""
         recipe = self.recipes.get(t.name) if self.recipes is not None else None
         if loaded is None:  # integer buffers: the base's (a recipe's first input's), unchanged
             if recipe is not None:
@@ -947,23 +982,19 @@ class CheckpointMergePlan:
             return self.template.read(t.name).to(t.dtype)
         base, experts = loaded
         pool = self._pool
-        ctx = TensorContext(name=t.name, seed=self.seed, stats=self.stats)
-        params, per_model = (
-            (recipe.params, recipe.per_model) if recipe else (self.params, self.per_model)
-        )
+        ctx = self._context(t)
+        if ahead:
+            ctx.stats = {**self.stats, **ahead}
         rows = self.truncated_rows.get(t.name)
-        if self.streams_stored(t.name):  # the inputs are checked after the merge
-            ctx.dtype = self.compute_dtype
+        stored = self.streams_stored(t.name)
+        if stored:  # the inputs are checked after the merge
             whole = rows is None or t.shape[0] <= rows
             if whole and self.round_to in (None, t.dtype):  # rounded straight into the output
                 ctx.out = pool.take(slot, t.shape, t.dtype, phase)
         # Finiteness of the result is checked below (while it is copied out, without ctx.out),
         # after the inputs': NaN in an input is reported as the input's.
-        stored = self.streams_stored(t.name)
         try:
-            merged = self.method.apply(
-                base, experts, ctx, {**params, **per_model}, check_finite=False
-            )
+            merged = self.method.apply(base, experts, ctx, self._params(t), check_finite=False)
         except Exception:
             if stored:  # NaN in an input may be what the method tripped over: say so first
                 self._check_inputs(t, base, experts, None)

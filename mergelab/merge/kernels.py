@@ -468,10 +468,22 @@ def warm_up_in_background(which: Sequence[str] = LOOPS) -> None:
     """Start :func:`warm_up` of ``which`` on a daemon thread (once per process), so that
     importing numba and loading the cached loops (about half a second for all of them)
     overlaps with opening the inputs; the first chunk that needs a loop waits for it through
-    Python's import lock (or numba's dispatcher lock)."""
+    Python's import lock (or numba's dispatcher lock).
+
+    If the garbage collector has frozen objects by then (the streaming engine freezes what exists
+    when its merge starts), numba's objects join them: otherwise every full collection during
+    the merge walks them."""
     global _warming
     if _warming is None and active():
         _warming = threading.Thread(
-            target=warm_up, args=(tuple(which),), name="mergelab-kernels", daemon=True
+            target=_warm_up_and_freeze, args=(tuple(which),), name="mergelab-kernels", daemon=True
         )
         _warming.start()
+
+
+def _warm_up_and_freeze(which: Sequence[str]) -> None:
+    import gc
+
+    warm_up(which)
+    if gc.get_freeze_count():
+        gc.freeze()

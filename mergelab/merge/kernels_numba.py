@@ -79,6 +79,20 @@ def _fma(typingctx, a, b, c):
 
 
 @intrinsic
+def _trailing_zeros(typingctx, x):
+    """The number of trailing zero bits of the uint64 ``x`` (not 0)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = builder.module.declare_intrinsic(
+            "llvm.cttz", [i64], ir.FunctionType(i64, [i64, ir.IntType(1)])
+        )
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
 def _u16_pointer(typingctx, address):
     """The int64 ``address`` as a uint16 pointer (bfloat16 bits)."""
     pointer = types.CPointer(types.uint16)
@@ -397,46 +411,51 @@ def _sum_rows(tau, work, length, params, flags, scalars):
 
 @_jit
 def _elect_merge_two(tau, work, length, params, flags, scalars):
-    """:func:`_elect_merge` for two experts, every step of a position in one loop (the same
-    operations in the same order; the flags are loop-invariant, so each loop vectorises)."""
+    """:func:`_elect_merge` for two experts, every step of a position in one loop, without a
+    branch on the options inside it (so LLVM vectorises it): a "plain" weight is 1, and
+    x · 1, fma(y, 1, x) = x + y and a division by 1 change no bits, so the loop always
+    multiplies and divides, and picks each option's value with a select."""
     b, merged = work[0], work[2]
     t0, t1 = tau[0], tau[1]
-    count_votes, plain_votes = flags[F_VOTE_COUNT] != 0, flags[F_VOTE_PLAIN] != 0
-    any_flip, plain_merge = flags[F_ANY_FLIP] != 0, flags[F_MERGE_PLAIN] != 0
-    divide_by, plain_divisor = flags[F_DIVIDE_BY], flags[F_DIVISOR_PLAIN] != 0
+    count_votes = flags[F_VOTE_COUNT] != 0
     all_positive = flags[F_ALL_POSITIVE] != 0
-    vw0, vw1 = params[0, P_VOTE_W], params[1, P_VOTE_W]
-    f0, f1 = params[0, P_FLIP], params[1, P_FLIP]
-    mw0, mw1 = params[0, P_MERGE_W], params[1, P_MERGE_W]
-    dw0, dw1 = params[0, P_DIVISOR_W], params[1, P_DIVISOR_W]
+    by_count = flags[F_DIVIDE_BY] == DIVIDE_COUNT
+    by_weight = flags[F_DIVIDE_BY] == DIVIDE_WEIGHT_SUM
+    vw0, vw1 = _weights_or_ones(params, P_VOTE_W, flags[F_VOTE_PLAIN])
+    mw0, mw1 = _weights_or_ones(params, P_MERGE_W, flags[F_MERGE_PLAIN])
+    dw0, dw1 = _weights_or_ones(params, P_DIVISOR_W, flags[F_DIVISOR_PLAIN])
+    f0, f1 = params[0, P_FLIP], params[1, P_FLIP]  # 1 unless flags[F_ANY_FLIP]
     lam, min_w = scalars[S_LAMBDA], scalars[S_MIN_W]
     for j in range(length):
         x0, x1 = t0[j], t1[j]
         r0 = _sign(x0) if count_votes else x0
         r1 = _sign(x1) if count_votes else x1
-        votes = r0 + r1 if plain_votes else _fma(r1, vw1, r0 * vw0)
+        votes = _fma(r1, vw1, r0 * vw0)
         elected = _MINUS_ONE if votes < _ZERO else _ONE
-        m0, m1 = x0 * elected, x1 * elected
-        if any_flip:
-            m0, m1 = m0 * f0, m1 * f1
+        m0, m1 = x0 * elected * f0, x1 * elected * f1
         m0 = _ZERO if m0 < _ZERO else m0  # relu keeps −0.0
         m1 = _ZERO if m1 < _ZERO else m1
-        total = m0 + m1 if plain_merge else _fma(m1, mw1, m0 * mw0)
-        total = total * elected
+        total = _fma(m1, mw1, m0 * mw0) * elected
         a0 = _ONE if m0 > _ZERO else _ZERO
         a1 = _ONE if m1 > _ZERO else _ZERO
-        if divide_by == DIVIDE_COUNT:
-            count = a0 + a1
-            total = total / (_ONE if count < _ONE else count)
-        elif divide_by == DIVIDE_WEIGHT_SUM:
-            divisor = a0 + a1 if plain_divisor else _fma(a1, dw1, a0 * dw0)
-            if all_positive:
-                divisor = min_w if divisor < min_w else divisor
-            else:
-                divisor = _ONE if divisor == _ZERO else divisor
-            total = total / divisor
-        merged[j] = _fma(total, lam, b[j])
+        count = a0 + a1
+        weights = _fma(a1, dw1, a0 * dw0)
+        if all_positive:
+            weights = min_w if weights < min_w else weights
+        else:
+            weights = _ONE if weights == _ZERO else weights
+        divisor = (_ONE if count < _ONE else count) if by_count else _ONE
+        divisor = weights if by_weight else divisor
+        merged[j] = _fma(total / divisor, lam, b[j])
     return merged
+
+
+@_jit
+def _weights_or_ones(params, column, plain):
+    """The two experts' weights in ``column``, or 1 and 1 where ``plain``."""
+    if plain != 0:
+        return _ONE, _ONE
+    return params[0, column], params[1, column]
 
 
 @_jit
@@ -502,6 +521,27 @@ def _elect_merge(tau, work, length, params, flags, scalars):
     return merged
 
 
+_F32_INF_BITS = 0x7F800000
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False, fastmath={"reassoc"})
+def _band_tile(expert, base, length, lowest, highest, magnitudes, inside):
+    """|τ| = |expert − base| into ``magnitudes`` and 1 into ``inside`` where lowest ≤ |τ| ≤
+    highest (the band); returns how many entries lie in the band and above it (NaN counts as
+    above, as its bits do). The counts are float sums, exact below 2²⁴: ``reassoc`` lets LLVM
+    add them up in vector lanes (it changes nothing else here: one subtraction per entry)."""
+    in_band = _ZERO
+    above = _ZERO
+    for j in range(length):
+        v = abs(expert[j] - base[j])
+        magnitudes[j] = v
+        keep = (v >= lowest) & (v <= highest)
+        in_band += _ONE if keep else _ZERO
+        above += _ZERO if v <= highest else _ONE
+        inside[j] = np.uint8(keep)
+    return np.int64(in_band), np.int64(above)
+
+
 _GROUPED = 1024  # entries per tile of a histogram pass (a multiple of 8 and of the sample run)
 
 
@@ -531,7 +571,7 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
     total = m if step == 1 else m // period * run + min(run, m % period)
     base = np.empty(_GROUPED, dtype=np.float32)
     expert = np.empty(_GROUPED, dtype=np.float32)
-    bins = np.empty(_GROUPED, dtype=np.int32)  # 32-bit lanes throughout: |τ|'s bits are < 2³¹
+    magnitudes = np.empty(_GROUPED, dtype=np.float32)
     inside = np.zeros(_GROUPED, dtype=np.uint8)
     groups = inside.view(np.uint64)
     n_passes = experts.shape[0]
@@ -551,29 +591,36 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
                     bits = _f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)
                     row[bits >> np.uint32(16)] += 1
                 continue
-            # Most entries fall outside the band: a vectorised loop counts those and flags the
-            # others, and a second loop visits only the 8-entry groups that hold a flagged
-            # entry (a data-dependent branch per entry, or an increment of the end bins for
-            # each, cost several times more).
-            top = np.int32(widths[k] + 1)
-            low32 = np.int32(low)
-            below = np.int32(0)
-            above = np.int32(0)
-            for j in range(length):
-                v = np.int32(_f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)) - low32
-                bins[j] = v
-                below += np.int32(v <= 0)
-                above += np.int32(v >= top)
-                inside[j] = np.uint8((v > 0) & (v < top))
+            highest = low + widths[k]  # the band: bits low + 1 … highest, bins 1 … width
+            if highest >= _F32_INF_BITS:  # a band reaching Inf/NaN (only with such inputs)
+                for j in range(length):
+                    v = np.int64(_f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)) - low
+                    row[min(max(v, 0), widths[k] + 1)] += 1
+                continue
+            # Most entries fall outside the band: a vectorised loop counts the entries in and
+            # above it and flags those in it (a byte each), and a second loop visits only the
+            # flagged bytes, eight at a time (a data-dependent branch per entry, or an
+            # increment of the end bins for each, cost several times more).
+            n_in, n_above = _band_tile(
+                expert,
+                base,
+                length,
+                _u32_as_f32(np.uint32(low + 1)),
+                _u32_as_f32(np.uint32(highest)),
+                magnitudes,
+                inside,
+            )
             for j in range(length, _GROUPED):
                 inside[j] = 0
-            for g in range(_GROUPED // 8):
-                if groups[g] != 0:
-                    for j in range(8 * g, 8 * g + 8):
-                        if inside[j] != 0:
-                            row[bins[j]] += 1
-            ends[k, 0] += below
-            ends[k, 1] += above
+            if n_in != 0:
+                for g in range(_GROUPED // 8):
+                    flagged = groups[g]
+                    while flagged != 0:  # each flagged byte, by its lowest set bit
+                        j = 8 * g + np.int64(_trailing_zeros(flagged) >> np.uint64(3))
+                        row[np.int64(_f32_as_u32(magnitudes[j])) - low] += 1
+                        flagged &= flagged - np.uint64(1)
+            ends[k, 0] += length - n_in - n_above
+            ends[k, 1] += n_above
     for k in range(n_passes):
         if not top_bits[k]:
             counts[k, 0] += ends[k, 0]

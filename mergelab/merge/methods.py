@@ -282,6 +282,52 @@ def _ties_prepare(
     return {"ties_thresholds": thresholds}
 
 
+# ctx.stats key of the per-tensor k-th largest |τ_i| an engine computed ahead: (ranks, values)
+_TAU_KTH = "tau_kth_largest_abs"
+
+
+def _tau_kth(
+    base: torch.Tensor, experts: list[torch.Tensor], ranks: list[list[int]], ctx: TensorContext
+) -> list[list[float]]:
+    """``ops.tau_kth_largest_abs`` of this tensor for ``ranks``: what the engine computed ahead
+    (:func:`_ahead_tau_kth`, the same call) when it asked for these very ranks, else now."""
+    ahead = ctx.stats.get(_TAU_KTH)
+    if ahead is not None and ahead[0] == ranks:
+        return ahead[1]
+    return ops.tau_kth_largest_abs(base, experts, ranks, _compute_dtype(ctx, base))
+
+
+def _ahead_tau_kth(ranks: Callable[[int, dict[str, Any]], list[list[int]] | None]):
+    """An ``ahead`` hook (registry) computing :func:`_tau_kth` for ``ranks(numel, params)``
+    (``None``: nothing to compute)."""
+
+    def ahead(
+        base: torch.Tensor, experts: list[torch.Tensor], ctx: TensorContext, params: dict
+    ) -> dict[str, Any]:
+        wanted = ranks(base.numel(), params)
+        if wanted is None or not any(wanted):
+            return {}
+        dtype = _compute_dtype(ctx, base)
+        return {_TAU_KTH: (wanted, ops.tau_kth_largest_abs(base, experts, wanted, dtype))}
+
+    return ahead
+
+
+def _ties_ranks(numel: int, params: dict[str, Any]) -> list[list[int]] | None:
+    """The rank of each expert's per-tensor threshold (none for density 1); ``None`` for the
+    whole-model trim."""
+    if params["trim_scope"] != "tensor":
+        return None
+    return [[ops.kept_count(d, numel)] if d < 1 else [] for d in params["density"]]
+
+
+def _breadcrumbs_ranks(numel: int, params: dict[str, Any]) -> list[list[int]]:
+    """Each expert's two ranks (ops.outlier_ranks; [] keeps nothing or everything)."""
+    return [
+        ops.outlier_ranks(numel, d, g) or [] for d, g in zip(params["density"], params["gamma"])
+    ]
+
+
 def _elect_merge_into(
     out: torch.Tensor,
     base: torch.Tensor,
@@ -398,6 +444,7 @@ def elect_merge(
     prepare=_ties_prepare,
     needs_prepare=lambda p: p["trim_scope"] == "model" and any(d < 1 for d in p["density"]),
     chunked=True,
+    ahead=_ahead_tau_kth(_ties_ranks),
 )
 def ties(
     base: torch.Tensor,
@@ -438,8 +485,8 @@ def ties(
             )
         thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
     else:  # the same exact selection, over this tensor only
-        ranks = [[ops.kept_count(d, base.numel())] if d < 1 else [] for d in density]
-        found = ops.tau_kth_largest_abs(base, experts, ranks, _compute_dtype(ctx, base))
+        ranks = _ties_ranks(base.numel(), {"trim_scope": trim_scope, "density": density})
+        found = _tau_kth(base, experts, ranks, ctx)
         thresholds = [values[0] if values else 0.0 for values in found]
     return _trim_elect_merge(
         base,
@@ -628,6 +675,7 @@ def dare_ties(
     per_model_defaults={"density": 0.9, "gamma": 0.01},
     ranges={**_DENSITY_RANGE, "gamma": Interval(0.0, 1.0)},
     chunked=True,
+    ahead=_ahead_tau_kth(_breadcrumbs_ranks),
 )
 def breadcrumbs(
     base: torch.Tensor,
@@ -649,7 +697,7 @@ def breadcrumbs(
     """
     ranks = [ops.outlier_ranks(base.numel(), d, g) for d, g in zip(density, gamma)]
     dtype = _compute_dtype(ctx, base)
-    found = ops.tau_kth_largest_abs(base, experts, [r or [] for r in ranks], dtype)
+    found = _tau_kth(base, experts, [r or [] for r in ranks], ctx)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
     out = _output(ctx, base, dtype)

@@ -41,6 +41,14 @@ full-size compute-dtype copy of a tensor is ever made; their ``prepare`` hook ge
 ``dtype=`` too. Without ``ctx.dtype`` (the in-memory engine, a direct call) everything arrives in
 the compute dtype as above.
 
+Per-tensor statistics that need only the tensor's inputs (e.g. TIES' per-tensor thresholds, which
+take passes over the inputs before the merge) can come from an optional hook
+``ahead(base, experts, ctx, params) -> dict``: the streaming engine runs it as soon as a tensor's
+inputs are read, in its reader thread while the previous tensor merges, and hands the result to
+the method in ``ctx.stats`` (over the whole-model ones). It is an optimisation only: the method
+must return the same result when the entries are missing (it computes them itself then), and it
+must never trust entries it did not ask for.
+
 For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``
 and ``params = {**globals_, **lists}``; ``stats = method.compute_stats(params, make_iter)``
 (``{}`` if not needed); then per tensor
@@ -68,6 +76,8 @@ from .validation import MergeInputError
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 # A first-pass hook: (resolved params, make_iter) -> statistics dict; make_iter() is a fresh pass.
 PrepareFn = Callable[[dict[str, Any], Callable[[], TensorTriples]], dict]
+# A per-tensor hook: (base, experts, ctx, resolved params) -> entries for ctx.stats.
+AheadFn = Callable[[torch.Tensor, list[torch.Tensor], "TensorContext", dict[str, Any]], dict]
 
 
 class UnknownMergeMethodError(KeyError, ValueError):
@@ -216,6 +226,9 @@ class MergeMethod:
     # Reads its inputs chunk by chunk, each cast to ``ctx.dtype``, and writes into ``ctx.out``
     # when given (see TensorContext): the engine then needs no full-size compute-dtype copies.
     chunked: bool = False
+    # Optional per-tensor statistics computed before the merge (module docstring): ``ahead(base,
+    # experts, ctx, params)`` returns entries for ``ctx.stats``.
+    ahead: AheadFn | None = None
 
     def resolve(
         self,
@@ -453,6 +466,7 @@ def merge_method(
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
     n_experts: tuple[int, int | None] = (1, None),
     chunked: bool = False,
+    ahead: AheadFn | None = None,
     replace: bool = False,
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
@@ -463,7 +477,8 @@ def merge_method(
     resolved parameters that raises ``ValueError``; ``prepare``/``needs_prepare`` a whole-model
     first pass (module docstring); ``n_experts`` how many models besides the base it takes
     (at least, at most or None), checked with the parameters; ``chunked`` that it honours
-    ``ctx.dtype`` and ``ctx.out`` (see :class:`TensorContext`). The decorated function is
+    ``ctx.dtype`` and ``ctx.out`` (see :class:`TensorContext`); ``ahead`` per-tensor statistics
+    an engine may compute before the merge (module docstring). The decorated function is
     returned unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
@@ -511,6 +526,7 @@ def merge_method(
             check=check,
             n_experts=n_experts,
             chunked=chunked,
+            ahead=ahead,
         )
         return fn
 
