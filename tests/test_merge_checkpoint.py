@@ -530,14 +530,30 @@ def test_shard_sizes_must_be_positive_sizes(size):
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1KiB") == 1024 and parse_size(7) == 7
 
 
+@pytest.fixture
+def torch_threads():
+    """Set torch's thread count for one test (the suite runs on one): ``torch_threads(n)``."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [("ties", {"density": 0.3, "trim_scope": "tensor"}), ("breadcrumbs", {"density": 0.5})],
+)
+@pytest.mark.parametrize("threads", [1, 2])
 def test_per_tensor_thresholds_are_computed_once_ahead_on_the_reader_thread(
-    ckpts, tmp_path, monkeypatch
+    ckpts, tmp_path, monkeypatch, torch_threads, threads, method, params
 ):
-    """TIES' per-tensor passes run once per tensor, in the engine's reader thread for the tensors
-    it reads ahead, and the merge is the in-memory one."""
+    """TIES' and breadcrumbs' per-tensor passes run once per tensor, in the engine's reader
+    thread for the tensors it reads ahead (not on one thread: the reader would be a second core
+    working), and the merge is the in-memory one."""
     import threading
 
     from mergelab.merge import ops
+
+    torch_threads(threads)
 
     calls: list[tuple[int, str]] = []
     real = ops.tau_kth_largest_abs
@@ -548,22 +564,23 @@ def test_per_tensor_thresholds_are_computed_once_ahead_on_the_reader_thread(
 
     monkeypatch.setattr(ops, "tau_kth_largest_abs", counted)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
-    params = {"density": 0.3, "trim_scope": "tensor"}
     out = merge_checkpoints(
-        "ties", base, [e0, e1], output=tmp_path / "o", params=params, progress=False
+        method, base, [e0, e1], output=tmp_path / "o", params=params, progress=False
     )
     floating = [n for n, v in base_sd.items() if v.is_floating_point()]
     assert len(calls) == len(floating)  # once per tensor: the merge used what was computed ahead
-    assert any(thread.startswith("mergelab-reader") for _, thread in calls)
+    on_reader = [thread.startswith("mergelab-reader") for _, thread in calls]
+    assert any(on_reader) if threads > 1 else not any(on_reader)
     monkeypatch.setattr(ops, "tau_kth_largest_abs", real)
-    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
+    expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params)
     got = stored_state_dict(out)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
-def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path):
+def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):
     """A method's ``ahead`` statistics reach it in ctx.stats; a hook that fails leaves the
     method to compute them itself, with the same result."""
+    torch_threads(2)
     seen: list[bool] = []
 
     def ahead(base, experts, ctx, params):

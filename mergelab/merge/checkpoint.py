@@ -738,6 +738,9 @@ class CheckpointMergePlan:
     _largest_numel: int | None = None
     _loader: ThreadPoolExecutor | None = None
     _prefetched: tuple[int, Future] | None = None
+    # Whether the method's ``ahead`` statistics are computed before the merge (on more than one
+    # thread only: with one, the reader thread would be a second core working)
+    _ahead: bool = False
 
     @property
     def output_bytes(self) -> int:
@@ -915,6 +918,7 @@ class CheckpointMergePlan:
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-reader")
+            self._ahead = self.method.ahead is not None and torch.get_num_threads() > 1
         index = self._order[t.name]
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
@@ -937,10 +941,10 @@ class CheckpointMergePlan:
         self, t: OutputTensor, slot: str
     ) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, dict[str, Any]]:
         """:meth:`load`, then the method's ``ahead`` statistics of the inputs (``{}`` without the
-        hook, or if it failed: the method then computes them itself, inside the merge, where its
-        error is reported as usual, after the inputs' NaN/Inf check)."""
+        hook, on one thread, or if it failed: the method then computes them itself, inside the
+        merge, where its error is reported as usual, after the inputs' NaN/Inf check)."""
         loaded = self.load(t, slot)
-        if loaded is None or self.method.ahead is None:
+        if loaded is None or not self._ahead:
             return loaded, {}
         base, experts = loaded
         ctx = self._context(t)
