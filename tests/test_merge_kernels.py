@@ -304,6 +304,33 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
         assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
 
 
+@pytest.mark.parametrize("bucket", [0x0000, 0x3B20, 0x7F7F])
+def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
+    """A band from the lowest bucket (0 and denormal |τ|), around the values, and one reaching
+    the bit patterns of Inf and NaN (counted entry by entry), on inputs that hold Inf, NaN,
+    huge values and exact zeros: the same counts as torch's."""
+    base, (expert,) = inputs(1, torch.float32, seed=9)
+    base, expert = base.view(-1).clone(), expert.view(-1).clone()
+    g = torch.Generator().manual_seed(4)
+    spots = torch.randint(0, base.numel(), (400,), generator=g)
+    expert[spots[:100]] = float("inf")
+    expert[spots[100:200]] = float("nan")
+    expert[spots[200:300]] = 3e38 * torch.sign(torch.randn(100, generator=g))
+    expert[spots[300:]] = base[spots[300:]] + 1e-42  # denormal τ
+    finder = ops.KthLargestAbs(1)
+    finder._mode, finder._bucket, finder._width = "band", bucket, 2 << 16
+    counted = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        count = ops._tau_histograms(base, [expert], torch.float32)([finder], [0])
+        per_chunk = [count(part) for part in ops.chunks(base.numel())]
+        if compiled:
+            counted.append(count.totals()[0].long())
+        else:
+            counted.append(sum(F.pad(c[0], (0, (2 << 16) + 2 - c[0].numel())) for c in per_chunk))
+    assert torch.equal(counted[0], counted[1])
+
+
 def test_dare_three_experts_compiled_equals_torch(monkeypatch):
     """Random streams drawn two at a time, plus an odd one."""
     base, experts = inputs(3, torch.bfloat16, seed=8)

@@ -911,9 +911,9 @@ class CheckpointMergePlan:
         Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
         (mapped; cast and checked unless the method takes them in their stored dtype) in a
         background thread while this one is merged (two alternating buffer sets, except for the
-        largest tensors, see ``_buffer_set``), and the method's ``ahead`` statistics of them
-        computed there too (e.g. TIES' thresholds: their passes fill the cores while this
-        tensor's merge waits on Python between chunks).
+        largest tensors, see ``_buffer_set``), and, with more than one thread, the method's
+        ``ahead`` statistics of them computed there too (e.g. TIES' thresholds: their passes
+        fill the cores while this tensor's merge waits on Python between chunks).
         """
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}

@@ -297,7 +297,9 @@ def _tau_kth(
     return ops.tau_kth_largest_abs(base, experts, ranks, _compute_dtype(ctx, base))
 
 
-def _ahead_tau_kth(ranks: Callable[[int, dict[str, Any]], list[list[int]] | None]):
+def _ahead_tau_kth(
+    ranks: Callable[[int, dict[str, Any]], list[list[int]] | None],
+) -> Callable[..., dict[str, Any]]:
     """An ``ahead`` hook (registry) computing :func:`_tau_kth` for ``ranks(numel, params)``
     (``None``: nothing to compute)."""
 

@@ -43,9 +43,9 @@ the compute dtype as above.
 
 Per-tensor statistics that need only the tensor's inputs (e.g. TIES' per-tensor thresholds, which
 take passes over the inputs before the merge) can come from an optional hook
-``ahead(base, experts, ctx, params) -> dict``: the streaming engine runs it as soon as a tensor's
-inputs are read, in its reader thread while the previous tensor merges, and hands the result to
-the method in ``ctx.stats`` (over the whole-model ones). It is an optimisation only: the method
+``ahead(base, experts, ctx, params) -> dict``: with more than one thread, the streaming engine
+runs it as soon as a tensor's inputs are read, in its reader thread while the previous tensor
+merges, and hands the result to the method in ``ctx.stats`` (over the whole-model ones). It is an optimisation only: the method
 must return the same result when the entries are missing (it computes them itself then), and it
 must never trust entries it did not ask for.
 
