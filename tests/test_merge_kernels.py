@@ -1,12 +1,12 @@
 """The compiled loops (mergelab.merge.kernels, numba) give the torch path's bits.
 
 Every chunked method that has a compiled pass (linear, task arithmetic, TIES, DARE-linear,
-DARE-TIES, breadcrumbs and the exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is run twice on the same inputs,
-once with the compiled loops and once with them turned off (the torch code, which is also the
-fallback without numba), and the outputs must be equal bit for bit: stored bfloat16, float16 and
-float32 inputs, bfloat16/float32/float16 outputs, one to three experts, negative and zero weights,
-λ ≠ 1, both sign rules and every divisor, tensors over several chunks with a partial last one,
-and inputs full of exact zeros, −0.0 and ties at the thresholds.
+DARE-TIES, breadcrumbs and the exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is
+run twice on the same inputs, once with the compiled loops and once with them turned off (the torch
+code, which is also the fallback without numba), and the outputs must be equal bit for bit: stored
+bfloat16, float16 and float32 inputs, bfloat16/float32/float16 outputs, one to three experts,
+negative and zero weights, λ ≠ 1, both sign rules and every divisor, tensors over several chunks
+with a partial last one, and inputs full of exact zeros, −0.0 and ties at the thresholds.
 """
 
 from __future__ import annotations

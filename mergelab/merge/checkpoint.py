@@ -439,13 +439,13 @@ def shard_file_names(n: int) -> list[str]:
 class DirectStream:
     """Writes a file front to back with ``O_DIRECT`` where the OS and file system allow it.
 
-    Direct writes go from the caller's memory (see :meth:`write`) or a page-aligned staging
-    buffer straight to the disk: the kernel does not copy the bytes into its page cache (for a
-    2 GB output that copy took several CPU-seconds here, the most expensive single step of a
-    linear merge) and does not keep them there, so the inputs stay cached. Every direct write is a multiple of :data:`DIRECT_ALIGN` bytes at an
-    offset that is one too; the last partial block goes through an ordinary descriptor, and the
-    caller's ``fsync`` of the file then flushes it. Where ``O_DIRECT`` is refused (tmpfs, macOS)
-    everything goes through the ordinary descriptor.
+    Direct writes go from the caller's memory (see :meth:`write`) or a page-aligned staging buffer
+    straight to the disk: the kernel does not copy the bytes into its page cache (for a 2 GB output
+    that copy took several CPU-seconds here, the most expensive single step of a linear merge) and
+    does not keep them there, so the inputs stay cached. Every direct write is a multiple of
+    :data:`DIRECT_ALIGN` bytes at an offset that is one too; the last partial block goes through an
+    ordinary descriptor, and the caller's ``fsync`` of the file then flushes it. Where ``O_DIRECT``
+    is refused (tmpfs, macOS) everything goes through the ordinary descriptor.
     """
 
     def __init__(self, path: Path, staging: int = 16 << 20):

@@ -8,10 +8,10 @@ numba installed, or with ``MERGELAB_KERNELS=torch`` in the environment, it runs 
 numba, the same chunks (:func:`ops.for_chunks`, so the same worker threads and chunk boundaries)
 run compiled loops that release the GIL:
 
-* :func:`kernels_numba.merge_chunk` — per position: widen the stored inputs (bfloat16 or
-  float32) to float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and rescale,
-  then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and disjoint
-  merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
+* :func:`kernels_numba.merge_chunk` — per position: widen the stored inputs (bfloat16 or float32) to
+  float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and
+  rescale, then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and
+  disjoint merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
 * :func:`kernels_numba.sum_chunk` — linear's and task arithmetic's weighted sum
   (``methods._combine``), per position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
 * :func:`kernels_numba.tau_abs_histograms` — the radix-histogram passes of
@@ -320,8 +320,9 @@ class ChunkSummer:
 
 
 class _Inputs:
-    """Base (if any) and expert tensors as the loops read them: flat, contiguous, bfloat16 or float32
-    (anything else is cast to float32 chunk by chunk, into this thread's scratch buffers)."""
+    """Base (if any) and expert tensors as the loops read them: flat, contiguous, bfloat16 or
+    float32 (anything else is cast to float32 chunk by chunk, into this thread's scratch
+    buffers)."""
 
     def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor]) -> None:
         self.tensors = ([] if base is None else [_flat(base)]) + [_flat(e) for e in experts]
