@@ -699,7 +699,8 @@ def breadcrumbs(
     """
     ranks = [ops.outlier_ranks(base.numel(), d, g) for d, g in zip(density, gamma)]
     dtype = _compute_dtype(ctx, base)
-    found = _tau_kth(base, experts, [r or [] for r in ranks], ctx)
+    wanted = _breadcrumbs_ranks(base.numel(), {"density": density, "gamma": gamma})
+    found = _tau_kth(base, experts, wanted, ctx)  # the ranks its ahead hook computes
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
     out = _output(ctx, base, dtype)
