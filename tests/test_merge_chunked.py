@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts, ops
+from mergelab.merge import TensorContext, get_merge_method, kernels, merge_state_dicts, ops
 from mergelab.merge.checkpoint import (
     DIRECT_ALIGN,
     BufferPool,
@@ -131,6 +131,86 @@ def test_a_misleading_sample_falls_back_to_exact_passes(monkeypatch):
     assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
     monkeypatch.setattr(ops, "_MAX_BAND_BUCKETS", 0)  # no band at all: the two exact passes
     assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
+
+
+def count_passes(monkeypatch) -> list[int]:
+    """Record the passes ``ops._find_many`` makes (one entry per pass over a tensor)."""
+    passes: list[int] = []
+    original = ops.for_chunks
+
+    def counting(numel, fn, size=None):
+        passes.append(numel)
+        return original(numel, fn, size)
+
+    monkeypatch.setattr(ops, "for_chunks", counting)
+    return passes
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("structure", ["column scales", "row scales", "low rank"])
+def test_structured_task_vectors_take_two_passes(monkeypatch, compiled, structure):
+    """Task vectors of weight matrices whose rows or columns differ in scale: the sampled pass
+    (hashed runs, ops.run_offsets) brackets the k-th largest, and the band is collected, also
+    where it spans more buckets than a histogram may (density 0.9): two passes, exact."""
+    monkeypatch.setattr(kernels, "enabled", compiled)
+    g = torch.Generator().manual_seed(12)
+    rows, cols = 1024, 2048
+    tau = torch.randn(rows, cols, generator=g)
+    if structure == "column scales":
+        tau *= torch.exp(0.7 * torch.randn(1, cols, generator=g))
+    elif structure == "row scales":
+        tau *= torch.exp(torch.randn(rows, 1, generator=g))
+    else:
+        tau = 0.1 * tau + torch.randn(rows, 8, generator=g) @ torch.randn(8, cols, generator=g)
+    base = 0.02 * torch.randn(rows, cols, generator=g)
+    expert = base + 0.002 * tau
+    flat = (expert - base).reshape(-1)
+    n = flat.numel()
+    ranks = [ops.kept_count(0.2, n), ops.kept_count(0.9, n)]
+    passes = count_passes(monkeypatch)
+    found = ops.tau_kth_largest_abs(base, [expert], [ranks], torch.float32)[0]
+    assert found == [kth_by_sort(flat, k) for k in ranks]
+    assert len(passes) == 2
+
+
+def test_a_first_run_of_every_period_misleads_the_sample_on_column_scales(monkeypatch):
+    """Why the runs are hashed: reading the same run of every period (the same columns of every
+    row) on a matrix like the one above misplaces the band, and the exact passes follow (the torch path,
+    whose sample ``ops.run_offsets`` places; the compiled loops place it the same way)."""
+    monkeypatch.setattr(kernels, "enabled", False)
+    g = torch.Generator().manual_seed(12)
+    tau = torch.randn(1024, 1024, generator=g) * torch.exp(0.7 * torch.randn(1, 1024, generator=g))
+    flat = tau.reshape(-1)
+    ranks = [ops.kept_count(0.2, flat.numel())]
+    for fixed, n_passes in ((False, 2), (True, 4)):
+        if fixed:
+            monkeypatch.setattr(ops, "run_offsets", lambda periods, stride: periods * 0)
+        passes = count_passes(monkeypatch)
+        found = ops.tau_kth_largest_abs(torch.zeros_like(tau), [tau], [ranks], torch.float32)
+        assert found == [[kth_by_sort(flat, ranks[0])]]
+        assert len(passes) == n_passes
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
+    monkeypatch, compiled
+):
+    """The sample sees normal values, but every entry it skips equals the k-th: the band holds
+    far more than ``COLLECT_MAX`` values, none is kept past that, and the exact passes follow."""
+    monkeypatch.setattr(kernels, "enabled", compiled)
+    n = 2 * ops.SAMPLE_MIN_NUMEL
+    tau = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    sampled = torch.zeros(n, dtype=torch.bool)
+    index = torch.arange(n)
+    for part in ops.chunks(n, ops.histogram_chunk(n)):
+        sampled[ops._sample_runs(index, part, ops.SAMPLE_STRIDE)] = True
+    k = ops.kept_count(0.3, n)
+    kth = kth_by_sort(tau[sampled], math.ceil(0.3 * int(sampled.sum())))
+    tau[~sampled] = kth
+    passes = count_passes(monkeypatch)
+    found = ops.tau_kth_largest_abs(torch.zeros(n), [tau], [[k]], torch.float32)
+    assert found == [[kth_by_sort(tau, k)]] == [[kth]]
+    assert len(passes) == 4  # sampled, collecting (too many), the two exact passes
 
 
 def test_whole_model_thresholds_of_a_large_model_take_two_passes():

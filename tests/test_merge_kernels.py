@@ -291,13 +291,22 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
     part = slice(ops.CHUNK, base.numel())  # a partial last chunk: a partial last run
     finders = [ops.KthLargestAbs(ops.SAMPLE_STRIDE), ops.KthLargestAbs(1), ops.KthLargestAbs(1)]
     finders[2]._mode, finders[2]._bucket, finders[2]._width = "band", 0x3A80, 3 << 16
+    collecting = ops.KthLargestAbs(1)  # a binade around the median |τ|, its values kept
+    tau = (experts[1].float() - base.float()).abs().view(-1)[part]
+    middle = int(tau.median().view(torch.int32)) >> 16
+    collecting._mode, collecting._bucket, collecting._width = "collect", middle - 64, 128 << 16
     counted = []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        count = ops._tau_histograms(base, experts, torch.float32)(finders, [1, 0, 1])
+        count = ops._tau_histograms(base, experts, torch.float32)(
+            [*finders, collecting], [1, 0, 1, 1]
+        )
         per_chunk = count(part)
         # the compiled loops keep counts per worker thread, handed over once per pass
         counted.append(count.totals() if compiled else per_chunk)
+    (ends_a, values_a), (ends_b, values_b) = counted[0].pop(), counted[1].pop()
+    assert ends_a.tolist() == ends_b.tolist() and len(values_a) > tau.numel() // 10
+    assert np.array_equal(np.sort(values_a), np.sort(values_b))
     for a, b in zip(*counted):  # torch's bincount stops at the highest bin it saw
         size = max(a.numel(), b.numel())
         a, b = a.long(), b.long()
@@ -317,18 +326,29 @@ def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
     expert[spots[100:200]] = float("nan")
     expert[spots[200:300]] = 3e38 * torch.sign(torch.randn(100, generator=g))
     expert[spots[300:]] = base[spots[300:]] + 1e-42  # denormal τ
-    finder = ops.KthLargestAbs(1)
+    finder, collecting = ops.KthLargestAbs(1), ops.KthLargestAbs(1)
     finder._mode, finder._bucket, finder._width = "band", bucket, 2 << 16
-    counted = []
+    collecting._mode, collecting._bucket, collecting._width = "collect", bucket, 2 << 16
+    counted, collected = [], []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        count = ops._tau_histograms(base, [expert], torch.float32)([finder], [0])
+        count = ops._tau_histograms(base, [expert], torch.float32)([finder, collecting], [0, 0])
         per_chunk = [count(part) for part in ops.chunks(base.numel())]
         if compiled:
             counted.append(count.totals()[0].long())
+            collected.append(count.totals()[1])
         else:
             counted.append(sum(F.pad(c[0], (0, (2 << 16) + 2 - c[0].numel())) for c in per_chunk))
+            collected.append(
+                (sum(c[1][0] for c in per_chunk), np.concatenate([c[1][1] for c in per_chunk]))
+            )
     assert torch.equal(counted[0], counted[1])
+    for ends, values in collected:  # the band's values, kept: the histogram's counts
+        assert ends.tolist() == [counted[0][0], counted[0][-1]]
+        inside = torch.bincount(
+            torch.from_numpy(values - ((bucket << 16) - 1)).long(), minlength=(2 << 16) + 2
+        )
+        assert torch.equal(inside[1:-1], counted[0][1:-1])
 
 
 def test_dare_three_experts_compiled_equals_torch(monkeypatch):

@@ -39,6 +39,7 @@ import os
 import threading
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,9 @@ KIND_SUM, KIND_ELECT = 0, 1
 DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM = 0, 1, 2
 # What a merge loop returns: bits set where it met NaN or Inf in an input or a stored result
 FOUND_IN_INPUT, FOUND_IN_RESULT = 1, 2
+# Which run of each period a sampled histogram pass reads (ops.run_offsets): period p's
+# ((p · RUN_HASH) >> 16) mod stride, a multiplicative hash (Knuth's constant)
+RUN_HASH = 2654435761
 
 
 _loops: ModuleType | None = None
@@ -87,6 +91,11 @@ def loops() -> ModuleType:
 
         _loops = kernels_numba
     return _loops
+
+
+def loaded() -> ModuleType | None:
+    """The compiled loops if something loaded them already (and they are on), else ``None``."""
+    return _loops if enabled else None
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -358,7 +367,7 @@ class TauHistograms:
         return PassCounts(self.inputs, finders)
 
     def count(self, part: slice, finders: Sequence[tuple[int, int, tuple | None]]) -> list:
-        """One chunk's counts, one int64 tensor per finder (``None`` for a finished one)."""
+        """One chunk's counts per finder, as :meth:`PassCounts.totals` gives them."""
         counting = self.pass_counts(finders)
         counting(part)
         return counting.totals()
@@ -368,29 +377,37 @@ class PassCounts:
     """One histogram pass over a tensor's chunks: ``self(part)`` counts a chunk into this worker
     thread's own arrays (and returns ``None`` per finder: nothing to add per chunk);
     ``totals()`` adds the threads' arrays up, once. Passes with the same stride share one read
-    of each chunk."""
+    of each chunk. A collecting pass (``KthLargestAbs`` "collect") keeps the bit patterns in
+    its band in the thread's own array too, up to ``ops.COLLECT_MAX`` per thread."""
 
     def __init__(self, inputs: _Inputs, finders: Sequence[tuple[int, int, tuple | None]]) -> None:
+        from .ops import COLLECT_MAX
+
         self.inputs = inputs
         self.n = len(finders)
-        self.groups = []  # (stride, finder indices, experts, top_bits, lows, widths, sizes)
+        self.groups = []  # (stride, finder indices, experts, top_bits, lows, widths, collect,
+        #                   sizes, capacity)
         live = [(k, f) for k, f in enumerate(finders) if f[2] is not None]
         for step in sorted({f[1] for _, f in live}):
             group = sorted((f[0], k) for k, f in live if f[1] == step)
             ks = [k for _, k in group]
             bins = [finders[k][2] for k in ks]
+            collect = [b[2] for b in bins]
             self.groups.append(
                 (
                     step,
                     ks,
                     np.array([e for e, _ in group], dtype=np.int64),
-                    np.array([low is None for low, _ in bins], dtype=np.bool_),
-                    np.array([low or 0 for low, _ in bins], dtype=np.int64),
-                    np.array([width for _, width in bins], dtype=np.int64),
-                    [width + (0 if low is None else 2) for low, width in bins],
+                    np.array([b[0] is None for b in bins], dtype=np.bool_),
+                    np.array([b[0] or 0 for b in bins], dtype=np.int64),
+                    np.array([b[1] for b in bins], dtype=np.int64),
+                    np.array(collect, dtype=np.bool_),
+                    [2 if c else b[1] + (0 if b[0] is None else 2) for b, c in zip(bins, collect)],
+                    COLLECT_MAX if any(collect) else 0,
                 )
             )
-        self.per_thread: dict[int, list[np.ndarray]] = {}
+        # per thread and group: counts, collected bit patterns, how many each row collected
+        self.per_thread: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.lock = threading.Lock()
 
     def __call__(self, part: slice) -> list[None]:
@@ -399,12 +416,23 @@ class PassCounts:
         arrays = self.per_thread.get(threading.get_ident())
         if arrays is None:
             # int32: half the cache footprint of the band's random increments (callers keep
-            # tensors under 2³¹ entries)
-            arrays = [np.zeros((len(g[1]), max(g[6])), dtype=np.int32) for g in self.groups]
+            # tensors under 2³¹ entries); collected values are uninitialised until written
+            arrays = [
+                (
+                    np.zeros((len(g[1]), max(g[7])), dtype=np.int32),
+                    np.empty((len(g[1]), g[8]), dtype=np.int32),
+                    np.zeros(len(g[1]), dtype=np.int64),
+                )
+                for g in self.groups
+            ]
             with self.lock:
                 self.per_thread[threading.get_ident()] = arrays
         addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
-        for (step, _, experts, top_bits, lows, widths, _), counts in zip(self.groups, arrays):
+        for (step, _, experts, top_bits, lows, widths, collect, *_), (
+            counts,
+            values,
+            filled,
+        ) in zip(self.groups, arrays):
             loops().tau_abs_histograms(
                 addresses,
                 self.inputs.bf16,
@@ -415,21 +443,34 @@ class PassCounts:
                 top_bits,
                 lows,
                 widths,
+                collect,
                 counts,
+                values,
+                filled,
             )
         return [None] * self.n
 
-    def totals(self) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = [None] * self.n
+    def totals(self) -> list[Any]:
+        """Per finder: its counts (an int32 tensor), or for a collecting pass the pair (counts
+        below and above the band, the collected bit patterns: ``None`` if a thread met more
+        than it could keep); ``None`` for a finished finder."""
+        out: list[Any] = [None] * self.n
         threads = list(self.per_thread.values())
-        for g, (_, ks, *_, sizes) in enumerate(self.groups):
+        for g, (_, ks, *_, collect, sizes, capacity) in enumerate(self.groups):
             if not threads:
                 break
-            total = threads[0][g]
+            total = threads[0][g][0]
             for other in threads[1:]:
-                total += other[g]
+                total += other[g][0]
             for row, (k, size) in enumerate(zip(ks, sizes)):
-                out[k] = torch.from_numpy(total[row, :size])  # int32; the finder adds it up
+                if not collect[row]:
+                    out[k] = torch.from_numpy(total[row, :size])  # int32; the finder adds it up
+                    continue
+                kept = [(t[g][1][row], int(t[g][2][row])) for t in threads]
+                found = None
+                if all(n <= capacity for _, n in kept):
+                    found = np.concatenate([v[:n] for v, n in kept])
+                out[k] = (total[row, :2].astype(np.int64), found)
         return out
 
 
@@ -458,7 +499,8 @@ def warm_up(which: Sequence[str] = LOOPS) -> float:
         plan = sum_plan([1.0], lambda_=1.0, normalize=False)
         ChunkMerger(base, [base], out, *plan)(slice(0, 8))
     if "histograms" in which:
-        TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15))])
+        TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15, False))])
+        loops().kth_largest_bits(np.arange(8, dtype=np.int32), 3)
     return time.perf_counter() - start
 
 

@@ -39,6 +39,7 @@ from .kernels import (
     P_MERGE_W,
     P_SUM_W,
     P_VOTE_W,
+    RUN_HASH,
     S_LAMBDA,
     S_MIN_W,
     S_TOTAL,
@@ -548,25 +549,35 @@ _GROUPED = 1024  # entries per tile of a histogram pass (a multiple of 8 and of 
 @_jit
 def _load_sample(address, bf16, m, first, count, step, run, dst):
     """Sampled entries ``first`` … ``first + count − 1`` of m (all entries for ``step`` 1,
-    else runs of ``run`` entries, one every ``run · step``; ``first`` a multiple of ``run``),
+    else runs of ``run`` entries, one from every ``run · step``, at the offset ops.run_offsets
+    gives, the first ``run`` of an incomplete last period; ``first`` a multiple of ``run``),
     widened to float32 into ``dst``."""
     if step == 1:
         _load(address, bf16, first, count, dst)
         return
     period = run * step
+    full = m // period
     for r in range(0, count, run):
-        start = (first + r) // run * period
+        p = (first + r) // run
+        start = p * period
+        if p < full:
+            start += ((p * RUN_HASH) >> 16) % step * run
         _load(address, bf16, start, min(run, count - r, m - start), dst[r:])
 
 
 @_jit
-def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, counts):
+def tau_abs_histograms(
+    addresses, bf16, m, step, run, experts, top_bits, lows, widths, collect, counts, values, filled
+):
     """Counts of :class:`ops.KthLargestAbs` passes over |τ_e| = |θ_e − θ_b| (float32 bits),
     one per row of ``counts``, for every ``step``-th of the m entries at ``addresses`` (base
     first, then the experts: bfloat16 bits if ``bf16``, else float32). Pass k counts expert
     ``experts[k]``: with ``top_bits[k]`` its top 16 bits (2¹⁵ bins), else ``bits − lows[k]``
-    clamped to [0, widths[k] + 1]. The base is read once for all passes. With ``step`` > 1 the
-    pass reads runs of ``run`` entries, one every ``run · step`` (ops._sample_runs)."""
+    clamped to [0, widths[k] + 1]; with ``collect[k]`` only the entries below and above that
+    band (into bins 0 and 1), the bit patterns inside it going to ``values[k, filled[k]]``
+    (``filled[k]`` counts them all, even past the row's end, where none is stored). The base is
+    read once for all passes. With ``step`` > 1 the pass reads runs of ``run`` entries, one
+    every ``run · step`` (ops._sample_runs)."""
     period = run * step
     total = m if step == 1 else m // period * run + min(run, m % period)
     base = np.empty(_GROUPED, dtype=np.float32)
@@ -595,7 +606,17 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
             if highest >= _F32_INF_BITS:  # a band reaching Inf/NaN (only with such inputs)
                 for j in range(length):
                     v = np.int64(_f32_as_u32(expert[j] - base[j]) & np.uint32(0x7FFFFFFF)) - low
-                    row[min(max(v, 0), widths[k] + 1)] += 1
+                    if not collect[k]:
+                        row[min(max(v, 0), widths[k] + 1)] += 1
+                    elif v <= 0:
+                        ends[k, 0] += 1
+                    elif v > widths[k]:
+                        ends[k, 1] += 1
+                    else:
+                        at = filled[k]
+                        if at < values.shape[1]:
+                            values[k, at] = np.int32(v + low)
+                        filled[k] = at + 1
                 continue
             # Most entries fall outside the band: a vectorised loop counts the entries in and
             # above it and flags those in it (a byte each), and a second loop visits only the
@@ -612,10 +633,21 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
             )
             for j in range(length, _GROUPED):
                 inside[j] = 0
-            if n_in != 0:
+            if n_in != 0 and collect[k]:  # the band's bit patterns, kept while there is room
+                kept, at = values[k], filled[k]
                 for g in range(_GROUPED // 8):
                     flagged = groups[g]
                     while flagged != 0:  # each flagged byte, by its lowest set bit
+                        j = 8 * g + np.int64(_trailing_zeros(flagged) >> np.uint64(3))
+                        if at < kept.shape[0]:
+                            kept[at] = np.int32(_f32_as_u32(magnitudes[j]))
+                        at += 1
+                        flagged &= flagged - np.uint64(1)
+                filled[k] = at
+            elif n_in != 0:
+                for g in range(_GROUPED // 8):
+                    flagged = groups[g]
+                    while flagged != 0:
                         j = 8 * g + np.int64(_trailing_zeros(flagged) >> np.uint64(3))
                         row[np.int64(_f32_as_u32(magnitudes[j])) - low] += 1
                         flagged &= flagged - np.uint64(1)
@@ -624,7 +656,35 @@ def tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, w
     for k in range(n_passes):
         if not top_bits[k]:
             counts[k, 0] += ends[k, 0]
-            counts[k, widths[k] + 1] += ends[k, 1]
+            counts[k, 1 if collect[k] else widths[k] + 1] += ends[k, 1]
+
+
+@_jit
+def kth_largest_bits(values, k):
+    """ops._kth_largest_bits for one int32 array of non-negative bit patterns (1 ≤ k ≤ its
+    size): the same two radix steps, counted in loops."""
+    first, last = values.min() >> 16, values.max() >> 16
+    buckets = np.zeros(last - first + 1, dtype=np.int64)
+    for v in values:
+        buckets[(v >> 16) - first] += 1
+    bucket, rank = _locate_from_top(buckets, k)
+    lows = np.zeros(1 << 16, dtype=np.int64)
+    for v in values:
+        if (v >> 16) - first == bucket:
+            lows[v & 0xFFFF] += 1
+    low, _ = _locate_from_top(lows, rank)
+    return ((first + bucket) << 16) | low
+
+
+@_jit
+def _locate_from_top(counts, k):
+    """ops._locate: the bin holding the k-th largest item, and its rank inside it."""
+    above = 0
+    for i in range(counts.shape[0] - 1, -1, -1):
+        if above + counts[i] >= k:
+            return i, k - above
+        above += counts[i]
+    return 0, k - above
 
 
 @_jit

@@ -39,7 +39,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ R = TypeVar("R")
 
 _HIGH_BUCKETS = 1 << 15  # |x| has sign bit 0, so the top 16 bits of its float32 pattern are < 2¹⁵
 _LOW_BUCKETS = 1 << 16
+_INT32_MAX = (1 << 31) - 1
 # Entries per chunk in the elementwise loops: 1 MiB of float32, so temporaries stay in the
 # (shared) L3 cache, and big enough that the worker threads rarely wait for each other's Python
 # (the GIL) between ops: 2¹⁶ was ~2× slower on two workers here.
@@ -280,15 +281,38 @@ def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     return bucket, k - above
 
 
+def _kth_largest_bits(parts: list[np.ndarray], k: int) -> int:
+    """The k-th largest (1-based) of non-negative int32 bit patterns given in parts, by the same
+    two radix steps as the passes (top 16 bits, then the low 16 inside that bucket): quick
+    whether the values are all distinct or, as τ of bfloat16 weights, a few dozen repeated
+    (where ``np.partition`` took ~30× as long as on distinct values). Counted by a compiled
+    loop where the loops are loaded already (NumPy's bincount of 2¹⁶ bins took ~1 ms here)."""
+    values = np.concatenate(parts)
+    compiled = kernels.loaded()
+    if compiled is not None:  # a merge that collected with the compiled loops loaded them
+        return int(compiled.kth_largest_bits(values, k))
+    top = values >> 16
+    first = int(top.min())
+    bucket, rank = _locate(np.bincount(top - first), k)
+    inside = values[top == first + bucket] & 0xFFFF
+    low, _ = _locate(np.bincount(inside, minlength=_LOW_BUCKETS), rank)
+    return ((first + bucket) << 16) | low
+
+
 # The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large.
 SAMPLE_STRIDE = 8
 SAMPLE_MIN_NUMEL = 1 << 20
 # Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
 # every SAMPLE_RUN · SAMPLE_STRIDE, so the pass reads 1/SAMPLE_STRIDE of the memory (every
-# SAMPLE_STRIDE-th entry of bfloat16 weights touches every 64-byte cache line).
+# SAMPLE_STRIDE-th entry of bfloat16 weights touches every 64-byte cache line). Which run of a
+# period is read varies from period to period (run_offsets).
 SAMPLE_RUN = 32
 # A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each).
 _MAX_BAND_BUCKETS = 4
+# A bracket the sample says holds at most half this many values is collected instead (any
+# width): its values' bit patterns are kept, and the k-th found among them. Also the most values
+# a collecting pass keeps (per worker thread in the compiled loops): 1 MiB of int32 each.
+COLLECT_MAX = 1 << 18
 
 
 class KthLargestAbs:
@@ -300,11 +324,15 @@ class KthLargestAbs:
       k-th largest; pass 2 counts the low 16 bits inside that bucket: exact;
     * with ``sample_stride`` > 1, pass 1 sees only a 1/``sample_stride`` sample of the values
       (every ``sample_stride``-th, or runs of them: :func:`_sample_runs`; the caller gives
-      ``add`` the full count): from that sample, a band of at most a few buckets that holds
-      the k-th largest with overwhelming probability (±4 standard deviations of the sample
-      quantile), and one full pass counts the values above the band and histograms the band
-      exactly. If the k-th largest is not in the band after all, the two full passes follow. The
-      result is exact either way; the sample only decides how many passes it takes.
+      ``add`` the full count): from that sample, a band of buckets that holds the k-th largest
+      with overwhelming probability (±4 standard deviations of the sample quantile), and one
+      full pass counts the values below and above the band and, for the values inside it,
+      either keeps their bit patterns ("collect": when the sample says they are few, at most
+      ``COLLECT_MAX / 2``, however many buckets the band spans; the k-th is then found among
+      them) or histograms them (a band of at most ``_MAX_BAND_BUCKETS`` buckets). If the k-th
+      largest is not in the band after all (or a collecting pass met more than ``COLLECT_MAX``
+      values), the two full passes follow. The result is exact either way; the sample only
+      decides how many passes it takes.
 
     Usage: ``while finder.wants_pass():`` feed every value (every ``finder.stride``-th one, in any
     order and chunking) to ``observe``, then ``finder.end_pass(k)`` (``k`` is read at the end of
@@ -326,8 +354,13 @@ class KthLargestAbs:
         self._counts = np.zeros(_HIGH_BUCKETS, dtype=np.int64)
         self._bucket = 0  # "low": the top-16-bit bucket; "band": the band's lowest bucket
         self._rank = 0
-        self._width = 0  # "band": bins in the band
+        self._width = 0  # "band": bins in the band; "collect": bit patterns in it
         self._value: float | None = None
+        # "collect": the counts below and above the band, and the values inside it (None once
+        # there were more than COLLECT_MAX)
+        self._ends = np.zeros(2, dtype=np.int64)
+        self._collected: list[np.ndarray] | None = []
+        self._n_collected = 0
 
     @property
     def stride(self) -> int:
@@ -348,21 +381,32 @@ class KthLargestAbs:
             return self.observe(x)
         self.add(self.histogram_(x), x.numel() * self.stride)
 
-    def pass_bins(self) -> tuple[int | None, int] | None:
-        """This pass's bins as (low, width), for a counting loop outside torch
+    def pass_bins(self) -> tuple[int | None, int, bool] | None:
+        """This pass's bins as (low, width, collect), for a counting loop outside torch
         (:mod:`mergelab.merge.kernels`): ``low`` None counts the top 16 bits of |x| into
         ``width`` = 2¹⁵ bins; otherwise ``bits − low`` clamped to [0, width + 1], as
-        :meth:`histogram_` does (``low`` is −1 for the lowest bucket). ``None`` once done."""
+        :meth:`histogram_` does (``low`` is −1 for the lowest bucket), except that with
+        ``collect`` only the two ends are counted and the bit patterns inside kept.
+        ``None`` once done."""
         if self._mode in ("sample", "high"):
-            return None, _HIGH_BUCKETS
-        if self._mode in ("low", "band"):
-            width = self._width if self._mode == "band" else _LOW_BUCKETS
-            return (self._bucket << 16) - 1, width
+            return None, _HIGH_BUCKETS, False
+        if self._mode in ("low", "band", "collect"):
+            width = _LOW_BUCKETS if self._mode == "low" else self._width
+            return (self._bucket << 16) - 1, width, self._mode == "collect"
         return None
 
-    def histogram_(self, x: torch.Tensor) -> torch.Tensor | None:
-        """This pass's counts for the float32 contiguous chunk ``x`` (overwritten)."""
+    def histogram_(self, x: torch.Tensor) -> Any:
+        """This pass's counts for the float32 contiguous chunk ``x`` (overwritten); for a
+        collecting pass the pair (counts below and above the band, the bit patterns inside)."""
         bits = x.abs_().view(-1).view(torch.int32)
+        if self._mode == "collect":
+            low = (self._bucket << 16) - 1
+            highest = min(low + self._width, _INT32_MAX)
+            above = bits > highest
+            inside = (bits > low) & ~above
+            n_above, n_inside = int(above.sum()), int(inside.sum())
+            ends = np.array([bits.numel() - n_above - n_inside, n_above], dtype=np.int64)
+            return ends, bits[inside].numpy()
         if self._mode in ("sample", "high"):  # the top 16 bits
             # without minlength the output only spans the buckets present: less to allocate/add
             return torch.bincount(bits.bitwise_right_shift_(16))
@@ -372,12 +416,26 @@ class KthLargestAbs:
             return torch.bincount(bits, minlength=width + 2)
         return None
 
-    def add(self, counts: torch.Tensor | None, numel: int) -> None:
-        """Add the counts :meth:`histogram_` returned for a chunk standing for ``numel`` values."""
+    def add(self, counts: Any, numel: int) -> None:
+        """Add the counts :meth:`histogram_` returned for a chunk standing for ``numel`` values
+        (a collecting pass: the pair it returned; ``None`` for the values: more than
+        ``COLLECT_MAX`` of them)."""
         if self._first:
             self.count += numel
-        if counts is not None:
-            self._counts[: counts.numel()] += counts.cpu().numpy()
+        if counts is None:
+            return
+        if self._mode == "collect":
+            ends, values = counts
+            self._ends += ends
+            if values is None or self._collected is None:
+                self._collected = None
+            elif len(values):
+                self._n_collected += len(values)
+                self._collected.append(values)
+                if self._n_collected > COLLECT_MAX:  # too many to keep: the exact passes
+                    self._collected = None
+            return
+        self._counts[: counts.numel()] += counts.cpu().numpy()
 
     def end_pass(self, k: int | None = None) -> None:
         """End a pass; after the first, ``k`` (1-based, clipped to ``count``) is required."""
@@ -398,6 +456,13 @@ class KthLargestAbs:
         elif self._mode == "low":
             low, _ = _locate(self._counts[1:-1], self._rank)
             self._finish(_bits_to_float((self._bucket << 16) | low))
+        elif self._mode == "collect":
+            above = int(self._ends[1])
+            found = self._collected
+            if found is not None and above < self._k <= above + self._n_collected:
+                self._finish(_bits_to_float(_kth_largest_bits(found, self._k - above)))
+            else:  # the sample misled us, or the band held too many values: two exact passes
+                self._switch("high", _HIGH_BUCKETS)
         elif self._mode == "band":
             above = int(self._counts[-1])
             inside = self._counts[1:-1]
@@ -420,6 +485,8 @@ class KthLargestAbs:
     def _switch(self, mode: str, bins: int) -> None:
         self._mode = mode
         self._counts = np.zeros(bins, dtype=np.int64)
+        self._ends = np.zeros(2, dtype=np.int64)
+        self._collected, self._n_collected = [], 0
 
     def _finish(self, value: float) -> None:
         self._mode, self._value = "done", value
@@ -435,6 +502,11 @@ class KthLargestAbs:
         if top >= 1 and bottom <= m:
             high, _ = _locate(self._counts, top)
             low, _ = _locate(self._counts, bottom)
+            sampled_inside = int(self._counts[low : high + 1].sum())
+            if sampled_inside * (self.count / m) <= COLLECT_MAX // 2:
+                self._bucket, self._width = low, (high - low + 1) << 16
+                self._switch("collect", 0)
+                return
             if high - low + 1 <= _MAX_BAND_BUCKETS:
                 self._bucket, self._width = low, (high - low + 1) << 16
                 self._switch("band", self._width + 2)
@@ -571,17 +643,30 @@ def _add_totals(count: Callable[[slice], list], finders: list[KthLargestAbs]) ->
 
 
 def _sample_runs(flat: torch.Tensor, part: slice, stride: int) -> torch.Tensor:
-    """The entries of ``flat[part]`` a pass with ``stride`` reads: all for stride 1, else the
-    first :data:`SAMPLE_RUN` of every ``SAMPLE_RUN · stride`` (counted from ``part.start``, a
-    multiple of that period for every chunk of a tensor)."""
+    """The entries of ``flat[part]`` a pass with ``stride`` reads: all for stride 1, else one run
+    of :data:`SAMPLE_RUN` from every ``SAMPLE_RUN · stride`` (counted from ``part.start``, a
+    multiple of that period for every chunk of a tensor), the one :func:`run_offsets` picks, and
+    the first of an incomplete last period."""
     x = flat[part]
     if stride == 1:
         return x
     period = SAMPLE_RUN * stride
     full = x.numel() // period * period
-    head = x[:full].view(-1, period)[:, :SAMPLE_RUN].reshape(-1)
+    runs = x[:full].view(-1, stride, SAMPLE_RUN)
+    periods = torch.arange(runs.shape[0])
+    head = runs[periods, run_offsets(periods, stride)].reshape(-1)
     tail = x[full:][:SAMPLE_RUN]
     return torch.cat([head, tail]) if tail.numel() else head
+
+
+def run_offsets(periods: torch.Tensor, stride: int) -> torch.Tensor:
+    """Which of its ``stride`` runs a sampled pass reads from each (complete) period, given the
+    periods' indices (counted from the chunk's start): a multiplicative hash of the index. A
+    fixed run (the first of every period) read the same columns of every row of a weight
+    matrix: where columns differ in scale, that sample misplaced the band of the k-th largest
+    (more than half the time on synthetic matrices with log-normal column scales), and the
+    exact passes had to follow; with hashed runs none did (``docs/merge_performance.md``)."""
+    return (periods * kernels.RUN_HASH >> 16) % stride
 
 
 def _compiled_tau_histograms(
