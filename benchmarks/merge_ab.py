@@ -1,0 +1,138 @@
+"""mergelab against an earlier mergelab: the same streamed merges of ``merge_speed.py``'s
+synthetic 1B set, run by two revisions of the code in alternation, to tell a change's effect
+from the machine's noise (which moves single runs by a third here).
+
+    python benchmarks/merge_ab.py --old 7f712a5 --variants ties breadcrumbs --repeats 3
+
+The old revision is checked out into a temporary git worktree (removed at the end: only what
+this script created); the new one is this working tree. Both are byte-compiled and get their
+compiled loops ready before the timed runs (as ``merge_speed.py`` does), then every round runs
+each variant with both, the order alternating from round to round, each in its own subprocess
+at the default thread count, after ``sync`` and with the inputs read through (``run_measured``).
+The results (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both
+revisions' commits, and per variant the median of the new ÷ old wall-time ratios of the rounds
+(each round's pair ran back to back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from merge_speed import (
+    LLAMA_SHAPE,
+    VARIANTS,
+    load_average,
+    mergelab_command,
+    run_measured,
+    tool_env,
+)
+
+from mergelab.outputs import atomic_output_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def prepare(tree: Path, env: dict[str, str]) -> None:
+    """Byte-compile the tree's package and get its compiled loops ready (numba's cache)."""
+    code = (
+        "import compileall, mergelab; compileall.compile_dir(mergelab.__path__[0], quiet=1); "
+        "from mergelab.merge import kernels; kernels.warm_up()"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="git revision to compare against")
+    parser.add_argument("--variants", nargs="+", default=["ties", "breadcrumbs"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-dir", default=".cache/merge_speed")
+    parser.add_argument("--results", default="benchmarks/results/merge_ab.json")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    folder = Path(args.cache_dir).resolve() / f"llama-{LLAMA_SHAPE['num_hidden_layers']}L"
+    if not (folder / "spec.json").is_file():
+        parser.error(f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py once")
+    work = Path(args.cache_dir).resolve() / "outputs"
+    work.mkdir(parents=True, exist_ok=True)
+    models = [folder / n for n in ("base", "expert_0", "expert_1")]
+    commits = {"old": git("rev-parse", args.old), "new": git("rev-parse", "HEAD")}
+    dirty = bool(git("status", "--porcelain", "--", "mergelab"))
+    scratch = Path(tempfile.mkdtemp(prefix="merge-ab-"))
+    old_tree = scratch / "old"
+    git("worktree", "add", "--detach", str(old_tree), commits["old"])
+    trees = {"old": old_tree, "new": ROOT}
+    runs: dict[str, dict[str, list[dict]]] = {v: {"old": [], "new": []} for v in args.variants}
+    try:
+        for tree in trees.values():
+            prepare(tree, {**tool_env(None), "PYTHONPATH": str(tree)})
+        for round_ in range(args.repeats):
+            for i, variant in enumerate(args.variants):
+                order = ["old", "new"] if (round_ + i) % 2 == 0 else ["new", "old"]
+                for name in order:
+                    env = {**tool_env(None), "PYTHONPATH": str(trees[name])}
+                    cmd, out = mergelab_command(variant, folder, work)
+                    shutil.rmtree(out, ignore_errors=True)
+                    wall, rss, cpu, rc = run_measured(cmd, env, cwd=str(trees[name]), warm=models)
+                    shutil.rmtree(out, ignore_errors=True)
+                    if rc != 0:
+                        raise SystemExit(f"{name} {variant} failed ({rc})")
+                    runs[variant][name].append(
+                        {"s": round(wall, 2), "cpu_s": round(cpu, 2), "rss_mib": round(rss)}
+                    )
+                    print(
+                        f"round {round_ + 1} {variant:18s} {name}  {wall:6.1f} s  cpu {cpu:5.1f} s"
+                        f"  load {load_average()}",
+                        flush=True,
+                    )
+    finally:
+        git("worktree", "remove", "--force", str(old_tree))
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = {}
+    for variant, by in runs.items():
+        ratios = [n["s"] / o["s"] for o, n in zip(by["old"], by["new"])]
+        cpu_ratios = [n["cpu_s"] / o["cpu_s"] for o, n in zip(by["old"], by["new"])]
+        summary[variant] = {
+            "old_best_s": min(r["s"] for r in by["old"]),
+            "new_best_s": min(r["s"] for r in by["new"]),
+            "median_new_over_old": round(statistics.median(ratios), 3),
+            "median_cpu_new_over_old": round(statistics.median(cpu_ratios), 3),
+        }
+        print(f"{variant:18s} " + "  ".join(f"{k} {v}" for k, v in summary[variant].items()))
+    record = {
+        "config": {
+            "old": commits["old"],
+            "new": commits["new"],
+            "new_has_uncommitted_changes": dirty,
+            "variants": args.variants,
+            "repeats": args.repeats,
+            "threads": "default",
+            "cpu_count": os.cpu_count(),
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+    with atomic_output_file(args.results) as tmp:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"results: {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
