@@ -285,8 +285,9 @@ def _kth_largest_bits(parts: list[np.ndarray], k: int) -> int:
     """The k-th largest (1-based) of non-negative int32 bit patterns given in parts, by the same
     two radix steps as the passes (top 16 bits, then the low 16 inside that bucket): quick
     whether the values are all distinct or, as τ of bfloat16 weights, a few dozen repeated
-    (where ``np.partition`` took ~30× as long as on distinct values). Counted by a compiled
-    loop where the loops are loaded already (NumPy's bincount of 2¹⁶ bins took ~1 ms here)."""
+    (where ``np.partition`` took ~16× as long as on distinct values). Counted by a compiled
+    loop where the loops are loaded already (on 43 K values here: 0.1–0.5 ms, the NumPy steps
+    0.5–1.1 ms)."""
     values = np.concatenate(parts)
     compiled = kernels.loaded()
     if compiled is not None:  # a merge that collected with the compiled loops loaded them
