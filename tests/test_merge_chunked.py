@@ -175,8 +175,9 @@ def test_structured_task_vectors_take_two_passes(monkeypatch, compiled, structur
 
 def test_a_first_run_of_every_period_misleads_the_sample_on_column_scales(monkeypatch):
     """Why the runs are hashed: reading the same run of every period (the same columns of every
-    row) on a matrix like the one above misplaces the band, and the exact passes follow (the torch path,
-    whose sample ``ops.run_offsets`` places; the compiled loops place it the same way)."""
+    row) on a matrix like the one above misplaces the band, and the exact passes follow (on the
+    torch path, whose sample ``ops.run_offsets`` places; the compiled loops place it the same
+    way)."""
     monkeypatch.setattr(kernels, "enabled", False)
     g = torch.Generator().manual_seed(12)
     tau = torch.randn(1024, 1024, generator=g) * torch.exp(0.7 * torch.randn(1, 1024, generator=g))

@@ -334,9 +334,10 @@ def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
         monkeypatch.setattr(kernels, "enabled", compiled)
         count = ops._tau_histograms(base, [expert], torch.float32)([finder, collecting], [0, 0])
         per_chunk = [count(part) for part in ops.chunks(base.numel())]
-        if compiled:
-            counted.append(count.totals()[0].long())
-            collected.append(count.totals()[1])
+        if compiled:  # totals() adds the worker threads' arrays up: once
+            histogram, kept = count.totals()
+            counted.append(histogram.long())
+            collected.append(kept)
         else:
             counted.append(sum(F.pad(c[0], (0, (2 << 16) + 2 - c[0].numel())) for c in per_chunk))
             collected.append(
