@@ -156,7 +156,12 @@ def test_only_the_per_job_pass_code_passes(worker):
     assert worker.run(_raw_job("import os\nos._exit(252)", **codes))["status"] == "failed"
     assert worker.run(_raw_job("import os\nos._exit(250)", **codes))["status"] == "crashed"
     assert worker.run(_raw_job("pass", **codes))["status"] == "passed"
-    assert worker.run(_raw_job("import os\nos._exit(251)"))["status"] == "crashed"
+    # Without fixed codes each job draws its own from 3…255: a guessed code passes one job in
+    # 253 (asserting that one job did not pass failed that often), and every job of four only if
+    # the code were fixed.
+    guessed = [worker.run(_raw_job("import os\nos._exit(251)"))["status"] for _ in range(4)]
+    assert guessed.count("passed") < 4
+    assert worker.run(_raw_job("import os\nos._exit(0)"))["status"] == "crashed"
 
 
 def test_pass_code_is_not_reachable_from_python(worker):
