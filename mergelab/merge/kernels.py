@@ -108,11 +108,12 @@ def all_finite_if_loaded(x: torch.Tensor) -> bool | None:
     """Whether ``x`` has no NaN/Inf, by a compiled loop, where the loops are already loaded (a
     merge method that uses them loaded them) and ``x`` is a contiguous bfloat16 or float32 CPU
     tensor; else ``None`` (check with torch: a linear merge does not load numba for this)."""
-    if _loops is None or not enabled or x.device.type != "cpu" or x.dtype not in _NATIVE:
+    compiled = loaded()
+    if compiled is None or x.device.type != "cpu" or x.dtype not in _NATIVE:
         return None
     if not x.is_contiguous():
         return None
-    return bool(_loops.all_finite(x.data_ptr(), x.dtype == torch.bfloat16, x.numel()))
+    return bool(compiled.all_finite(x.data_ptr(), x.dtype == torch.bfloat16, x.numel()))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

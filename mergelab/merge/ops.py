@@ -503,13 +503,12 @@ class KthLargestAbs:
         if top >= 1 and bottom <= m:
             high, _ = _locate(self._counts, top)
             low, _ = _locate(self._counts, bottom)
+            self._bucket, self._width = low, (high - low + 1) << 16
             sampled_inside = int(self._counts[low : high + 1].sum())
             if sampled_inside * (self.count / m) <= COLLECT_MAX // 2:
-                self._bucket, self._width = low, (high - low + 1) << 16
                 self._switch("collect", 0)
                 return
             if high - low + 1 <= _MAX_BAND_BUCKETS:
-                self._bucket, self._width = low, (high - low + 1) << 16
                 self._switch("band", self._width + 2)
                 return
         self._switch("high", _HIGH_BUCKETS)
