@@ -5,8 +5,9 @@ merged size, flushed to disk, and nothing else.
     python benchmarks/io_floor.py MODE OUT_BYTES OUT_DIR INPUT_FOLDER...
 
 It treats Python's garbage collector as the ``mergelab`` command does (none while torch is
-imported, ``mergelab/__init__.py``; none of torch's objects walked at exit, ``mergelab/cli.py``),
-so that the floor is no slower than a tool that does the least.
+imported, ``mergelab/__init__.py``) and ends as it does, without the interpreter's teardown
+(``os._exit`` once done, ``mergelab/cli.py``), so that the floor is no slower than a tool that
+does the least.
 """
 
 from __future__ import annotations
@@ -80,9 +81,11 @@ def main(argv: list[str]) -> int:
     if collecting:
         gc.enable()
     io_floor([Path(p) for p in inputs], int(out_bytes), Path(out_dir), mode=mode)
-    gc.freeze()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

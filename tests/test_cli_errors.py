@@ -230,6 +230,31 @@ def test_the_installed_command_prints_one_line(models, tmp_path):
     )
 
 
+def test_the_command_exits_without_teardown_yet_runs_exit_handlers_and_flushes(tmp_path):
+    """The command ends its process with ``os._exit`` once it returns (no interpreter teardown),
+    but the exit code is the command's, the exit handlers ran, and what was printed to a pipe
+    (block-buffered) reached it, in order."""
+    script = (
+        "import atexit, sys\n"
+        "from mergelab import cli\n"
+        "atexit.register(lambda: print('exit handler ran'))\n"
+        "print('before the command')\n"
+        "sys.exit(cli.main())\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("MERGELAB_DEBUG", None)
+    env.pop("PYTHONUNBUFFERED", None)  # stdout to a pipe is then block-buffered
+    missing = tmp_path / "missing.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "merge", "--config", str(missing), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines() == ["before the command", "exit handler ran"]
+    assert proc.stderr.startswith("mergelab merge: error:") and "missing.yaml" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_error_lines_for_each_kind_of_exception():
     from mergelab.errors import exit_code, one_line
 
