@@ -4,6 +4,9 @@ from the machine's noise (which moves single runs by a third here).
 
     python benchmarks/merge_ab.py --old 7f712a5 --variants ties breadcrumbs --repeats 3
 
+``--layers N`` takes the smaller set ``merge_speed.py --layers N`` made instead (where a fixed
+cost per process, such as start-up or exit, is a larger part of each run).
+
 The old revision is checked out into a temporary git worktree (removed at the end: only what
 this script created); the new one is this working tree. Both are byte-compiled and get their
 compiled loops ready before the timed runs (as ``merge_speed.py`` does), then every round runs
@@ -62,13 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-dir", default=".cache/merge_speed")
     parser.add_argument("--results", default="benchmarks/results/merge_ab.json")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LLAMA_SHAPE["num_hidden_layers"],
+        help="the synthetic set of this many layers (made by merge_speed.py --layers N)",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    folder = Path(args.cache_dir).resolve() / f"llama-{LLAMA_SHAPE['num_hidden_layers']}L"
+    folder = Path(args.cache_dir).resolve() / f"llama-{args.layers}L"
     if not (folder / "spec.json").is_file():
-        parser.error(f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py once")
+        parser.error(
+            f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py"
+            f" --layers {args.layers} once"
+        )
     work = Path(args.cache_dir).resolve() / "outputs"
     work.mkdir(parents=True, exist_ok=True)
     models = [folder / n for n in ("base", "expert_0", "expert_1")]
@@ -122,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_has_uncommitted_changes": dirty,
             "variants": args.variants,
             "repeats": args.repeats,
+            "layers": args.layers,
             "threads": "default",
             "cpu_count": os.cpu_count(),
         },
