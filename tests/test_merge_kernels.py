@@ -228,13 +228,22 @@ def test_loops_report_nonfinite_inputs_and_results(method, dtype):
         assert checks(base, e, out_dtype) == (True, False)
 
 
-def test_sfc64_stream_is_numpys():
-    state = kernels.sfc64_state(11, 1, 5)
-    reference = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(1, 5))).random_raw(9)
-    raw = np.empty(9, dtype=np.uint64)
-    kernels.loops().sfc64_fill(state, raw[:4], 4)  # in two calls: the state carries over
-    kernels.loops().sfc64_fill(state, raw[4:], 5)
-    assert raw.tolist() == reference.tolist()
+def test_sfc64_streams_are_numpys():
+    """Streams advanced DARE_LANES at a time in vector lanes, two groups of them, the last group
+    partly filled: each stream is NumPy's SFC64 stream for its (seed, expert, block)."""
+    keys = [(i, block) for block in range(5, 10) for i in range(2)]  # 10 streams: two groups
+    lanes = kernels.DARE_LANES
+    states = np.zeros((2, 4, lanes), dtype=np.uint64)
+    for at, (i, block) in enumerate(keys):
+        states[at // lanes, :, at % lanes] = kernels.sfc64_state(11, i, block)
+    head = np.zeros((2 * lanes, 4), dtype=np.uint64)
+    kernels.loops().sfc64_fill(states, head, 4)  # in two calls: the states carry over
+    tail = np.zeros((2 * lanes, 6), dtype=np.uint64)  # rows longer than the steps asked
+    kernels.loops().sfc64_fill(states, tail, 5)
+    rows = np.concatenate([head, tail[:, :5]], axis=1)
+    for at, (i, block) in enumerate(keys):
+        reference = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(i, block)))
+        assert rows[at].tolist() == reference.random_raw(9).tolist()
 
 
 def test_bfloat16_rounding_is_torchs():
@@ -353,12 +362,44 @@ def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
 
 
 def test_dare_three_experts_compiled_equals_torch(monkeypatch):
-    """Random streams drawn two at a time, plus an odd one."""
+    """Three streams per block, the blocks' streams advanced together in vector lanes."""
     base, experts = inputs(3, torch.bfloat16, seed=8)
     params = {"density": [0.2, 0.5, 0.7], "weight": [1.0, 0.5, 0.25]}
     for method in ("dare_linear", "dare_ties"):
         got = both_paths(monkeypatch, method, base, experts, params, out_dtype=torch.bfloat16)
         assert_same_bits(*got)
+
+
+@pytest.mark.parametrize(
+    "n_experts,density,blocks",
+    [(2, [0.3, 0.6], 4), (3, [0.2, 1.0, 0.5], 3), (5, 0.4, 3)],  # 8, 6 and 15 streams a chunk
+)
+def test_dare_chunks_of_several_blocks_compiled_equal_torch(
+    monkeypatch, n_experts, density, blocks
+):
+    """Chunks of several DARE blocks (their streams advanced together in the lanes of a vector,
+    two vectors' worth with five experts), the last block partial and ending in a partial tile:
+    the torch path's bits, whose masks NumPy draws block by block."""
+    numel = ROW * (5 * ops.DARE_BLOCK // ROW + 33)  # five blocks and a bit
+    monkeypatch.setattr(kernels, "dare_chunk", lambda numel, n: blocks * ops.DARE_BLOCK)
+    base, experts = inputs(n_experts, torch.bfloat16, seed=9, numel=numel)
+    for method in ("dare_linear", "dare_ties"):
+        params = {"density": density}
+        got = both_paths(monkeypatch, method, base, experts, params, out_dtype=torch.bfloat16)
+        assert_same_bits(*got)
+
+
+def test_dare_chunks_fill_the_lanes_and_leave_each_thread_work(monkeypatch):
+    block = ops.DARE_BLOCK
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert kernels.dare_chunk(16 * block, 2) == 4 * block  # 8 streams: one vector
+    assert kernels.dare_chunk(16 * block, 3) == 2 * block
+    assert kernels.dare_chunk(4 * block, 2) == 2 * block  # two chunks, one per thread
+    assert kernels.dare_chunk(3 * block, 2) == block
+    assert kernels.dare_chunk(block // 2, 1) == block
+    assert kernels.dare_chunk(16 * block, 9) == block
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert kernels.dare_chunk(16 * block, 1) == 8 * block
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -22,8 +22,11 @@ Every float32 operation is the one torch performs, in the same order: ``add_(x, 
 fused multiply-add in torch's vectorised kernels, so it is ``llvm.fma`` here; ``relu``, ``sign``,
 ``hardshrink`` and ``clamp`` keep torch's treatment of −0.0. The loops work on tiles of
 :data:`TILE` positions (the task vectors of a tile stay in L1), so LLVM vectorises each step.
-DARE's masks are the same as the torch path's: the SFC64 stream NumPy would produce for the block
-(state taken from ``numpy.random.SFC64``, then generated here), so no generator changes.
+DARE's masks are the same as the torch path's: the SFC64 stream NumPy would produce for each block
+and expert (state taken from ``numpy.random.SFC64``, then generated here), so no generator
+changes. A DARE chunk is several blocks (:func:`dare_chunk`), and the loop advances the streams
+of all its blocks and experts together, :data:`DARE_LANES` in the lanes of one vector register:
+SFC64 is one long dependency chain per stream, which a stream at a time cannot speed up.
 
 The stored dtypes are run-time flags, so each loop is compiled once, on first use, and cached on
 disk (numba's ``cache=True``, in ``__pycache__`` next to the module); numba itself is imported
@@ -64,6 +67,8 @@ KIND_SUM, KIND_ELECT = 0, 1
 DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM = 0, 1, 2
 # What a merge loop returns: bits set where it met NaN or Inf in an input or a stored result
 FOUND_IN_INPUT, FOUND_IN_RESULT = 1, 2
+# DARE's random streams the merge loop advances together, in the lanes of one vector register
+DARE_LANES = 8
 # Which run of each period a sampled histogram pass reads (ops.run_offsets): period p's
 # ((p · RUN_HASH) >> 16) mod stride, a multiplicative hash (Knuth's constant)
 RUN_HASH = 2654435761
@@ -214,6 +219,19 @@ def dare_limit(density: float) -> float:
     return _f32(1 + round(density * (1 << 23)) / (1 << 23))
 
 
+def dare_chunk(numel: int, n_dropping: int) -> int:
+    """Entries per chunk of a DARE merge of ``numel``-entry tensors: whole blocks of
+    ``ops.DARE_BLOCK``, as many as fill the DARE_LANES streams one merge loop advances
+    together (one per block and expert that drops), but no more than leave every worker
+    thread a chunk."""
+    from .ops import DARE_BLOCK
+
+    blocks = -(-numel // DARE_BLOCK)
+    fill = DARE_LANES // max(1, n_dropping)
+    share = blocks // max(1, torch.get_num_threads())
+    return max(1, min(fill, share)) * DARE_BLOCK
+
+
 def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
     """SFC64's state [a, b, c, counter] for ``SeedSequence(seed, spawn_key=(expert, block))``,
     the stream ops.dare_keep_block draws from."""
@@ -242,20 +260,19 @@ class ChunkMerger:
         self.params, self.scalars, self.flags = params, scalars, flags
         self.dare_seed = dare_seed
         self.dare = [i for i in range(len(experts)) if params[i, P_DARE_LIMIT] != 0]
-        self.states = np.zeros((len(experts), 4), dtype=np.uint64)
+        self.no_lanes = np.zeros((0, len(experts)), dtype=np.int64)
+        self.no_states = np.zeros((0, 4, DARE_LANES), dtype=np.uint64)
 
     def __call__(self, part: slice) -> None:
         from .ops import DARE_BLOCK, scratch
 
         m = part.stop - part.start
         addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
-        states = self.states
+        states, lanes = self.no_states, self.no_lanes
         if self.dare:
-            if part.start % DARE_BLOCK or m > DARE_BLOCK:
-                raise ValueError("DARE chunks must be whole blocks of ops.DARE_BLOCK entries")
-            states = self.states.copy()
-            for i in self.dare:
-                states[i] = sfc64_state(self.dare_seed, i, part.start // DARE_BLOCK)
+            if part.start % DARE_BLOCK:
+                raise ValueError("DARE chunks start at a multiple of ops.DARE_BLOCK entries")
+            states, lanes = self._streams(part.start // DARE_BLOCK, -(-m // DARE_BLOCK))
         direct = self.out.dtype in _NATIVE
         result = self.out[part] if direct else scratch("kernel-out", m)
         bf16_out = result.dtype == torch.bfloat16
@@ -269,8 +286,23 @@ class ChunkMerger:
             self.scalars,
             self.flags,
             states,
+            lanes,
+            DARE_BLOCK,
         )
         return _finish(self.out, part, result, direct, found)
+
+    def _streams(self, first: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """merge_chunk's ``states`` and ``lanes`` for blocks ``first`` … ``first + blocks − 1``:
+        one stream per block and expert that drops, DARE_LANES to a vector."""
+        lanes = np.full((blocks, self.no_lanes.shape[1]), -1, dtype=np.int64)
+        pairs = [(block, i) for block in range(blocks) for i in self.dare]
+        states = np.zeros((-(-len(pairs) // DARE_LANES), 4, DARE_LANES), dtype=np.uint64)
+        for lane, (block, i) in enumerate(pairs):
+            states[lane // DARE_LANES, :, lane % DARE_LANES] = sfc64_state(
+                self.dare_seed, i, first + block
+            )
+            lanes[block, i] = lane
+        return states, lanes
 
 
 def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, found: int) -> int:

@@ -13,6 +13,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from .kernels import (
+    DARE_LANES,
     DIVIDE_COUNT,
     DIVIDE_NONE,
     DIVIDE_WEIGHT_SUM,
@@ -115,7 +116,78 @@ def _f32_pointer(typingctx, address):
     return pointer(types.int64), codegen
 
 
+@intrinsic
+def _sfc64_lanes(typingctx, states, rows, steps, stride):
+    """``steps`` outputs of each of DARE_LANES SFC64 streams at once, the streams in the
+    lanes of one vector register (NumPy's algorithm, step for step): ``states`` is a C-ordered
+    uint64 [4, DARE_LANES] array (rows a, b, c, counter; advanced), lane l's p-th output goes to
+    ``rows[l · stride + p]`` (a C-ordered uint64 array). LLVM does not vectorise the scalar
+    form across streams (it cannot tell the state arrays from the output), so this writes the
+    vector operations itself."""
+    if states.layout != "C" or rows.layout != "C":
+        return None  # the offsets below assume C order: no signature for other layouts
+    sig = types.void(states, rows, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        state_type, rows_type, _, _ = signature.args
+        state = context.make_array(state_type)(context, builder, args[0])
+        out = context.make_array(rows_type)(context, builder, args[1])
+        steps, stride = args[2], args[3]
+        i64 = ir.IntType(64)
+        vector = ir.VectorType(i64, DARE_LANES)
+        first = builder.bitcast(state.data, i64.as_pointer())
+        slots = [
+            builder.bitcast(
+                builder.gep(first, [ir.Constant(i64, r * DARE_LANES)]), vector.as_pointer()
+            )
+            for r in range(4)
+        ]
+        start = [builder.load(slot, align=8) for slot in slots]
+        rows_start = builder.bitcast(out.data, i64.as_pointer())
+
+        def splat(value):
+            return ir.Constant(vector, [ir.Constant(i64, value)] * DARE_LANES)
+
+        entry = builder.block
+        header = builder.append_basic_block("sfc64_header")
+        body = builder.append_basic_block("sfc64_body")
+        done = builder.append_basic_block("sfc64_done")
+        builder.branch(header)
+        builder.position_at_end(header)
+        p = builder.phi(i64)
+        a, b, c, k = (builder.phi(vector) for _ in range(4))
+        for phi, value in zip((p, a, b, c, k), (ir.Constant(i64, 0), *start)):
+            phi.add_incoming(value, entry)
+        builder.cbranch(builder.icmp_signed("<", p, steps), body, done)
+        builder.position_at_end(body)
+        output = builder.add(builder.add(a, b), k)
+        rotated = builder.or_(builder.shl(c, splat(24)), builder.lshr(c, splat(40)))
+        advanced = (
+            builder.xor(b, builder.lshr(b, splat(11))),
+            builder.add(c, builder.shl(c, splat(3))),
+            builder.add(rotated, output),
+            builder.add(k, splat(1)),
+        )
+        for lane in range(DARE_LANES):
+            at = builder.add(p, builder.mul(stride, ir.Constant(i64, lane)))
+            value = builder.extract_element(output, ir.Constant(ir.IntType(32), lane))
+            builder.store(value, builder.gep(rows_start, [at]), align=8)
+        following = builder.add(p, ir.Constant(i64, 1))
+        for phi, value in zip((p, a, b, c, k), (following, *advanced)):
+            phi.add_incoming(value, body)
+        builder.branch(header)
+        builder.position_at_end(done)
+        for slot, value in zip(slots, (a, b, c, k)):
+            builder.store(value, slot, align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+_inline = numba.njit(
+    nogil=True, cache=True, error_model="numpy", boundscheck=False, inline="always"
+)
 
 
 @_jit
@@ -210,48 +282,12 @@ def _emit_checked(address, bf16, start, count, src):
 
 
 @_jit
-def sfc64_fill(state, raw, count):
-    """``count`` raw 64-bit outputs of SFC64 (NumPy's algorithm) into ``raw``; ``state`` =
-    [a, b, c, counter] is advanced."""
-    a, b, c, counter = state[0], state[1], state[2], state[3]
-    for p in range(count):
-        out = a + b + counter
-        counter += np.uint64(1)
-        a = b ^ (b >> np.uint64(11))
-        b = c + (c << np.uint64(3))
-        c = ((c << np.uint64(24)) | (c >> np.uint64(40))) + out
-        raw[p] = out
-    state[0], state[1], state[2], state[3] = a, b, c, counter
-
-
-@_jit
-def _fill_streams(state, experts, raw, count):
-    """:func:`sfc64_fill` for the streams of ``experts`` (rows of ``state`` and ``raw``), two
-    at a time: each stream is one long dependency chain, two interleaved keep the core busy."""
-    k = 0
-    while k + 1 < experts.shape[0]:
-        i, j = experts[k], experts[k + 1]
-        a, b, c, counter = state[i, 0], state[i, 1], state[i, 2], state[i, 3]
-        a2, b2, c2, counter2 = state[j, 0], state[j, 1], state[j, 2], state[j, 3]
-        out_i, out_j = raw[i], raw[j]
-        for p in range(count):
-            out = a + b + counter
-            counter += np.uint64(1)
-            a = b ^ (b >> np.uint64(11))
-            b = c + (c << np.uint64(3))
-            c = ((c << np.uint64(24)) | (c >> np.uint64(40))) + out
-            out_i[p] = out
-            out2 = a2 + b2 + counter2
-            counter2 += np.uint64(1)
-            a2 = b2 ^ (b2 >> np.uint64(11))
-            b2 = c2 + (c2 << np.uint64(3))
-            c2 = ((c2 << np.uint64(24)) | (c2 >> np.uint64(40))) + out2
-            out_j[p] = out2
-        state[i, 0], state[i, 1], state[i, 2], state[i, 3] = a, b, c, counter
-        state[j, 0], state[j, 1], state[j, 2], state[j, 3] = a2, b2, c2, counter2
-        k += 2
-    if k < experts.shape[0]:
-        sfc64_fill(state[experts[k]], raw[experts[k]], count)
+def sfc64_fill(states, rows, steps):
+    """:func:`_sfc64_lanes` for every group of DARE_LANES streams: ``states`` [g, 4,
+    DARE_LANES] (uint64, advanced), ``rows`` [g · DARE_LANES, ≥ steps]: stream l's outputs in
+    row l."""
+    for g in range(states.shape[0]):
+        _sfc64_lanes(states[g], rows[g * DARE_LANES :], steps, rows.shape[1])
 
 
 @_jit
@@ -284,60 +320,94 @@ def _add_row(acc, x, length, first, plain, w):
 
 
 @_jit
-def merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states):
+def merge_chunk(
+    addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states, lanes, block
+):
     """One chunk of m positions. ``addresses``: base then experts (int64, pointing at the
     chunk's first entry; bfloat16 bits if ``bf16_in`` else float32); ``out_address``: m entries
     (bfloat16 bits if ``bf16_out`` else float32); ``params``/``scalars``/``flags``: see the
-    P_/S_/F_ constants; ``states``: [n, 4] SFC64 states (uint64) of the experts DARE drops for
-    (a row is ignored where P_DARE_LIMIT is 0). Returns the NaN/Inf flags (FOUND_IN_INPUT: an
-    input entry, FOUND_IN_RESULT: a stored result entry).
+    P_/S_/F_ constants. Returns the NaN/Inf flags (FOUND_IN_INPUT: an input entry,
+    FOUND_IN_RESULT: a stored result entry).
+
+    DARE: the chunk is whole blocks of ``block`` entries (the last may be partial), each
+    expert's random bits in a block one SFC64 stream; ``lanes[bk, i]`` is the stream of block
+    bk and expert i (−1: it does not drop; no rows: no DARE), stream l's state is
+    ``states[l // DARE_LANES, :, l % DARE_LANES]`` (uint64 a, b, c, counter). All streams of
+    the chunk advance together, DARE_LANES in one vector (:func:`_sfc64_lanes`), so the
+    blocks are merged a tile of each in turn.
 
     Each step is a straight loop over a tile (no data-dependent branches: LLVM vectorises
     them), in the order of the torch operations it replaces."""
     n = addresses.shape[0] - 1
     tau = np.empty((n, TILE), dtype=np.float32)
     work = np.empty((8, TILE), dtype=np.float32)
-    raw = np.empty((n, TILE // 2), dtype=np.uint64)
+    raw = np.empty((states.shape[0] * DARE_LANES, TILE // 2), dtype=np.uint64)
     halves = raw.view(np.uint32)  # little-endian: entry j's 32 bits, low half first
-    dropping = np.array([i for i in range(n) if params[i, P_DARE_LIMIT] != _ZERO], np.int64)
-    b, x = work[0], work[7]
-    band = flags[F_BAND] != 0
     state = states.copy()
     bad_input = np.int64(0)
     bad_result = np.int64(0)
-    for t0 in range(0, m, TILE):
-        length = min(TILE, m - t0)
-        bad_input |= _load_checked(addresses[0], bf16_in, t0, length, b)
-        if dropping.shape[0]:  # DARE: this tile's random bits of every expert that drops
-            _fill_streams(state, dropping, raw, (length + 1) // 2)
-        for i in range(n):
-            bad_input |= _load_checked(addresses[1 + i], bf16_in, t0, length, x)
-            low, high = params[i, P_LOW], params[i, P_HIGH]
-            row = tau[i]
-            if band:  # breadcrumbs: trim below, then τ − hardshrink(τ, largest)
-                for j in range(length):
-                    d = x[j] - b[j]
-                    row[j] = _hardshrink(d, low) - _hardshrink(d, high)
-            else:
-                for j in range(length):
-                    row[j] = _hardshrink(x[j] - b[j], low)
-            limit = params[i, P_DARE_LIMIT]
-            if limit != _ZERO:
-                bits = halves[i]
-                for j in range(length):
-                    row[j] = row[j] * _keep_value(bits[j], limit)
-                divisor = params[i, P_DARE_DIVISOR]
-                if divisor != _ZERO:
-                    for j in range(length):
-                        row[j] = row[j] / divisor
-        if flags[F_KIND] == KIND_SUM:
-            result = _sum_rows(tau, work, length, params, flags, scalars)
-        elif n == 2:
-            result = _elect_merge_two(tau, work, length, params, flags, scalars)
-        else:
-            result = _elect_merge(tau, work, length, params, flags, scalars)
-        bad_result |= _emit_checked(out_address, bf16_out, t0, length, result)
+    if lanes.shape[0] == 0:
+        none = np.full(n, -1, dtype=np.int64)
+        for t0 in range(0, m, TILE):
+            bad = _merge_tile(addresses, bf16_in, t0, min(TILE, m - t0), out_address, bf16_out,
+                              params, scalars, flags, tau, work, halves, none)  # fmt: skip
+            bad_input |= bad[0]
+            bad_result |= bad[1]
+    else:
+        for t0 in range(0, min(block, m), TILE):
+            # this tile's random bits of every stream (the first block is the longest)
+            sfc64_fill(state, raw, (min(TILE, m - t0) + 1) // 2)
+            for bk in range(lanes.shape[0]):
+                first = bk * block + t0
+                if first < m:
+                    length = min(TILE, m - first, (bk + 1) * block - first)
+                    bad = _merge_tile(addresses, bf16_in, first, length, out_address, bf16_out,
+                                      params, scalars, flags, tau, work, halves, lanes[bk])  # fmt: skip
+                    bad_input |= bad[0]
+                    bad_result |= bad[1]
     return bad_input * FOUND_IN_INPUT + bad_result * FOUND_IN_RESULT
+
+
+@_inline
+def _merge_tile(
+    addresses, bf16_in, t0, length, out_address, bf16_out, params, scalars, flags, tau, work,
+    halves, lanes
+):  # fmt: skip
+    """merge_chunk's work on the tile of ``length`` positions from ``t0``; ``halves[lanes[i]]``:
+    expert i's random bits for it (DARE). Returns whether it met NaN/Inf in an input and in
+    a stored result (1 or 0 each). Inlined into merge_chunk (numba's IR inlining), as if
+    written there."""
+    n = tau.shape[0]
+    b, x = work[0], work[7]
+    band = flags[F_BAND] != 0
+    bad_input = _load_checked(addresses[0], bf16_in, t0, length, b)
+    for i in range(n):
+        bad_input |= _load_checked(addresses[1 + i], bf16_in, t0, length, x)
+        low, high = params[i, P_LOW], params[i, P_HIGH]
+        row = tau[i]
+        if band:  # breadcrumbs: trim below, then τ − hardshrink(τ, largest)
+            for j in range(length):
+                d = x[j] - b[j]
+                row[j] = _hardshrink(d, low) - _hardshrink(d, high)
+        else:
+            for j in range(length):
+                row[j] = _hardshrink(x[j] - b[j], low)
+        limit = params[i, P_DARE_LIMIT]
+        if limit != _ZERO:
+            bits = halves[lanes[i]]
+            for j in range(length):
+                row[j] = row[j] * _keep_value(bits[j], limit)
+            divisor = params[i, P_DARE_DIVISOR]
+            if divisor != _ZERO:
+                for j in range(length):
+                    row[j] = row[j] / divisor
+    if flags[F_KIND] == KIND_SUM:
+        result = _sum_rows(tau, work, length, params, flags, scalars)
+    elif n == 2:
+        result = _elect_merge_two(tau, work, length, params, flags, scalars)
+    else:
+        result = _elect_merge(tau, work, length, params, flags, scalars)
+    return bad_input, _emit_checked(out_address, bf16_out, t0, length, result)
 
 
 @_jit

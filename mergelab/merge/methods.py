@@ -560,7 +560,8 @@ def _dare_chunks(
             params[i, kernels.P_DARE_LIMIT] = kernels.dare_limit(d)
             params[i, kernels.P_DARE_DIVISOR] = d if rescale == "keep_rate" and d < 1 else 0.0
         merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags, dare_seed=seed)
-        _run_loop(merger, [base, *experts], out, ctx, ops.DARE_BLOCK)
+        size = kernels.dare_chunk(base.numel(), len(merger.dare))
+        _run_loop(merger, [base, *experts], out, ctx, size)
         return out.view(base.shape)
 
     def merge(part: slice) -> None:
