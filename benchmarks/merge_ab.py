@@ -101,12 +101,18 @@ def main(argv: list[str] | None = None) -> int:
                     env = {**tool_env(None), "PYTHONPATH": str(trees[name])}
                     cmd, out = mergelab_command(variant, folder, work)
                     shutil.rmtree(out, ignore_errors=True)
-                    wall, rss, cpu, rc = run_measured(cmd, env, cwd=str(trees[name]), warm=models)
+                    run = run_measured(cmd, env, cwd=str(trees[name]), warm=models)
+                    wall, cpu = run.wall, run.cpu
                     shutil.rmtree(out, ignore_errors=True)
-                    if rc != 0:
-                        raise SystemExit(f"{name} {variant} failed ({rc})")
+                    if run.returncode != 0:
+                        raise SystemExit(f"{name} {variant} failed ({run.returncode})")
                     runs[variant][name].append(
-                        {"s": round(wall, 2), "cpu_s": round(cpu, 2), "rss_mib": round(rss)}
+                        {
+                            "s": round(wall, 2),
+                            "cpu_s": round(cpu, 2),
+                            "rss_mib": round(run.rss_mib),
+                            "waits_s": run.waits,
+                        }
                     )
                     print(
                         f"round {round_ + 1} {variant:18s} {name}  {wall:6.1f} s  cpu {cpu:5.1f} s"

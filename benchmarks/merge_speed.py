@@ -19,7 +19,7 @@ The floors are subprocesses (``benchmarks/io_floor.py``) that import torch (both
 every byte of the input shards of the variant's models and then write one output of the merged
 size, flushed to disk (``fsync``, as mergelab's output is): the least a tool that reads its inputs
 and writes its output that way can take. They keep Python's garbage collector out of torch's
-import and exit, as the ``mergelab`` command does. "direct" maps the inputs and writes with
+import and end without the interpreter's teardown, as the ``mergelab`` command does. "direct" maps the inputs and writes with
 ``O_DIRECT`` (as mergelab does); "buffered" uses ``read()`` and ``write()`` through the page
 cache (as a plain tool does). They run in every round too (``--only-floor`` measures just them,
 into an existing results file).
@@ -27,6 +27,9 @@ Before the first round the inputs are read once (page cache) and an output-sized
 and deleted: on a VM the first writes into never-used memory cost several times more, whichever
 tool comes first. Every run starts after ``sync`` (nothing of the previous run is still being
 written back to disk) and with its inputs read through once more (still in the page cache).
+Each run also records how long the machine waited meanwhile, on I/O, for a CPU and for the
+hypervisor (``runs_waits_s``, :func:`machine_waits`): where a run's wall time went that its CPU
+time does not.
 
 Before the rounds, two fresh processes get mergelab's compiled loops ready
 (``mergelab.merge.kernels.warm_up``; seconds in ``kernels_ready_s``): the first compiles them if
@@ -47,6 +50,7 @@ compares every tensor of the two outputs (largest absolute difference, and how m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -56,6 +60,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -214,10 +219,38 @@ GNU_TIME = "/usr/bin/time"
 RSS_TAG = "mergelab-bench="
 
 
+class Measured(NamedTuple):
+    wall: float  # seconds
+    rss_mib: float  # peak
+    cpu: float  # user + system seconds
+    returncode: int
+    waits: dict[str, float]  # machine_waits() during the run (seconds)
+
+
+def machine_waits() -> dict[str, float]:
+    """Seconds since boot the machine spent waiting, as the kernel counts them: ``io_full``
+    (every runnable task stalled on I/O, /proc/pressure/io), ``cpu_some`` (some runnable task
+    waited for a CPU, /proc/pressure/cpu) and ``steal`` (the hypervisor ran something else on
+    this VM's CPUs, /proc/stat, all CPUs together). Keys whose file is missing are left out.
+    Their growth during a run says where a run's wall time went that its CPU time does not."""
+    waits: dict[str, float] = {}
+    for key, path, line in (("io_full", "io", "full"), ("cpu_some", "cpu", "some")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for row in Path(f"/proc/pressure/{path}").read_text().splitlines():
+                if row.startswith(line):
+                    waits[key] = int(row.rsplit("total=", 1)[1]) / 1e6
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        waits["steal"] = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    return waits
+
+
 def run_measured(
     cmd: list[str], env: dict[str, str], cwd: str | None = None, warm: list[Path] = ()
-) -> tuple[float, float, float, int]:
-    """(wall seconds, peak RSS in MiB, CPU seconds (user + system), exit code) of one subprocess.
+) -> Measured:
+    """Wall seconds, peak RSS in MiB, CPU seconds (user + system), exit code of one subprocess,
+    and how long the machine waited on I/O, for a CPU or for the hypervisor meanwhile
+    (:func:`machine_waits`).
 
     RSS and CPU time come from GNU time when present: Linux carries a process's ``ru_maxrss``
     across fork + exec, so a child forked straight from this (torch-importing) script would
@@ -230,6 +263,7 @@ def run_measured(
     # with its inputs in the page cache (a 3 GiB mergekit run can push some out)
     os.sync()
     read_through(warm)
+    before = machine_waits()
     start = time.perf_counter()
     proc = subprocess.Popen(
         full, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -238,6 +272,8 @@ def run_measured(
     _, status, usage = os.wait4(proc.pid, 0)
     returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
+    after = machine_waits()
+    waits = {key: round(after[key] - before[key], 2) for key in after.keys() & before.keys()}
     if returncode != 0:
         print(f"command failed ({returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
     rss_kib, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime  # KiB on Linux
@@ -245,7 +281,7 @@ def run_measured(
     if use_time and tagged:
         kib, user, system = tagged[-1].removeprefix(RSS_TAG).split()
         rss_kib, cpu = int(kib), float(user) + float(system)
-    return wall, rss_kib / 1024, cpu, returncode
+    return Measured(wall, rss_kib / 1024, cpu, returncode, waits)
 
 
 def run_repeated(
@@ -399,7 +435,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         cmd += [str(work / "floor"), *[str(folder / n) for n in names]]
         return cmd
 
-    runs: dict[tuple[str, str], list[tuple[float, float, float, int]]] = {}
+    runs: dict[tuple[str, str], list[Measured]] = {}
     sample = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
     diffs: dict[str, float] = {}
     for round_ in range(args.repeats):
@@ -443,6 +479,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return {
             "s": min(r[0] for r in got),
             "runs_s": [round(r[0], 2) for r in got],
+            "runs_waits_s": [r.waits for r in got],
             "cpu_s": min(r[2] for r in got),
             "rss_mib": max(r[1] for r in got),
             "ok": ok,
