@@ -260,6 +260,7 @@ class ChunkMerger:
         self.params, self.scalars, self.flags = params, scalars, flags
         self.dare_seed = dare_seed
         self.dare = [i for i in range(len(experts)) if params[i, P_DARE_LIMIT] != 0]
+        self.n_experts = len(experts)
         self.no_lanes = np.zeros((0, len(experts)), dtype=np.int64)
         self.no_states = np.zeros((0, 4, DARE_LANES), dtype=np.uint64)
 
@@ -294,7 +295,7 @@ class ChunkMerger:
     def _streams(self, first: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
         """merge_chunk's ``states`` and ``lanes`` for blocks ``first`` … ``first + blocks − 1``:
         one stream per block and expert that drops, DARE_LANES to a vector."""
-        lanes = np.full((blocks, self.no_lanes.shape[1]), -1, dtype=np.int64)
+        lanes = np.full((blocks, self.n_experts), -1, dtype=np.int64)
         pairs = [(block, i) for block in range(blocks) for i in self.dare]
         states = np.zeros((-(-len(pairs) // DARE_LANES), 4, DARE_LANES), dtype=np.uint64)
         for lane, (block, i) in enumerate(pairs):
