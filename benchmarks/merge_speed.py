@@ -479,6 +479,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return {
             "s": min(r[0] for r in got),
             "runs_s": [round(r[0], 2) for r in got],
+            "runs_cpu_s": [round(r[2], 2) for r in got],
             "runs_waits_s": [r.waits for r in got],
             "cpu_s": min(r[2] for r in got),
             "rss_mib": max(r[1] for r in got),
