@@ -110,11 +110,10 @@ def _exit_without_teardown(code: int) -> NoReturn:
     """End the process once a command has returned: the exit handlers run (logging's flush,
     those libraries registered) and the standard streams are flushed, as at any exit, but the
     interpreter does not then tear itself down. That teardown frees, one by one, every object
-    torch, numba and the rest created, memory the OS takes back at once anyway; after a merge
-    it took longer than some merges' own work (``docs/merge_performance.md``). Every command
-    has finished its work, and
-    closed and moved into place its outputs, before it returns; threads still alive then are
-    idle workers (the chunk pool), which the OS ends with the process."""
+    torch, numba and the rest created, memory the OS takes back at once anyway: a noticeable
+    part of a small merge's time (``docs/merge_performance.md``). Every command has finished
+    its work, and closed and moved into place its outputs, before it returns; threads still
+    alive then are idle workers (the chunk pool), which the OS ends with the process."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed pipe has nothing more to say
