@@ -19,9 +19,9 @@ The floors are subprocesses (``benchmarks/io_floor.py``) that import torch (both
 every byte of the input shards of the variant's models and then write one output of the merged
 size, flushed to disk (``fsync``, as mergelab's output is): the least a tool that reads its inputs
 and writes its output that way can take. They keep Python's garbage collector out of torch's
-import and end without the interpreter's teardown, as the ``mergelab`` command does. "direct" maps the inputs and writes with
-``O_DIRECT`` (as mergelab does); "buffered" uses ``read()`` and ``write()`` through the page
-cache (as a plain tool does). They run in every round too (``--only-floor`` measures just them,
+import and end without the interpreter's teardown, as the ``mergelab`` command does. "direct"
+maps the inputs and writes with ``O_DIRECT`` (as mergelab does); "buffered" uses ``read()`` and
+``write()`` through the page cache (as a plain tool does). They run in every round too (``--only-floor`` measures just them,
 into an existing results file).
 Before the first round the inputs are read once (page cache) and an output-sized file is written
 and deleted: on a VM the first writes into never-used memory cost several times more, whichever
@@ -290,8 +290,8 @@ def run_repeated(
     """Best wall time and highest peak RSS over ``repeats`` runs (the best time is the least
     disturbed by other processes; RSS does not depend on them)."""
     runs = [run_measured(cmd, env, cwd) for _ in range(repeats)]
-    failed = [rc for *_, rc in runs if rc != 0]
-    return min(r[0] for r in runs), max(r[1] for r in runs), failed[0] if failed else 0
+    failed = [r.returncode for r in runs if r.returncode != 0]
+    return min(r.wall for r in runs), max(r.rss_mib for r in runs), failed[0] if failed else 0
 
 
 def _threads_flag(threads: int | None) -> list[str]:
@@ -459,12 +459,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 result = run_measured(cmd, env, warm=models)
                 runs.setdefault((variant, tool), []).append(result)
                 print(
-                    f"round {round_ + 1} {variant:18s} {tool:9s} {result[0]:7.1f} s "
-                    f"{result[1]:7.0f} MiB  cpu {result[2]:6.1f} s  load {load_average()}",
+                    f"round {round_ + 1} {variant:18s} {tool:9s} {result.wall:7.1f} s "
+                    f"{result.rss_mib:7.0f} MiB  cpu {result.cpu:6.1f} s  load {load_average()}",
                     flush=True,
                 )
             if theirs is not None and not variant.startswith("dare") and round_ == 0:
-                if all(runs[(variant, t)][-1][3] == 0 for t in ("mergelab", "mergekit")):
+                if all(runs[(variant, t)][-1].returncode == 0 for t in ("mergelab", "mergekit")):
                     diffs[variant] = compare_outputs(out_ours, theirs[1], sample)
             for _, _, out in tools:
                 if not args.keep_outputs:  # 2 GB each; the inputs stay cached
@@ -475,14 +475,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
         got = runs.get(key)
         if not got:
             return None
-        ok = all(r[3] == 0 for r in got)
+        ok = all(r.returncode == 0 for r in got)
         return {
-            "s": min(r[0] for r in got),
-            "runs_s": [round(r[0], 2) for r in got],
-            "runs_cpu_s": [round(r[2], 2) for r in got],
+            "s": min(r.wall for r in got),
+            "runs_s": [round(r.wall, 2) for r in got],
+            "runs_cpu_s": [round(r.cpu, 2) for r in got],
             "runs_waits_s": [r.waits for r in got],
-            "cpu_s": min(r[2] for r in got),
-            "rss_mib": max(r[1] for r in got),
+            "cpu_s": min(r.cpu for r in got),
+            "rss_mib": max(r.rss_mib for r in got),
             "ok": ok,
         }
 
