@@ -12,7 +12,8 @@ this script created); the new one is this working tree. Both are byte-compiled a
 compiled loops ready before the timed runs (as ``merge_speed.py`` does), then every round runs
 each variant with both, the order alternating from round to round, each in its own subprocess
 at the default thread count, after ``sync`` and with the inputs read through (``run_measured``).
-The results (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both
+The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``:
+this machine pages out files nobody maps after a minute unread). The results (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both
 revisions' commits, and per variant the median of the new ÷ old wall-time ratios of the rounds
 (each round's pair ran back to back).
 """
@@ -29,13 +30,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from io_floor import shard_files
 from merge_speed import (
     LLAMA_SHAPE,
     VARIANTS,
+    Resident,
     load_average,
     mergelab_command,
+    proactive_reclaim,
     run_measured,
     tool_env,
+    tool_files,
 )
 
 from mergelab.outputs import atomic_output_file
@@ -92,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"old": old_tree, "new": ROOT}
     runs: dict[str, dict[str, list[dict]]] = {v: {"old": [], "new": []} for v in args.variants}
     try:
+        files = set(shard_files(models))
         for tree in trees.values():
-            prepare(tree, {**tool_env(None), "PYTHONPATH": str(tree)})
+            env = {**tool_env(None), "PYTHONPATH": str(tree)}
+            prepare(tree, env)
+            files.update(tool_files(env, cwd=tree))
+        held = Resident(sorted(files))  # see merge_speed.Resident
+        print(f"held in memory: {held.summary()}")
         for round_ in range(args.repeats):
             for i, variant in enumerate(args.variants):
                 order = ["old", "new"] if (round_ + i) % 2 == 0 else ["new", "old"]
@@ -143,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             "layers": args.layers,
             "threads": "default",
             "cpu_count": os.cpu_count(),
+            "proactive_reclaim": proactive_reclaim(),
+            "held_in_memory": held.summary(),
         },
         "summary": summary,
         "runs": runs,

@@ -25,7 +25,10 @@ maps the inputs and writes with ``O_DIRECT`` (as mergelab does); "buffered" uses
 into an existing results file).
 Before the first round the inputs are read once (page cache) and an output-sized file is written
 and deleted: on a VM the first writes into never-used memory cost several times more, whichever
-tool comes first. Every run starts after ``sync`` (nothing of the previous run is still being
+tool comes first. From then on the inputs and every file either tool's process loads stay
+mapped by the benchmark (:class:`Resident`: this VM pages out files nobody maps once they went
+unread for a minute, so a long run of one tool used to evict the inputs and the other tool's
+libraries, and the next run waited on the disk). Every run starts after ``sync`` (nothing of the previous run is still being
 written back to disk) and with its inputs read through once more (still in the page cache).
 Each run also records how long the machine waited meanwhile, on I/O, for a CPU and for the
 hypervisor (``runs_waits_s``, :func:`machine_waits`): where a run's wall time went that its CPU
@@ -53,6 +56,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -307,6 +311,103 @@ def tool_env(threads: int | None) -> dict[str, str]:
     return env
 
 
+# --- keeping the inputs and the tools in the page cache ----------------------------------------
+
+# What a tool's process loads, printed by a probe that imports what the tool imports: every
+# module's source and byte code, every file the process maps (shared libraries), and the files
+# in the folders of numba's on-disk caches (read with read(), not mapped)
+_FILES_PROBE = """
+import importlib.util, json, os, sys
+{imports}
+files = set()
+for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None)
+    if path:
+        files.add(os.path.realpath(path))
+        if path.endswith(".py"):
+            files.add(os.path.realpath(importlib.util.cache_from_source(path)))
+for line in open("/proc/self/maps"):
+    parts = line.split(maxsplit=5)
+    if len(parts) == 6 and parts[5].startswith("/"):
+        files.add(os.path.realpath(parts[5].strip()))
+for path in list(files):
+    if path.endswith("__pycache__") or "/__pycache__/" in path:
+        folder = os.path.dirname(path)
+        files.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".nbi", ".nbc")))
+print(json.dumps(sorted(f for f in files if os.path.isfile(f))))
+"""
+TOOL_IMPORTS = {
+    "mergelab": "import mergelab.cli, mergelab.merge.cli\n"
+    "from mergelab.merge import kernels\nkernels.warm_up()",
+    "mergekit": "import mergekit.scripts.run_yaml",
+}
+
+
+def tool_files(env: dict[str, str], cwd: Path | None = None) -> list[Path]:
+    """The files each tool's process loads (:data:`TOOL_IMPORTS`); a tool that is not
+    installed adds none."""
+    files: set[Path] = set()
+    for tool, imports in TOOL_IMPORTS.items():
+        done = subprocess.run(
+            [sys.executable, "-c", _FILES_PROBE.format(imports=imports)],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode == 0:
+            files.update(Path(f) for f in json.loads(done.stdout))
+        else:
+            print(f"{tool}: not importable, its files are not held ({done.stderr.strip()[-200:]})")
+    return sorted(files)
+
+
+def proactive_reclaim() -> str | None:
+    """What this machine's kernel pages out on its own (DAMON schemes that page out memory,
+    /sys/kernel/mm/damon), or ``None``."""
+    found = []
+    for kdamond in sorted(Path("/sys/kernel/mm/damon/admin/kdamonds").glob("[0-9]*")):
+        with contextlib.suppress(OSError):
+            if (kdamond / "state").read_text().strip() != "on":
+                continue
+            for scheme in sorted(kdamond.glob("contexts/*/schemes/[0-9]*")):
+                if (scheme / "action").read_text().strip() == "pageout":
+                    age = scheme / "access_pattern/age/min"
+                    aggr = scheme.parent.parent / "monitoring_attrs/intervals/aggr_us"
+                    idle_s = int(age.read_text()) * int(aggr.read_text()) / 1e6
+                    found.append(f"DAMON pages out memory idle for {idle_s:g} s")
+    return "; ".join(found) or None
+
+
+class Resident:
+    """Holds files in the page cache: a read-only shared map of each, filled at once
+    (``MAP_POPULATE``), for as long as this object (in practice: the benchmark's process) lives.
+
+    Some VMs page out file pages that no process maps once they go unread for a while, even
+    with most memory free (:func:`proactive_reclaim`; on this project's machine: idle for 60 s,
+    up to 128 MiB a second). Over a benchmark that evicts the inputs while a long run of the
+    other tool goes on (and during the next run, whose reads then wait on the disk), and the
+    libraries of the tool that ran least recently. Mapped pages are left alone, so the benchmark
+    maps the inputs and both tools' files for its whole length: every run finds them in memory,
+    as on a machine that
+    keeps its page cache, whichever tool ran before."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.maps: list[mmap.mmap] = []
+        self.bytes = 0
+        for path in paths:
+            with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    continue
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self.maps.append(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
+                self.bytes += size
+
+    def summary(self) -> dict:
+        return {"files": len(self.maps), "mib": round(self.bytes / 2**20)}
+
+
 # --- the read-and-write floor ------------------------------------------------------------------
 
 
@@ -428,6 +529,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     kernel_load = kernels_load_times(env)
 
     models = [folder / n for n in ("base", "expert_0", "expert_1")]
+    reclaim = proactive_reclaim()
+    held = Resident([] if args.no_hold else [*shard_files(models), *tool_files(env)])
+    print(f"machine pages out on its own: {reclaim}; held in memory: {held.summary()}")
 
     def floor_command(n_inputs: int, mode: str) -> list[str]:
         names = ["expert_0", "expert_1"] if n_inputs == 2 else ["base", "expert_0", "expert_1"]
@@ -535,6 +639,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "kernels_ready_s": {"first_process": kernel_load[0], "cached": kernel_load[1]},
             "load_average_before": load_before,
             "load_average_after": load_after,
+            "proactive_reclaim": reclaim,
+            "held_in_memory": held.summary(),
         },
         "floor": floors,
         "rows": rows,
@@ -674,6 +780,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-mergekit", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="rounds; best time kept")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the merged checkpoints")
+    parser.add_argument(
+        "--no-hold",
+        action="store_true",
+        help="do not hold the inputs and the tools' files in memory (see Resident)",
+    )
     parser.add_argument(
         "--only-floor",
         action="store_true",
