@@ -117,6 +117,24 @@ def _f32_pointer(typingctx, address):
 
 
 @intrinsic
+def _prefetch(typingctx, address):
+    """Ask the CPU to start loading the cache line at the int64 ``address`` (a hint: no fault,
+    no result)."""
+
+    def codegen(context, builder, signature, args):
+        pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [pointer], ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32])
+        )
+        # read, keep in every cache level, data (not instructions)
+        builder.call(fn, [builder.inttoptr(args[0], pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
+@intrinsic
 def _sfc64_lanes(typingctx, states, rows, steps, stride):
     """``steps`` outputs of each of DARE_LANES SFC64 streams at once, the streams in the
     lanes of one vector register (NumPy's algorithm, step for step): ``states`` is a C-ordered
@@ -636,6 +654,30 @@ def _load_sample(address, bf16, m, first, count, step, run, dst):
 
 
 @_jit
+def _prefetch_sample(address, bf16, m, first, count, step, run):
+    """Start loading the cache lines :func:`_load_sample` will read for the same arguments
+    (``step`` > 1): each run is a line or two, and a run's lines are not next to the last
+    run's, so without this every run waits for its own lines to arrive."""
+    period = run * step
+    full = m // period
+    width = 2 if bf16 else 4
+    for r in range(0, count, run):
+        p = (first + r) // run
+        start = p * period
+        if p < full:
+            start += ((p * RUN_HASH) >> 16) % step * run
+        n = min(run, count - r, m - start)
+        if n <= 0:
+            break
+        lo = address + width * start
+        hi = lo + width * n - 1
+        while lo <= hi:
+            _prefetch(lo)
+            lo += 64
+        _prefetch(hi)
+
+
+@_jit
 def tau_abs_histograms(
     addresses, bf16, m, step, run, experts, top_bits, lows, widths, collect, counts, values, filled
 ):
@@ -659,6 +701,13 @@ def tau_abs_histograms(
     ends = np.zeros((n_passes, 2), dtype=np.int64)  # below, above the band
     for t0 in range(0, total, _GROUPED):
         length = min(_GROUPED, total - t0)
+        if step > 1 and t0 + _GROUPED < total:  # the next tile's runs, while this one counts
+            after = min(_GROUPED, total - t0 - _GROUPED)
+            _prefetch_sample(addresses[0], bf16, m, t0 + _GROUPED, after, step, run)
+            for k in range(n_passes):
+                if k == 0 or experts[k] != experts[k - 1]:
+                    e = addresses[1 + experts[k]]
+                    _prefetch_sample(e, bf16, m, t0 + _GROUPED, after, step, run)
         _load_sample(addresses[0], bf16, m, t0, length, step, run, base)
         loaded = -1
         for k in range(n_passes):
