@@ -330,9 +330,8 @@ for line in open("/proc/self/maps"):
     parts = line.split(maxsplit=5)
     if len(parts) == 6 and parts[5].startswith("/"):
         files.add(os.path.realpath(parts[5].strip()))
-for path in list(files):
-    if path.endswith("__pycache__") or "/__pycache__/" in path:
-        folder = os.path.dirname(path)
+for folder in {os.path.dirname(f) for f in files if "/__pycache__/" in f}:
+    if os.path.isdir(folder):
         files.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".nbi", ".nbc")))
 print(json.dumps(sorted(f for f in files if os.path.isfile(f))))
 """
