@@ -415,3 +415,23 @@ def test_finiteness_check_compiled_equals_torch(monkeypatch, dtype):
     monkeypatch.setattr(kernels, "enabled", False)
     assert kernels.all_finite_if_loaded(x) is None
     assert kernels.all_finite_if_loaded(torch.randn(10, dtype=torch.float16)) is None
+
+
+def test_locate_compiled_equals_numpy(monkeypatch):
+    """The bucket of the k-th largest and the rank inside it, found from the top by the compiled
+    loop and by NumPy's cumulative sum, for sparse and dense histograms and every kind of k:
+    the first, one inside a bucket, one at a bucket's edge, the last."""
+    kernels.loops()  # ops._locate uses the compiled loop once the loops are loaded
+    rng = np.random.default_rng(3)
+    for bins in (1, 7, 1 << 15, (1 << 16) + 2):
+        for density in (0.001, 0.5, 1.0):
+            counts = rng.integers(1, 5, bins) * (rng.random(bins) < density)
+            counts[rng.integers(bins)] += 1  # never empty
+            counts = counts.astype(np.int64)
+            total = int(counts.sum())
+            edge = int(counts[::-1].cumsum()[min(2, bins - 1)])  # the last item of a bucket
+            for k in sorted({1, max(1, total // 3), edge, total}):
+                compiled = ops._locate(counts, k)
+                with monkeypatch.context() as m:
+                    m.setattr(kernels, "loaded", lambda: None)
+                    assert compiled == ops._locate(counts, k), (bins, density, k)

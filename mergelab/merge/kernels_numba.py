@@ -786,17 +786,17 @@ def kth_largest_bits(values, k):
     buckets = np.zeros(last - first + 1, dtype=np.int64)
     for v in values:
         buckets[(v >> 16) - first] += 1
-    bucket, rank = _locate_from_top(buckets, k)
+    bucket, rank = locate_from_top(buckets, k)
     lows = np.zeros(1 << 16, dtype=np.int64)
     for v in values:
         if (v >> 16) - first == bucket:
             lows[v & 0xFFFF] += 1
-    low, _ = _locate_from_top(lows, rank)
+    low, _ = locate_from_top(lows, rank)
     return ((first + bucket) << 16) | low
 
 
 @_jit
-def _locate_from_top(counts, k):
+def locate_from_top(counts, k):
     """ops._locate: the bin holding the k-th largest item, and its rank inside it."""
     above = 0
     for i in range(counts.shape[0] - 1, -1, -1):

@@ -273,7 +273,14 @@ def _bits_to_float(bits: int) -> float:
 
 
 def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
-    """Bucket holding the k-th largest (1-based) item of a histogram, and its rank inside it."""
+    """Bucket holding the k-th largest (1-based, at most the total) item of a histogram, and its
+    rank inside it. A compiled loop from the top where the loops are loaded (it stops at the
+    bucket; NumPy's cumulative sum of a reversed view took ~0.15 ms for 2¹⁶ bins, four times a
+    tensor)."""
+    compiled = kernels.loaded()
+    if compiled is not None and counts.dtype == np.int64:
+        bucket, rank = compiled.locate_from_top(counts, k)
+        return int(bucket), int(rank)
     from_top = np.cumsum(counts[::-1])
     i = int(np.searchsorted(from_top, k))  # the first bucket from the top reaching k
     bucket = counts.size - 1 - i
