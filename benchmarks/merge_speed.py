@@ -348,7 +348,7 @@ def tool_files(env: dict[str, str], cwd: Path | None = None) -> list[Path]:
     files: set[Path] = set()
     for tool, imports in TOOL_IMPORTS.items():
         done = subprocess.run(
-            [sys.executable, "-c", _FILES_PROBE.format(imports=imports)],
+            [sys.executable, "-c", _FILES_PROBE.replace("{imports}", imports)],
             env=env,
             cwd=cwd,
             capture_output=True,
