@@ -502,6 +502,19 @@ def mergekit_command(
     return [*cmd, "--random-seed", "0", "--no-write-model-card", "--no-copy-tokenizer"], out
 
 
+def _commit() -> str | None:
+    """The checked-out commit, with "+changes" when mergelab's files differ from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "HEAD").strip()
+    if not head:
+        return None
+    return head + ("+changes" if git("status", "--porcelain", "--", "mergelab").strip() else "")
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -629,6 +642,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "torch_default_threads": torch.get_num_threads(),
             "repeats": args.repeats,
             "variants": {v: VARIANTS[v] for v in args.variants},
+            "commit": _commit(),
             "machine": platform.platform(),
             "cpu_count": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
@@ -746,6 +760,7 @@ def run_mergekit_config(args: argparse.Namespace, env: dict[str, str]) -> int:
             "mergekit_config": config.read_text(),
             "threads": args.threads,
             "repeats": args.repeats,
+            "commit": _commit(),
             "machine": platform.platform(),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
