@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -171,44 +170,6 @@ def test_two_pass_prepare_streams_inputs_again(ckpts, tmp_path):
             assert torch.equal(got[n], expected), n
     finally:
         unregister_merge_method("test_global_clip")
-
-
-def test_a_whole_model_pass_maps_the_next_tensor_ahead(ckpts, monkeypatch):
-    """A prepare pass over stored inputs (whole-model TIES) gets every floating tensor in plan
-    order, the same views a mapping in turn gives, the next tensor's mapped by a background
-    thread; a tensor whose mapping fails raises when its turn comes, after the ones before."""
-    (base, e0, e1), _ = ckpts
-    plan = plan_checkpoint_merge("ties", base, [e0, e1], params={"trim_scope": "model"})
-    try:
-        in_turn = [(t.name, plan.load(t, check=False, stored=True)) for t in plan.tensors]
-        in_turn = [(name, loaded) for name, loaded in in_turn if loaded is not None]
-        mapped_by, original = [], CheckpointFolder.map
-
-        def spy(folder, name):
-            mapped_by.append(threading.current_thread().name)
-            return original(folder, name)
-
-        monkeypatch.setattr(CheckpointFolder, "map", spy)
-        got = list(plan.iter_inputs(stored=True))
-        assert [name for name, *_ in got] == [name for name, _ in in_turn]
-        for (_, b, es), (_, (b0, es0)) in zip(got, in_turn):
-            assert torch.equal(b, b0) and all(torch.equal(x, y) for x, y in zip(es, es0))
-        assert any(n.startswith("mergelab-pass-reader") for n in mapped_by)
-        bad = in_turn[3][0]
-
-        def failing(folder, name):
-            if name == bad:
-                raise MergeInputError(f"cannot map {name}")
-            return original(folder, name)
-
-        monkeypatch.setattr(CheckpointFolder, "map", failing)
-        seen = []
-        with pytest.raises(MergeInputError, match=f"cannot map {bad}"):
-            for name, *_ in plan.iter_inputs(stored=True):
-                seen.append(name)
-        assert seen == [name for name, _ in in_turn[:3]]
-    finally:
-        plan.close()
 
 
 def test_output_loads_with_automodel_and_matches(ckpts, tmp_path):

@@ -819,32 +819,11 @@ class CheckpointMergePlan:
         """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
         reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
         dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
-        chunk by chunk).
-
-        With ``stored``, the next tensor's inputs are mapped in a background thread while the
-        caller works on this one (the kernel fills a map's page tables up front, which took the
-        pass's own thread away from counting), except the largest tensors' (``_buffer_set``),
-        which are mapped in turn; an error mapping a tensor is raised when its turn comes."""
-        if not stored:
-            for t in self.tensors:
-                loaded = self.load(t, "-pass", check=False, stored=False)
-                if loaded is not None:
-                    yield (t.name, *loaded)
-            return
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-pass-reader") as reader:
-            ahead: Future | None = None
-            for index, t in enumerate(self.tensors):
-                if ahead is not None:
-                    loaded, ahead = ahead.result(), None
-                else:
-                    loaded = self.load(t, check=False, stored=True)
-                following = index + 1
-                if following < len(self.tensors) and self._buffer_set(following) != "-large":
-                    ahead = reader.submit(
-                        self.load, self.tensors[following], check=False, stored=True
-                    )
-                if loaded is not None:
-                    yield (t.name, *loaded)
+        chunk by chunk)."""
+        for t in self.tensors:
+            loaded = self.load(t, "-pass", check=False, stored=stored)
+            if loaded is not None:
+                yield (t.name, *loaded)
 
     def streams_stored(self, name: str) -> bool:
         """Whether tensor ``name`` reaches the method in its stored dtype (``ctx.dtype`` set): a
