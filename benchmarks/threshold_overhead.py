@@ -5,7 +5,7 @@ with NumPy's cumulative sum over a reversed view (the code before 1d7f500), alte
     python benchmarks/threshold_overhead.py
 
 One thread; base and two experts of each size in bfloat16 (base ~ N(0, 0.02²), expert = base +
-N(0, 0.002²), the merge benchmark's statistics), in memory; both experts' 20 % thresholds
+N(0, 0.002²), the merge benchmark's statistics), in memory; both experts' 20 % thresholds, τ in float32
 (``ops.tau_kth_largest_abs``), as per-tensor TIES finds them. Each round times ``--calls`` calls
 of each variant, the order alternating; the results (``--results``, JSON) keep every round's
 milliseconds per tensor and the median, and check that both variants found the same thresholds.
@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             for variant in order:
                 ops._locate = compiled_locate if variant == "compiled" else numpy_locate
                 try:
-                    found[variant] = ops.tau_kth_largest_abs(base, experts, [[k], [k]])
+                    found[variant] = ops.tau_kth_largest_abs(
+                        base, experts, [[k], [k]], torch.float32
+                    )
                     start = time.perf_counter()
                     for _ in range(args.calls):
-                        ops.tau_kth_largest_abs(base, experts, [[k], [k]])
+                        ops.tau_kth_largest_abs(base, experts, [[k], [k]], torch.float32)
                     times[variant].append((time.perf_counter() - start) / args.calls * 1e3)
                 finally:
                     ops._locate = compiled_locate
