@@ -12,10 +12,11 @@ this script created); the new one is this working tree. Both are byte-compiled a
 compiled loops ready before the timed runs (as ``merge_speed.py`` does), then every round runs
 each variant with both, the order alternating from round to round, each in its own subprocess
 at the default thread count, after ``sync`` and with the inputs read through (``run_measured``).
-The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``:
-this machine pages out files nobody maps after a minute unread). The results (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both
-revisions' commits, and per variant the median of the new ÷ old wall-time ratios of the rounds
-(each round's pair ran back to back).
+The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``: this
+machine pages out file pages nobody maps once they look idle for a minute). The results
+(``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both revisions'
+commits, and per variant the median of the new ÷ old wall-time ratios of the rounds (each
+round's pair ran back to back).
 """
 
 from __future__ import annotations

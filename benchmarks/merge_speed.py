@@ -26,10 +26,11 @@ into an existing results file).
 Before the first round the inputs are read once (page cache) and an output-sized file is written
 and deleted: on a VM the first writes into never-used memory cost several times more, whichever
 tool comes first. From then on the inputs and every file either tool's process loads stay
-mapped by the benchmark (:class:`Resident`: this VM pages out files nobody maps once they went
-unread for a minute, so a long run of one tool used to evict the inputs and the other tool's
-libraries, and the next run waited on the disk). Every run starts after ``sync`` (nothing of the previous run is still being
-written back to disk) and with its inputs read through once more (still in the page cache).
+mapped by the benchmark (:class:`Resident`: this VM pages out file pages nobody maps once they
+look idle for a minute, a single read not counting as use, so during a long run of one tool the
+inputs and the other tool's libraries left the page cache, and runs waited on the disk). Every
+run starts after ``sync`` (nothing of the previous run is still being written back to disk) and
+with its inputs read through once more (still in the page cache).
 Each run also records how long the machine waited meanwhile, on I/O, for a CPU and for the
 hypervisor (``runs_waits_s``, :func:`machine_waits`): where a run's wall time went that its CPU
 time does not.
@@ -382,14 +383,15 @@ class Resident:
     """Holds files in the page cache: a read-only shared map of each, filled at once
     (``MAP_POPULATE``), for as long as this object (in practice: the benchmark's process) lives.
 
-    Some VMs page out file pages that no process maps once they go unread for a while, even
-    with most memory free (:func:`proactive_reclaim`; on this project's machine: idle for 60 s,
-    up to 128 MiB a second). Over a benchmark that evicts the inputs while a long run of the
-    other tool goes on (and during the next run, whose reads then wait on the disk), and the
-    libraries of the tool that ran least recently. Mapped pages are left alone, so the benchmark
-    maps the inputs and both tools' files for its whole length: every run finds them in memory,
-    as on a machine that
-    keeps its page cache, whichever tool ran before."""
+    Some VMs page out file pages that no process maps once they look idle for a while, even
+    with most memory free (:func:`proactive_reclaim`; on this project's machine: pages its
+    monitor saw used at most once per 5 s window for 60 s, up to 128 MiB a second; one read of
+    a file does not count as use, ``benchmarks/page_cache_hold.py``). Over a benchmark that
+    evicts the inputs while a long run of the other tool goes on (and during the next run,
+    whose reads then wait on the disk), and the libraries of the tool that ran least recently.
+    Mapped pages are left alone, so the benchmark maps the inputs and both tools' files for its
+    whole length: every run finds them in memory, as on a machine that keeps its page cache,
+    whichever tool ran before."""
 
     def __init__(self, paths: list[Path]) -> None:
         self.maps: list[mmap.mmap] = []

@@ -656,8 +656,8 @@ def _load_sample(address, bf16, m, first, count, step, run, dst):
 @_jit
 def _prefetch_sample(address, bf16, m, first, count, step, run):
     """Start loading the cache lines :func:`_load_sample` will read for the same arguments
-    (``step`` > 1): each run is a line or two, and a run's lines are not next to the last
-    run's, so without this every run waits for its own lines to arrive."""
+    (``step`` > 1): each run is a line or two at a hashed offset, not next to the last run's,
+    so the CPU's own prefetchers do not fetch them ahead."""
     period = run * step
     full = m // period
     width = 2 if bf16 else 4

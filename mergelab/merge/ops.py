@@ -275,8 +275,8 @@ def _bits_to_float(bits: int) -> float:
 def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     """Bucket holding the k-th largest (1-based, at most the total) item of a histogram, and its
     rank inside it. A compiled loop from the top where the loops are loaded (it stops at the
-    bucket; NumPy's cumulative sum of a reversed view took ~0.15 ms for 2¹⁶ bins, four times a
-    tensor)."""
+    bucket), else NumPy's cumulative sum of a reversed view, the slower of the two
+    (``benchmarks/threshold_overhead.py`` times both per tensor)."""
     compiled = kernels.loaded()
     if compiled is not None and counts.dtype == np.int64:
         bucket, rank = compiled.locate_from_top(counts, k)
