@@ -1,6 +1,7 @@
 """What finding a tensor's exact TIES thresholds costs besides its passes: the bookkeeping between
 them, per tensor size, with ``ops._locate`` walking the bins in the compiled loop (the code) and
-with NumPy's cumulative sum over a reversed view (the code before 1d7f500), alternating.
+with NumPy's cumulative sum over a reversed view (``ops._locate_numpy``, the code before
+1d7f500), alternating.
 
     python benchmarks/threshold_overhead.py
 
@@ -22,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mergelab.merge import kernels, ops
@@ -33,14 +33,6 @@ SIZES = {
     "q/o projection (1024×1024)": (1024, 1024),
     "MLP (4096×1024)": (4096, 1024),
 }
-
-
-def numpy_locate(counts: np.ndarray, k: int) -> tuple[int, int]:
-    """``ops._locate`` as it was before the compiled walk (NumPy only)."""
-    from_top = np.cumsum(counts[::-1])
-    i = int(np.searchsorted(from_top, k))
-    bucket = counts.size - 1 - i
-    return bucket, k - (int(from_top[i]) - int(counts[bucket]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             order = ["compiled", "numpy"] if round_ % 2 == 0 else ["numpy", "compiled"]
             for variant in order:
-                ops._locate = compiled_locate if variant == "compiled" else numpy_locate
+                ops._locate = compiled_locate if variant == "compiled" else ops._locate_numpy
                 try:
                     found[variant] = ops.tau_kth_largest_abs(
                         base, experts, [[k], [k]], torch.float32

@@ -433,5 +433,6 @@ def test_locate_compiled_equals_numpy(monkeypatch):
             for k in sorted({1, max(1, total // 3), edge, total}):
                 compiled = ops._locate(counts, k)
                 with monkeypatch.context() as m:
-                    m.setattr(kernels, "loaded", lambda: None)
+                    m.setattr(kernels, "loaded", lambda: None)  # the fallback _locate takes
                     assert compiled == ops._locate(counts, k), (bins, density, k)
+                assert compiled == ops._locate_numpy(counts, k)

@@ -643,14 +643,18 @@ def _load_sample(address, bf16, m, first, count, step, run, dst):
     if step == 1:
         _load(address, bf16, first, count, dst)
         return
-    period = run * step
-    full = m // period
     for r in range(0, count, run):
-        p = (first + r) // run
-        start = p * period
-        if p < full:
-            start += ((p * RUN_HASH) >> 16) % step * run
+        start = _run_start((first + r) // run, m, step, run)
         _load(address, bf16, start, min(run, count - r, m - start), dst[r:])
+
+
+@_inline
+def _run_start(p, m, step, run):
+    """Where the sampled run of period ``p`` starts among the m entries (ops._sample_runs)."""
+    start = p * run * step
+    if p < m // (run * step):  # a complete period: the run ops.run_offsets picks
+        start += ((p * RUN_HASH) >> 16) % step * run
+    return start
 
 
 @_jit
@@ -658,14 +662,9 @@ def _prefetch_sample(address, bf16, m, first, count, step, run):
     """Start loading the cache lines :func:`_load_sample` will read for the same arguments
     (``step`` > 1): each run is a line or two at a hashed offset, not next to the last run's,
     so the CPU's own prefetchers do not fetch them ahead."""
-    period = run * step
-    full = m // period
     width = 2 if bf16 else 4
     for r in range(0, count, run):
-        p = (first + r) // run
-        start = p * period
-        if p < full:
-            start += ((p * RUN_HASH) >> 16) % step * run
+        start = _run_start((first + r) // run, m, step, run)
         n = min(run, count - r, m - start)
         if n <= 0:
             break

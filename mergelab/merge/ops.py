@@ -281,6 +281,11 @@ def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     if compiled is not None and counts.dtype == np.int64:
         bucket, rank = compiled.locate_from_top(counts, k)
         return int(bucket), int(rank)
+    return _locate_numpy(counts, k)
+
+
+def _locate_numpy(counts: np.ndarray, k: int) -> tuple[int, int]:
+    """:func:`_locate` in NumPy (without the compiled loops)."""
     from_top = np.cumsum(counts[::-1])
     i = int(np.searchsorted(from_top, k))  # the first bucket from the top reaching k
     bucket = counts.size - 1 - i
