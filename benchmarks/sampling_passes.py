@@ -6,13 +6,19 @@ weight matrices have: rows or columns of different scales, or a low-rank update.
 
 Two passes is the least (a sampled pass, then one exact pass over the band the sample brackets);
 four means the sample misplaced the band, or the band could not be counted, and the two exact
-radix passes followed. Four variants of ``KthLargestAbs``, each on the same tensors:
+radix passes followed. Five variants of ``KthLargestAbs``, each on the same tensors:
 
 * ``fixed runs, histogram band``: the sampled pass reads the first run of every period and the
   band is histogrammed (at most ``ops._MAX_BAND_BUCKETS`` buckets), as before 2026-12-02;
 * ``hashed runs, histogram band``: the run of each period picked by ``ops.run_offsets``;
 * ``fixed runs, collected band``: the band's values kept when the sample says they are few;
-* ``hashed runs, collected band``: both (mergelab's current code).
+* ``hashed runs, collected band``: both;
+
+these four with a 1/8 sample (``ops.SAMPLE_STRIDE``), and
+
+* ``hashed runs, collected band, sparser sample``: both, with the sample as sparse as
+  ``ops.sample_stride`` makes it (1/16 of 1024×1024, 1/32 of the 4M-entry shapes: mergelab's
+  current code).
 
 Every result is checked against a sort. The torch path counts (the compiled loops sample and
 count the same entries, ``tests/test_merge_kernels.py``); pass counts do not depend on the
@@ -35,11 +41,13 @@ SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096)]
 STRUCTURES = ["iid", "row scales", "column scales", "row and column scales", "low rank"]
 # TIES' trim (density 0.2) and the smallest |τ| breadcrumbs keeps (density 0.9, gamma 0.01)
 RANKS = {"top 20%": 0.2, "top 91%": 0.91}
+# name: (hashed runs, collected band, sparser sample)
 VARIANTS = {
-    "fixed runs, histogram band": (False, False),
-    "hashed runs, histogram band": (True, False),
-    "fixed runs, collected band": (False, True),
-    "hashed runs, collected band": (True, True),
+    "fixed runs, histogram band": (False, False, False),
+    "hashed runs, histogram band": (True, False, False),
+    "fixed runs, collected band": (False, True, False),
+    "hashed runs, collected band": (True, True, False),
+    "hashed runs, collected band, sparser sample": (True, True, True),
 }
 
 
@@ -59,9 +67,11 @@ def task_vector(structure: str, shape: tuple[int, int], seed: int) -> torch.Tens
     return tau
 
 
-def count_passes(tau: torch.Tensor, k: int, hashed: bool, collect: bool) -> tuple[int, float]:
+def count_passes(
+    tau: torch.Tensor, k: int, hashed: bool, collect: bool, sparser: bool
+) -> tuple[int, float]:
     """Passes over the tensor, and the k-th largest |τ| found, for one variant."""
-    saved = ops.run_offsets, ops.COLLECT_MAX, ops.for_chunks
+    saved = ops.run_offsets, ops.COLLECT_MAX, ops.for_chunks, ops.SAMPLE_STRIDE_MAX
     passes = []
 
     def counting(numel, fn, size=None):
@@ -73,10 +83,12 @@ def count_passes(tau: torch.Tensor, k: int, hashed: bool, collect: bool) -> tupl
             ops.run_offsets = lambda periods, stride: periods * 0
         if not collect:
             ops.COLLECT_MAX = 0
+        if not sparser:
+            ops.SAMPLE_STRIDE_MAX = ops.SAMPLE_STRIDE
         ops.for_chunks = counting
         found = ops.tau_kth_largest_abs(torch.zeros_like(tau), [tau], [[k]], torch.float32)
     finally:
-        ops.run_offsets, ops.COLLECT_MAX, ops.for_chunks = saved
+        ops.run_offsets, ops.COLLECT_MAX, ops.for_chunks, ops.SAMPLE_STRIDE_MAX = saved
     return len(passes), found[0][0]
 
 
@@ -98,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                     exact = float(flat.kthvalue(n - k + 1).values)
                     row = {"structure": structure, "shape": list(shape), "seed": seed}
                     row["rank"], row["k"] = rank_name, k
-                    for name, (hashed, collect) in VARIANTS.items():
-                        n_passes, found = count_passes(tau, k, hashed, collect)
+                    for name, (hashed, collect, sparser) in VARIANTS.items():
+                        n_passes, found = count_passes(tau, k, hashed, collect, sparser)
                         if found != exact:
                             raise AssertionError(f"{name}: {found} != {exact} ({row})")
                         row[name] = n_passes
@@ -123,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": RANKS,
         "seeds": args.seeds,
         "sample_stride": ops.SAMPLE_STRIDE,
+        "sparser_sample_strides": {f"{r}x{c}": ops.sample_stride(r * c) for r, c in SHAPES},
         "sample_run": ops.SAMPLE_RUN,
         "collect_max": ops.COLLECT_MAX,
         "max_band_buckets": ops._MAX_BAND_BUCKETS,  # noqa: SLF001

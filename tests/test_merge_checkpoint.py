@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -538,22 +539,34 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
+def merge_in_turn(monkeypatch) -> None:
+    """Make the engine merge every tensor on every core in its turn (as without the output's
+    phases) instead of whole tensors ahead on the chunk workers."""
+    from mergelab.merge import checkpoint
+
+    monkeypatch.setattr(checkpoint.CheckpointMergePlan, "expect_phases", lambda self, p: None)
+
+
 @pytest.mark.parametrize(
     "method,params",
     [("ties", {"density": 0.3, "trim_scope": "tensor"}), ("breadcrumbs", {"density": 0.5})],
 )
-@pytest.mark.parametrize("threads", [1, 2])
-def test_per_tensor_thresholds_are_computed_once_ahead_on_the_reader_thread(
-    ckpts, tmp_path, monkeypatch, torch_threads, threads, method, params
+@pytest.mark.parametrize("threads,whole", [(1, True), (2, True), (2, False)])
+def test_per_tensor_thresholds_are_computed_once_per_tensor(
+    ckpts, tmp_path, monkeypatch, torch_threads, threads, whole, method, params
 ):
-    """TIES' and breadcrumbs' per-tensor passes run once per tensor, in the engine's reader
-    thread for the tensors it reads ahead (not on one thread: the reader would be a second core
-    working), and the merge is the in-memory one."""
+    """TIES' and breadcrumbs' per-tensor passes run once per tensor, and the merge is the
+    in-memory one: with two threads on the chunk worker that merges the tensor whole (its
+    other tensors on the other worker), or, when tensors are merged in turn on every core, in
+    the engine's reader thread for the tensors it reads ahead; never there on one thread (the
+    reader would be a second core working)."""
     import threading
 
     from mergelab.merge import ops
 
     torch_threads(threads)
+    if not whole:
+        merge_in_turn(monkeypatch)
 
     calls: list[tuple[int, str]] = []
     real = ops.tau_kth_largest_abs
@@ -568,13 +581,128 @@ def test_per_tensor_thresholds_are_computed_once_ahead_on_the_reader_thread(
         method, base, [e0, e1], output=tmp_path / "o", params=params, progress=False
     )
     floating = [n for n, v in base_sd.items() if v.is_floating_point()]
-    assert len(calls) == len(floating)  # once per tensor: the merge used what was computed ahead
+    assert len(calls) == len(floating)  # once per tensor (the merge used what was computed ahead)
     on_reader = [thread.startswith("mergelab-reader") for _, thread in calls]
-    assert any(on_reader) if threads > 1 else not any(on_reader)
+    on_workers = {thread for _, thread in calls if thread.startswith("mergelab-chunks")}
+    if threads == 1:
+        assert not any(on_reader) and not on_workers
+    elif whole:
+        assert not any(on_reader) and len(on_workers) == 2
+    else:
+        assert any(on_reader)
     monkeypatch.setattr(ops, "tau_kth_largest_abs", real)
     expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params)
     got = stored_state_dict(out)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("linear", {}),
+        ("task_arithmetic", {"lambda": 0.8}),
+        ("ties", {"density": 0.3, "trim_scope": "tensor"}),
+        ("ties", {"density": 0.3}),  # whole-model trim: its passes first, then the merge
+        ("dare_ties", {"density": 0.5}),
+        ("breadcrumbs", {"density": 0.5}),
+    ],
+)
+def test_whole_tensors_ahead_give_the_merge_in_turn(
+    ckpts, tmp_path, monkeypatch, torch_threads, method, params
+):
+    """Two threads: tensors merged whole on the chunk workers, several at once (and the
+    largest, here those over 1/64 of all entries, in their turn on every core) store what
+    merging each in turn stores, and what the in-memory engine computes, bit for bit."""
+    from mergelab.merge import checkpoint
+
+    torch_threads(2)
+    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    merged_by: list[int] = []
+    real = checkpoint.CheckpointMergePlan._merge_one
+
+    def spy(self, index, phase, ahead):
+        merged_by.append(index)
+        return real(self, index, phase, ahead)
+
+    monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", spy)
+    whole = stored_state_dict(
+        merge_checkpoints(
+            method, base, [e0, e1], output=tmp_path / "a", params=params, seed=3, progress=False
+        )  # fmt: skip
+    )
+    assert sorted(merged_by) == list(range(len(whole)))  # every tensor, once
+    merge_in_turn(monkeypatch)
+    in_turn = stored_state_dict(
+        merge_checkpoints(
+            method, base, [e0, e1], output=tmp_path / "b", params=params, seed=3, progress=False
+        )  # fmt: skip
+    )
+    expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params, seed=3)
+    assert whole.keys() == in_turn.keys()
+    assert all(torch.equal(whole[n], in_turn[n]) for n in whole)
+    assert all(torch.equal(whole[n], expected[n]) for n in expected)
+
+
+def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_threads):
+    """Which tensors the engine merges ahead on one worker each: all but those holding more
+    than 1/(WHOLE_SHARE · threads) of the model's entries (merged in their turn on every
+    core), whatever their order."""
+    from concurrent.futures import Future
+
+    from mergelab.merge import checkpoint
+
+    torch_threads(2)
+    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    (base, e0, e1), _ = ckpts
+    plan = plan_checkpoint_merge("linear", base, [e0, e1])
+    try:
+        sizes = [math.prod(t.shape) for t in plan.tensors]
+        large = {i for i, n in enumerate(sizes) if 64 * n > sum(sizes)}
+        assert large and len(large) < len(sizes)
+        assert any(i + 1 in large for i in large) and 0 in large  # in a row, and first
+        submitted: list[int] = []
+
+        def fake_merge(self, index, phase, ahead):
+            return index
+
+        monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", fake_merge)
+
+        class Inline:
+            def submit(self, fn, *args):
+                submitted.append(args[0])
+                future: Future = Future()
+                future.set_result(fn(*args))
+                return future
+
+        monkeypatch.setattr(checkpoint.ops, "chunk_workers", lambda: Inline())
+        plan.expect_phases([0] * len(plan.tensors))
+        got = [plan.merge_tensor(t, 0) for t in plan.tensors]
+        assert got == list(range(len(sizes)))
+        assert sorted(submitted) == sorted(set(range(len(sizes))) - large)
+    finally:
+        plan.close()
+
+
+def test_whole_tensors_ahead_nan_names_its_tensor_and_nothing_is_left(
+    ckpts, tmp_path, torch_threads
+):
+    """With tensors merged ahead, NaN in one is still reported for that tensor (in order:
+    the tensors before it were fine), and the output folder never appears."""
+    torch_threads(2)
+    base, e0, e1 = copy_set(ckpts, tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t[5, 6] = float("nan")
+        return t
+
+    rewrite_tensor(e0, name, poison)
+    with pytest.raises(MergeInputError, match=rf"{name}.*model 0.*NaN"):
+        merge_checkpoints("ties", base, [e0, e1], output=tmp_path / "out", progress=False,
+                          params={"density": 0.3, "trim_scope": "tensor"})  # fmt: skip
+    assert_nothing_left(tmp_path, "out")
 
 
 def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):

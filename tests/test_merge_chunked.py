@@ -204,7 +204,7 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
     sampled = torch.zeros(n, dtype=torch.bool)
     index = torch.arange(n)
     for part in ops.chunks(n, ops.histogram_chunk(n)):
-        sampled[ops._sample_runs(index, part, ops.SAMPLE_STRIDE)] = True
+        sampled[ops._sample_runs(index, part, ops.sample_stride(n))] = True
     k = ops.kept_count(0.3, n)
     kth = kth_by_sort(tau[sampled], math.ceil(0.3 * int(sampled.sum())))
     tau[~sampled] = kth
@@ -410,3 +410,18 @@ def test_multi_chunk_tensors_stream_to_the_in_memory_bits(wide_ckpts, tmp_path, 
     with CheckpointFolder(out) as folder:
         for name, tensor in expected.items():
             assert torch.equal(folder.read(name), tensor), name
+
+
+def test_sample_stride_grows_with_the_tensor_up_to_one_row_per_period():
+    """1/8 from SAMPLE_MIN_NUMEL entries, sparser while the sample keeps SAMPLE_VALUES values,
+    at most 1/32 (a period of 1024 entries: every row of a 1024-wide matrix sampled)."""
+    assert ops.sample_stride(ops.SAMPLE_MIN_NUMEL - 1) == 1
+    assert ops.sample_stride(1 << 20) == 16  # 1024×1024: 2¹⁶ sampled values
+    assert ops.sample_stride(1 << 22) == ops.sample_stride(32000 * 1024) == 32
+    assert ops.SAMPLE_RUN * ops.SAMPLE_STRIDE_MAX == 1024
+    for numel in (1 << 20, 3 << 20, 1 << 22, 1 << 25):
+        stride = ops.sample_stride(numel)
+        assert (
+            numel // stride >= ops.SAMPLE_VALUES
+            and ops.histogram_chunk(numel) % (ops.SAMPLE_RUN * stride) == 0
+        )  # every chunk starts a period

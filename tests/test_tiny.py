@@ -2,8 +2,9 @@
 
 The fingerprints below were recorded from the builders and training loops these functions
 replace (``compose.tiny_models``, ``toy.train``, ``synthetic.training`` — now
-``studies.llm.training`` —, ``demo``, ``testbed.train``): same arguments and seed must give bit-identical tokenizers, weights and
-losses, so the committed study results stay reproducible.
+``studies.llm.training`` —, ``demo``, ``testbed.train``): same arguments and seed must give
+bit-identical tokenizers and initial weights, and the same training runs (to a relative 1e-6,
+see ``same_run``), so the committed study results stay reproducible.
 """
 
 import copy
@@ -32,20 +33,66 @@ RECORDED = {
     "mini": "dd53615d9b68ad0d390c47eea96a57a118e280503abdf1cb94146c73e38c53e9",
     "mini_small": "d6c4c7c8308f22c924fb506ffcf17095ba19076ffdbf86bb22d2c40b93825566",
     "demo_llama": "eb20f51acb06ac3ebba2ac8eeec364d594b57c942991b3dbe2321b085b6559aa",
-    "demo_train": "2258fd659fbc516772b69705977f6f011cf90fa7bbae98fc82f353bda6b1f777",
-    "syn_pretrain": "9d53ec66d8aeca13c41d375f0712e18ab31ce391d0ddd81c3206e6a1cd147fb4",
-    "syn_pretrain_losses": "d5f382b3b581147aeffec3be27055247123800356ccafca701e9d70de2ccdb8a",
-    "syn_ft": "8faa5b7623778bb9a2e55c486ab65d68f52a6580ce1d5570706bf8110782adce",
-    "syn_ft_losses": "bea1466ed854260dca1e72788e9d9c84b1068d8e6e06e4c277120f9cbb3b06d4",
-    "syn_lora": "14306bc3a3139b30f28fb94a7d4974425264374817032f15bb8ae23566d0f495",
-    "syn_lora_losses": "6e8717334a47f5136521efdcc265c57959e20afa1d9998042f0bb327ec6673c3",
-    "toy_train": "d76076bf7f6ef39b7b5a83b17698e543b106319090e2284c5c08fd53b1a1c2c0",
-    "toy_train_loss": "3.0801217424936724",
     "toy_steps": 8,
-    "toy_lora": "ebdb8b89233adaa03a8b975ca3b0f1a63b6070c31ba5c07acb190e6f4407d29c",
-    "toy_lora_loss": "1.6610017398452759",
-    "testbed": "7101ed857a7279cfbd848df53298135a9c1481cee4b8ce1c6a557e2ac4da7b95",
-    "testbed_losses": "249c3e73b64354c1a0ee862df75c6f9e004185301311c713318bff199c423ef7",
+}
+
+# Training runs (TRAINED[key]: weights_summary of the trained model, and its losses; compared
+# by same_run). Until 2026-12-02 these were hashes of the trained weights and losses, which the
+# old loops and these functions gave bit for bit; on another machine of the same kind the same
+# code and packages gave runs a few last bits apart (float kernels that round differently), so
+# the values are now numbers with a tolerance, recorded there from these functions (one thread,
+# as the suite runs; two threads moved them by at most 3e-7).
+TRAINED = {
+    "demo_train": (
+        [1644.428646374875, 357.0745567684592],
+        [],
+    ),
+    "syn_pretrain": (
+        [381.80689011836876, 104.36993742068641],
+        [4.558234691619873, 4.448132514953613, 4.3490095138549805, 4.249716281890869],
+    ),
+    "syn_ft": (
+        [388.47322660007376, 104.99804273972603],
+        [4.254674911499023, 4.182584762573242, 4.147967338562012],
+    ),
+    "syn_lora": (
+        [405.28970527281854, 107.03384427618805],
+        [4.476766109466553, 4.422745227813721, 4.487740993499756],
+    ),
+    "testbed": (
+        [7.334499018872435, 1.3606665733134657],
+        [
+            1.6447433966843163,
+            1.6363881156391902,
+            1.6284766200519043,
+            1.6210239672332458,
+            1.6140409445487036,
+        ],
+    ),
+    "toy_train": (
+        [1850.7818335001377, 357.2177969251554],
+        [
+            3.2249927520751953,
+            2.722013235092163,
+            2.4253642559051514,
+            2.2143161296844482,
+            2.0914928913116455,
+            1.962997317314148,
+            1.8329590559005737,
+            1.725074291229248,
+            3.0801217473472953,
+        ],
+    ),
+    "toy_lora": (
+        [1853.1324973865242, 357.31412785467836],
+        [
+            1.6633089780807495,
+            1.6294900178909302,
+            1.6325526237487793,
+            1.610579013824463,
+            1.6610019596633914,
+        ],
+    ),
 }
 
 TOY_LETTERS = " ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -68,8 +115,31 @@ def tok_hash(tok) -> str:
     return h.hexdigest()
 
 
-def losses_hash(losses) -> str:
-    return hashlib.sha256(json.dumps([float(x) for x in losses]).encode()).hexdigest()
+def weights_summary(model) -> list[float]:
+    """The sums of the magnitudes and of the squares of all floating weights, in float64 (no
+    cancellation, so a relative tolerance suits them; whole-model sums, because a few entries,
+    such as attention's key biases, whose gradient is zero but for rounding, move by whatever
+    Adam makes of that rounding)."""
+    total, squares = 0.0, 0.0
+    for _, v in sorted(model.state_dict().items()):
+        if v.is_floating_point():
+            x = v.detach().double()
+            total += float(x.abs().sum())
+            squares += float((x * x).sum())
+    return [total, squares]
+
+
+def same_run(key: str, model, losses) -> bool:
+    """A training run equals the recorded one (TRAINED[key]): its weights' summary and its
+    losses to a relative 1e-6. Not bit for bit: the float32 kernels behind a training step
+    (matrix products, their reductions) round differently on different CPUs (the same code,
+    seed and packages gave last bits apart on two machines of this project's kind); a change
+    of the loop itself (data order, step size, schedule, initialisation) moves these numbers
+    by far more."""
+    weights, recorded_losses = TRAINED[key]
+    return weights_summary(model) == pytest.approx(weights, rel=1e-6) and [
+        float(x) for x in losses
+    ] == pytest.approx(recorded_losses, rel=1e-6)
 
 
 def toy_tokenizer(extra: str = ""):
@@ -144,35 +214,28 @@ def test_training_loops_equal_the_recorded_runs():
     from mergelab.testbed.train import fit_max_likelihood
     from studies.llm.training import finetune, new_mini_model, pretrain
 
-    assert sd_hash(train(demo_model(0), "copy", 4, 0)) == RECORDED["demo_train"]
+    assert same_run("demo_train", train(demo_model(0), "copy", 4, 0), [])  # it keeps no losses
 
     st = synthetic_tokenizer()
     docs = pretraining_corpus(40, seed=0)
     model = new_mini_model(st, seed=0, hidden_size=32, num_layers=1, intermediate_size=64)
     losses = pretrain(model, st, docs, steps=4, batch_size=4, seq_len=32, seed=0)
-    assert (sd_hash(model), losses_hash(losses)) == (
-        RECORDED["syn_pretrain"], RECORDED["syn_pretrain_losses"],
-    )  # fmt: skip
+    assert same_run("syn_pretrain", model, losses)
     items = [{"prompt": f"{a}+{a}=", "target": str(2 * a)} for a in range(10)]
     full, losses = finetune(copy.deepcopy(model), st, items, steps=3, batch_size=4, seed=1,
                             replay_documents=docs, replay_fraction=0.25)  # fmt: skip
-    assert (sd_hash(full), losses_hash(losses)) == (RECORDED["syn_ft"], RECORDED["syn_ft_losses"])
+    assert same_run("syn_ft", full, losses)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     adapted, losses = finetune(copy.deepcopy(model), st, items, steps=3, batch_size=4, seed=1,
                                lora=lora)  # fmt: skip
-    assert (sd_hash(adapted), losses_hash(losses)) == (
-        RECORDED["syn_lora"], RECORDED["syn_lora_losses"],
-    )  # fmt: skip
+    assert same_run("syn_lora", adapted, losses)
 
     torch.manual_seed(0)
     contexts, counts = torch.randint(0, 5, (20, 2)), torch.rand(20, 5, dtype=torch.float64)
     torch.manual_seed(0)
     linear = LogLinearModel(5)
     losses = fit_max_likelihood(linear, contexts, counts, steps=5)
-    assert (sd_hash(linear), losses_hash(losses)) == (
-        RECORDED["testbed"],
-        RECORDED["testbed_losses"],
-    )
+    assert same_run("testbed", linear, losses)
 
 
 def _toy_train(model, input_ids, labels, *, epochs, batch_size, lr, weight_decay=0.0, seed=0):
@@ -210,18 +273,14 @@ def test_toy_training_equals_the_recorded_run():
     losses = _toy_train(model, input_ids, labels, epochs=2, batch_size=16, lr=2e-3,
                         weight_decay=0.01)  # fmt: skip
     assert len(losses) == RECORDED["toy_steps"]
-    assert (sd_hash(model), repr(tiny.running_loss(losses))) == (
-        RECORDED["toy_train"], RECORDED["toy_train_loss"],
-    )  # fmt: skip
+    assert same_run("toy_train", model, [*losses, tiny.running_loss(losses)])
     config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, fan_in_fan_out=True,
                         target_modules=["c_attn", "c_proj", "c_fc"])  # fmt: skip
     torch.manual_seed(1)
     peft_model = get_peft_model(copy.deepcopy(model), config)
     losses = _toy_train(peft_model, input_ids, labels, epochs=1, batch_size=16, lr=2e-3, seed=1)
     merged = peft_model.merge_and_unload()
-    assert (sd_hash(merged), repr(tiny.running_loss(losses))) == (
-        RECORDED["toy_lora"], RECORDED["toy_lora_loss"],
-    )  # fmt: skip
+    assert same_run("toy_lora", merged, [*losses, tiny.running_loss(losses)])
 
 
 def test_train_options():

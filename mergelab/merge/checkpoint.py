@@ -545,6 +545,26 @@ class DirectStream:
 DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer address in whole blocks
 
 
+def shard_layout(
+    tensors: Sequence[OutputTensor], metadata: dict[str, str]
+) -> tuple[bytes, dict[str, int]]:
+    """A safetensors file's JSON header for ``tensors`` (in order) and where each tensor's bytes
+    start in the file."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {
+            "dtype": DTYPE_CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+    start = 8 + len(raw)
+    return raw, {t.name: start + header[t.name]["data_offsets"][0] for t in tensors}
+
+
 class ShardWriter:
     """Writes one safetensors file front to back: header first, then each tensor as produced
     (through a :class:`DirectStream`)."""
@@ -552,20 +572,7 @@ class ShardWriter:
     def __init__(self, path: Path, tensors: Sequence[OutputTensor], metadata: dict[str, str]):
         self.path = path
         self.expected = list(tensors)
-        header: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        for t in self.expected:
-            header[t.name] = {
-                "dtype": DTYPE_CODES[t.dtype],
-                "shape": list(t.shape),
-                "data_offsets": [offset, offset + t.nbytes],
-            }
-            offset += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
-        start = 8 + len(raw)
-        # where each tensor's bytes start in the file
-        self.positions = {t.name: start + header[t.name]["data_offsets"][0] for t in self.expected}
+        raw, self.positions = shard_layout(self.expected, metadata)
         self._file = DirectStream(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
@@ -595,6 +602,7 @@ class ShardWriter:
 # overlaps compute. A producer that reuses output buffers needs WRITE_BEHIND + 1 of them.
 WRITE_BEHIND = 2
 OUTPUT_SLOTS = WRITE_BEHIND + 1
+SHARD_METADATA = {"format": "pt"}  # the header metadata of every output shard
 
 
 def write_sharded(
@@ -605,11 +613,13 @@ def write_sharded(
     shard_size: int = DEFAULT_SHARD_SIZE,
     progress: bool = True,
     description: str = "merging",
+    expect: Callable[[list[int]], None] | None = None,
 ) -> dict[str, Any]:
     """Write ``produce(t, phase)`` for every ``t`` in order into shards plus
     ``model.safetensors.index.json``. ``phase`` is ``t``'s position in its file modulo
     :data:`DIRECT_ALIGN`: a result at an address with that remainder is written straight from
-    its memory (:meth:`BufferPool.take`).
+    its memory (:meth:`BufferPool.take`). ``expect``, if given, is called once before anything
+    is produced with every tensor's phase, in order (so a producer can start on tensors ahead).
 
     ``produce`` is called in order; when it is called for tensor ``k``, the writes of tensors
     ``≤ k − OUTPUT_SLOTS`` have finished (so it may reuse ``OUTPUT_SLOTS`` rotating buffers). At
@@ -617,6 +627,11 @@ def write_sharded(
     """
     shards = plan_shards(tensors, shard_size)
     names = shard_file_names(len(shards))
+    if expect is not None:
+        positions = [shard_layout(shard, SHARD_METADATA)[1] for shard in shards]
+        expect(
+            [where[t.name] % DIRECT_ALIGN for shard, where in zip(shards, positions) for t in shard]
+        )
     weight_map: dict[str, str] = {}
     total = sum(t.nbytes for t in tensors)
     bar = tqdm(total=len(tensors), desc=description, unit="tensor", disable=not progress)
@@ -629,7 +644,7 @@ def write_sharded(
 
     try:
         for shard, file_name in zip(shards, names):
-            writer = ShardWriter(folder / file_name, shard, {"format": "pt"})
+            writer = ShardWriter(folder / file_name, shard, SHARD_METADATA)
             try:
                 for t in shard:
                     drain(WRITE_BEHIND)
@@ -741,6 +756,13 @@ class CheckpointMergePlan:
     # Whether the method's ``ahead`` statistics are computed before the merge (on more than one
     # thread only: with one, the reader thread would be a second core working)
     _ahead: bool = False
+    # Each tensor's phase in the output (write_sharded's ``expect``), and the merges running
+    # ahead, one tensor each on a chunk worker thread (see merge_tensor): index -> future
+    _phases: list[int] | None = None
+    _jobs: dict[int, Future] = field(default_factory=dict)
+    _next_job: int = 0
+    _total_numel: int | None = None
+    _whole_tensors: bool = False
 
     @property
     def output_bytes(self) -> int:
@@ -776,6 +798,8 @@ class CheckpointMergePlan:
         }
 
     def close(self) -> None:
+        futures_wait(list(self._jobs.values()))  # merges running ahead of one that failed
+        self._jobs.clear()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader, self._prefetched, self._order = None, None, None
@@ -903,23 +927,44 @@ class CheckpointMergePlan:
             base, experts = (aligned[0], aligned[1:]) if base is not None else (None, aligned)
         return base, experts
 
+    def expect_phases(self, phases: list[int]) -> None:
+        """Every tensor's phase in the output, in plan order (:func:`write_sharded`'s
+        ``expect``): with it, :meth:`merge_tensor` may merge tensors ahead."""
+        self._phases = list(phases)
+
     def merge_tensor(self, t: OutputTensor, phase: int | None = None) -> torch.Tensor:
         """The merged tensor ``t``, in its output dtype; NaN/Inf in an input or the result is an
         error naming the tensor and the model. ``phase``: as :func:`write_sharded` passes it,
         the remainder the result's address should have (:meth:`BufferPool.take`).
 
-        Called in plan order (as :func:`write_sharded` does), the next tensor's inputs are read
-        (mapped; cast and checked unless the method takes them in their stored dtype) in a
-        background thread while this one is merged (two alternating buffer sets, except for the
-        largest tensors, see ``_buffer_set``), and, with more than one thread, the method's
-        ``ahead`` statistics of them computed there too (e.g. TIES' thresholds: their passes
-        fill the cores while this tensor's merge waits on Python between chunks).
+        Called in plan order (as :func:`write_sharded` does), on more than one thread, with
+        every phase known (:meth:`expect_phases`) and the method taking every tensor in its
+        stored dtype (``chunked``): each tensor is read and merged whole on one chunk worker
+        thread, the next ones on the others at the same time (:meth:`_merge_ahead`), so the
+        cores need not wait for each other between the chunks of a tensor. Otherwise each
+        tensor is merged on every core in turn, and the next tensor's inputs are read (mapped;
+        cast and checked unless the method takes them in their stored dtype) in a background
+        thread while this one is merged (two alternating buffer sets, except for the largest
+        tensors, see ``_buffer_set``), and, with more than one thread, the method's ``ahead``
+        statistics of them computed there too.
         """
         if self._order is None:
             self._order = {x.name: i for i, x in enumerate(self.tensors)}
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-reader")
-            self._ahead = self.method.ahead is not None and torch.get_num_threads() > 1
+            self._whole_tensors = (
+                torch.get_num_threads() > 1
+                and self._phases is not None
+                and len(self._phases) == len(self.tensors)
+                and all(self.streams_stored(x.name) for x in self.tensors)
+            )
+            self._ahead = (
+                self.method.ahead is not None
+                and torch.get_num_threads() > 1
+                and not self._whole_tensors
+            )
         index = self._order[t.name]
+        if self._whole_tensors:
+            return self._merge_ahead(index, phase)
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
             loaded, ahead = prefetched[1].result()
@@ -936,6 +981,40 @@ class CheckpointMergePlan:
         self._n_produced += 1
         slot = f"output-{self._n_produced % OUTPUT_SLOTS}"
         return self._merge_loaded(t, loaded, slot, phase, ahead)
+
+    def _merge_ahead(self, index: int, phase: int | None) -> torch.Tensor:
+        """:meth:`merge_tensor` of tensor ``index`` with tensors merged ahead: the tensors up to
+        ``index + workers`` are each merged on one chunk worker thread (single-threaded, so the
+        same result), in output buffers that rotate over ``OUTPUT_SLOTS + workers`` slots (those
+        write_sharded may still be writing, and those merged ahead). A tensor holding more than
+        1/(WHOLE_SHARE · workers) of all entries is merged in its turn on every core instead, so
+        one large tensor never leaves the other cores idle."""
+        workers = ops.chunk_workers()
+        n = torch.get_num_threads()
+        if self._total_numel is None:
+            self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
+
+        def whole(j: int) -> bool:
+            return WHOLE_SHARE * n * math.prod(self.tensors[j].shape) <= self._total_numel
+
+        while self._next_job <= index + n and self._next_job < len(self.tensors):
+            j = self._next_job
+            if not whole(j) and j > index:
+                break  # merged in its turn
+            if whole(j):
+                self._jobs[j] = workers.submit(self._merge_one, j, self._phases[j], n)
+            self._next_job += 1
+        job = self._jobs.pop(index, None)
+        if job is None:
+            return self._merge_one(index, phase, n)
+        return job.result()
+
+    def _merge_one(self, index: int, phase: int | None, ahead: int) -> torch.Tensor:
+        """Read and merge tensor ``index`` (inputs mapped in their stored dtype) into output
+        slot ``index`` mod (OUTPUT_SLOTS + ``ahead``)."""
+        t = self.tensors[index]
+        slot = f"output-{index % (OUTPUT_SLOTS + ahead)}"
+        return self._merge_loaded(t, self.load(t), slot, phase)
 
     def _load_ahead(
         self, t: OutputTensor, slot: str
@@ -1043,6 +1122,9 @@ class CheckpointMergePlan:
         return self.buffers
 
 
+# With tensors merged whole, one per chunk worker (CheckpointMergePlan._merge_ahead), a tensor
+# holding more than 1/(WHOLE_SHARE · workers) of the model's entries is merged on every core.
+WHOLE_SHARE = 4
 # Inputs (all models, compute dtype) of at most this size are read ahead in the background; the
 # two read-ahead buffer sets then add at most twice this to the peak memory.
 PREFETCH_MAX_BYTES = 2**30
@@ -1293,6 +1375,7 @@ def run_checkpoint_merge(
             shard_size=shard_bytes,
             progress=progress,
             description=f"merging ({m.name})",
+            expect=plan.expect_phases,
         )
         copy_model_files(plan.template.path, tmp, plan.copied_files)
         _update_config(tmp, plan.config_updates)

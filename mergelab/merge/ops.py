@@ -312,9 +312,22 @@ def _kth_largest_bits(parts: list[np.ndarray], k: int) -> int:
     return ((first + bucket) << 16) | low
 
 
-# The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large.
+# The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large
+# (the whole-model pass, and a tensor's own pass at least) ...
 SAMPLE_STRIDE = 8
 SAMPLE_MIN_NUMEL = 1 << 20
+# ... and a tensor's own pass reads a sparser sample where it still holds SAMPLE_VALUES values,
+# up to one in SAMPLE_STRIDE_MAX: the sample's bracket of the k-th largest holds about
+# 4·numel/√(sampled values) of the tensor's values (±4 standard deviations of the sampled
+# quantile), for 2¹⁶ sampled values at most numel/64 (below COLLECT_MAX / 2 for the 4M-entry
+# matrices of a 1B model); the rest of a bracket is the width of the top-16-bit buckets it is
+# rounded to, which the sample's size does not change. The sampled pass costs about one memory
+# latency per run it reads, so a sparser sample is that much cheaper. At most 1/32: a period
+# (SAMPLE_RUN · stride entries) then spans at most 1024 entries, a row of most weight matrices,
+# so every row is sampled; at 1/64 every other row of a 4096×1024 matrix was skipped, and where
+# rows differ in scale the bracket missed (benchmarks/sampling_passes.py).
+SAMPLE_VALUES = 1 << 16
+SAMPLE_STRIDE_MAX = 32
 # Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
 # every SAMPLE_RUN · SAMPLE_STRIDE, so the pass reads 1/SAMPLE_STRIDE of the memory (every
 # SAMPLE_STRIDE-th entry of bfloat16 weights touches every 64-byte cache line). Which run of a
@@ -527,8 +540,15 @@ class KthLargestAbs:
 
 
 def sample_stride(numel: int) -> int:
-    """The stride of the sampled first pass for ``numel`` values (1: no sampling)."""
-    return SAMPLE_STRIDE if numel >= SAMPLE_MIN_NUMEL else 1
+    """The stride of a tensor's sampled first pass for ``numel`` values (1: no sampling):
+    :data:`SAMPLE_STRIDE`, doubled while the sample keeps :data:`SAMPLE_VALUES` values, up to
+    :data:`SAMPLE_STRIDE_MAX`."""
+    if numel < SAMPLE_MIN_NUMEL:
+        return 1
+    stride = SAMPLE_STRIDE
+    while stride < SAMPLE_STRIDE_MAX and numel // (2 * stride) >= SAMPLE_VALUES:
+        stride *= 2
+    return stride
 
 
 def kth_largest_abs_many(x: torch.Tensor, ks: Sequence[int]) -> list[float]:
