@@ -757,3 +757,21 @@ def test_thresholds_for_other_ranks_are_not_used(ckpts):
     plain = ties(base, experts, ctx=TensorContext(name), **params)
     stale = TensorContext(name, stats={_TAU_KTH: ([[1], [1]], [[0.0], [0.0]])})
     assert torch.equal(ties(base, experts, ctx=stale, **params), plain)
+
+
+def test_whole_tensors_called_out_of_order_are_merged_in_turn(ckpts, torch_threads):
+    """merge_tensor called out of plan order (not what write_sharded does): nothing merged
+    ahead is handed out for the wrong tensor; from then on each is merged in its turn."""
+    torch_threads(2)
+    (base, e0, e1), (base_sd, sd0, sd1) = ckpts
+    params = {"density": 0.3, "trim_scope": "tensor"}
+    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
+    plan = plan_checkpoint_merge("ties", base, [e0, e1], params=params)
+    try:
+        plan.expect_phases([0] * len(plan.tensors))
+        order = [0, 1, 3, 2, *range(4, len(plan.tensors))]
+        for i in order:
+            t = plan.tensors[i]
+            assert torch.equal(plan.merge_tensor(t, 0), expected[t.name])
+    finally:
+        plan.close()

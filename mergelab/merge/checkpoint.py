@@ -26,10 +26,14 @@ How memory stays bounded by a few tensors, not by the model, and the merge near 
   ``O_DIRECT`` where the file system allows it (:class:`DirectStream`: the kernel neither copies
   the output into its page cache, which cost more CPU than a linear merge's arithmetic, nor keeps
   it there);
-* while one tensor is merged, a background thread maps (or reads, casts and checks) the next
-  tensor's inputs and another writes the previous results (``PREFETCH_MAX_BYTES``,
-  ``WRITE_BEHIND``): at most about two tensors' inputs and three outputs are alive, each buffer
-  the size of the largest tensor it has held;
+* with more than one core, a ``chunked`` method's tensors are merged whole, one per core, the
+  next ones while the writer waits for the current one (``CheckpointMergePlan._merge_ahead``;
+  a tensor over 1/(``WHOLE_SHARE`` · cores) of the model is merged in its turn on every core):
+  at most the inputs of one tensor per core (and one large one) and ``OUTPUT_SLOTS`` + cores
+  outputs are alive, each buffer the size of the largest tensor it has held. Otherwise each tensor
+  is merged on every core in turn while a background thread maps (or reads, casts and checks)
+  the next tensor's inputs (``PREFETCH_MAX_BYTES``): about two tensors' inputs and three outputs.
+  Another thread writes the results behind the merge (``WRITE_BEHIND``);
 * methods with a whole-model first pass (e.g. TIES with one global top-k threshold) get a
   ``make_iter()`` that streams the inputs again, as often as they need.
 
@@ -761,6 +765,7 @@ class CheckpointMergePlan:
     _phases: list[int] | None = None
     _jobs: dict[int, Future] = field(default_factory=dict)
     _next_job: int = 0
+    _next_turn: int = 0
     _total_numel: int | None = None
     _whole_tensors: bool = False
 
@@ -991,6 +996,12 @@ class CheckpointMergePlan:
         one large tensor never leaves the other cores idle."""
         workers = ops.chunk_workers()
         n = torch.get_num_threads()
+        if index != self._next_turn:  # not called in plan order: merge in turn from now on
+            futures_wait(list(self._jobs.values()))
+            self._jobs.clear()
+            self._whole_tensors = False
+            return self.merge_tensor(self.tensors[index], phase)
+        self._next_turn = index + 1
         if self._total_numel is None:
             self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
 
@@ -1011,9 +1022,10 @@ class CheckpointMergePlan:
 
     def _merge_one(self, index: int, phase: int | None, ahead: int) -> torch.Tensor:
         """Read and merge tensor ``index`` (inputs mapped in their stored dtype) into output
-        slot ``index`` mod (OUTPUT_SLOTS + ``ahead``)."""
+        slot ``index`` mod (OUTPUT_SLOTS + ``ahead``) (slots of their own: none that merging in
+        turn rotates through)."""
         t = self.tensors[index]
-        slot = f"output-{index % (OUTPUT_SLOTS + ahead)}"
+        slot = f"whole-output-{index % (OUTPUT_SLOTS + ahead)}"
         return self._merge_loaded(t, self.load(t), slot, phase)
 
     def _load_ahead(

@@ -43,11 +43,13 @@ the compute dtype as above.
 
 Per-tensor statistics that need only the tensor's inputs (e.g. TIES' per-tensor thresholds, which
 take passes over the inputs before the merge) can come from an optional hook
-``ahead(base, experts, ctx, params) -> dict``: with more than one thread, the streaming engine
-runs it as soon as a tensor's inputs are read, in its reader thread while the previous tensor
-merges, and hands the result to the method in ``ctx.stats`` (over the whole-model ones). It is an
-optimisation only: the method must return the same result when the entries are missing (it
-computes them itself then), and it must never trust entries it did not ask for.
+``ahead(base, experts, ctx, params) -> dict``: where the streaming engine merges tensors in turn
+on every core (inputs cast to the compute dtype first) with more than one thread, it runs the
+hook as soon as a tensor's inputs are read, in its reader thread while the previous tensor merges,
+and hands the result to the method in ``ctx.stats`` (over the whole-model ones); where it merges
+a whole tensor per core (``chunked`` methods in their stored dtype), or on one thread, the method
+computes them itself. It is an optimisation only: the method must return the same result when the
+entries are missing, and it must never trust entries it did not ask for.
 
 For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``
 and ``params = {**globals_, **lists}``; ``stats = method.compute_stats(params, make_iter)``
