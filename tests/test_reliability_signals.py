@@ -19,7 +19,11 @@ from mergelab.outputs import MARKER_NAME
 from mergelab.tiny import tiny_causal_lm
 
 # Runs `mergelab merge ARGS`, pausing inside the merge (after a few tensors were written) and
-# saying so on stdout, so the test can signal it at that point.
+# saying so on stdout, so the test can signal it at that point. The pause is many short sleeps:
+# Python runs a signal's handler between bytecodes, so a signal that lands after the print but
+# before a sleep starts (e.g. while this thread waits for the GIL, which the engine's worker
+# threads hold while they merge tensors ahead) is handled when the next short sleep ends; one
+# long sleep would keep it pending for its whole length.
 PAUSING_MERGE = """
 import sys, time
 from mergelab.cli import main
@@ -32,7 +36,9 @@ def merge_tensor(self, t, phase=None):
     count[0] += 1
     if count[0] == 4:
         print("merging", flush=True)
-        time.sleep(120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     return real(self, t, phase)
 
 checkpoint.CheckpointMergePlan.merge_tensor = merge_tensor
