@@ -3,6 +3,7 @@ what TIES' and breadcrumbs' per-tensor trims run), on synthetic task vectors wit
 weight matrices have: rows or columns of different scales, or a low-rank update.
 
     python benchmarks/sampling_passes.py [--seeds 6] [--results benchmarks/results/sampling_passes.json]
+    python benchmarks/sampling_passes.py --max-stride 64 --results benchmarks/results/sampling_passes_stride64.json
 
 Two passes is the least (a sampled pass, then one exact pass over the band the sample brackets);
 four means the sample misplaced the band, or the band could not be counted, and the two exact
@@ -96,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--results", default="benchmarks/results/sampling_passes.json")
+    parser.add_argument(
+        "--max-stride",
+        type=int,
+        default=ops.SAMPLE_STRIDE_MAX,
+        help="the sparsest sample the last variant may read (ops.SAMPLE_STRIDE_MAX)",
+    )
     args = parser.parse_args(argv)
+    ops.SAMPLE_STRIDE_MAX = args.max_stride
     kernels.enabled = False  # the torch path: its sample can be placed by variant
     rows = []
     for structure in STRUCTURES:
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": RANKS,
         "seeds": args.seeds,
         "sample_stride": ops.SAMPLE_STRIDE,
+        "sample_stride_max": args.max_stride,
         "sparser_sample_strides": {f"{r}x{c}": ops.sample_stride(r * c) for r, c in SHAPES},
         "sample_run": ops.SAMPLE_RUN,
         "collect_max": ops.COLLECT_MAX,
