@@ -766,7 +766,7 @@ class CheckpointMergePlan:
     _jobs: dict[int, Future] = field(default_factory=dict)
     _next_job: int = 0
     _next_turn: int = 0
-    _total_numel: int | None = None
+    _total_numel: int = 0  # the entries of all tensors (set with _whole_tensors)
     _whole_tensors: bool = False
 
     @property
@@ -962,6 +962,7 @@ class CheckpointMergePlan:
                 and len(self._phases) == len(self.tensors)
                 and all(self.streams_stored(x.name) for x in self.tensors)
             )
+            self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
             self._ahead = (
                 self.method.ahead is not None
                 and torch.get_num_threads() > 1
@@ -1002,8 +1003,6 @@ class CheckpointMergePlan:
             self._whole_tensors = False
             return self.merge_tensor(self.tensors[index], phase)
         self._next_turn = index + 1
-        if self._total_numel is None:
-            self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
 
         def whole(j: int) -> bool:
             return WHOLE_SHARE * n * math.prod(self.tensors[j].shape) <= self._total_numel

@@ -329,9 +329,9 @@ SAMPLE_MIN_NUMEL = 1 << 20
 SAMPLE_VALUES = 1 << 16
 SAMPLE_STRIDE_MAX = 32
 # Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
-# every SAMPLE_RUN · SAMPLE_STRIDE, so the pass reads 1/SAMPLE_STRIDE of the memory (every
-# SAMPLE_STRIDE-th entry of bfloat16 weights touches every 64-byte cache line). Which run of a
-# period is read varies from period to period (run_offsets).
+# every SAMPLE_RUN · stride, so the pass reads 1/stride of the memory (every stride-th entry of
+# bfloat16 weights touches every 64-byte cache line). Which run of a period is read varies from
+# period to period (run_offsets).
 SAMPLE_RUN = 32
 # A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each).
 _MAX_BAND_BUCKETS = 4
