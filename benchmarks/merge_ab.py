@@ -9,7 +9,8 @@ cost per process, such as start-up or exit, is a larger part of each run).
 
 The old revision is checked out into a temporary git worktree (removed at the end: only what
 this script created); the new one is this working tree. Both are byte-compiled and get their
-compiled loops ready before the timed runs (as ``merge_speed.py`` does), then every round runs
+compiled loops ready before the timed runs (built in place, or for revisions from before the C
+loops, compiled into numba's cache), then every round runs
 each variant with both, the order alternating from round to round, each in its own subprocess
 at the default thread count, after ``sync`` and with the inputs read through (``run_measured``).
 The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``: this
@@ -56,10 +57,15 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 
 
 def prepare(tree: Path, env: dict[str, str]) -> None:
-    """Byte-compile the tree's package and get its compiled loops ready (numba's cache)."""
+    """Byte-compile the tree's package and get its compiled loops ready: built in place where
+    the tree has them in C (setup.py), else (earlier revisions, numba) compiled into numba's
+    cache by a first run."""
+    if (tree / "setup.py").is_file():
+        build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+        subprocess.run(build, cwd=tree, env=env, check=True, capture_output=True)
     code = (
         "import compileall, mergelab; compileall.compile_dir(mergelab.__path__[0], quiet=1); "
-        "from mergelab.merge import kernels; kernels.warm_up()"
+        "from mergelab.merge import kernels; getattr(kernels, 'warm_up', kernels.loops)()"
     )
     subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
 

@@ -35,11 +35,9 @@ Each run also records how long the machine waited meanwhile, on I/O, for a CPU a
 hypervisor (``runs_waits_s``, :func:`machine_waits`): where a run's wall time went that its CPU
 time does not.
 
-Before the rounds, two fresh processes get mergelab's compiled loops ready
-(``mergelab.merge.kernels.warm_up``; seconds in ``kernels_ready_s``): the first compiles them if
-numba's on-disk cache is cold (a fresh install, or after an edit), so no timed run includes
-compilation; every timed mergelab run still imports numba and loads the cached loops, as a
-user's merge does. mergelab's modules are byte-compiled first, as an installed package's are.
+mergelab's compiled loops are a C extension built when the package is installed; the results
+record which file a merge process loads (``compiled_loops``; ``None`` would mean the torch path
+ran). mergelab's modules are byte-compiled first, as an installed package's are.
 
 Peak RSS is the subprocess's maximum resident set size as GNU ``/usr/bin/time`` reports it. The
 machine's load average before and after goes into the results (``--results``, JSON with the
@@ -315,8 +313,7 @@ def tool_env(threads: int | None) -> dict[str, str]:
 # --- keeping the inputs and the tools in the page cache ----------------------------------------
 
 # What a tool's process loads, printed by a probe that imports what the tool imports: every
-# module's source and byte code, every file the process maps (shared libraries), and the files
-# in the folders of numba's on-disk caches (read with read(), not mapped)
+# module's source and byte code and every file the process maps (shared libraries)
 _FILES_PROBE = """
 import importlib.util, json, os, sys
 {imports}
@@ -331,14 +328,11 @@ for line in open("/proc/self/maps"):
     parts = line.split(maxsplit=5)
     if len(parts) == 6 and parts[5].startswith("/"):
         files.add(os.path.realpath(parts[5].strip()))
-for folder in {os.path.dirname(f) for f in files if "/__pycache__/" in f}:
-    if os.path.isdir(folder):
-        files.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".nbi", ".nbc")))
 print(json.dumps(sorted(f for f in files if os.path.isfile(f))))
 """
 TOOL_IMPORTS = {
     "mergelab": "import mergelab.cli, mergelab.merge.cli\n"
-    "from mergelab.merge import kernels\nkernels.warm_up()",
+    "from mergelab.merge import kernels\nkernels.loops()",
     "mergekit": "import mergekit.scripts.run_yaml",
 }
 
@@ -448,20 +442,19 @@ def compile_sources() -> None:
     compileall.compile_dir(Path(mergelab.__file__).parent, quiet=1)
 
 
-def kernels_load_times(env: dict[str, str]) -> list[float]:
-    """Seconds a fresh process takes to get mergelab's compiled loops ready
-    (``kernels.warm_up``), twice: the first compiles them if numba's on-disk cache is cold or
-    stale (a fresh install), the second loads them from that cache (every later merge). Run
-    before the timed rounds, so no timed run includes compilation."""
-    code = "from mergelab.merge import kernels; print(kernels.warm_up())"
-    times = []
-    for _ in range(2):
-        done = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        times.append(round(float(done.stdout.split()[-1]), 2))
-    print(f"compiled loops ready in {times[0]} s (first process), {times[1]} s (cached)")
-    return times
+def compiled_loops(env: dict[str, str]) -> str | None:
+    """The file of mergelab's compiled loops a merge process loads (``None``: they were not
+    built, or are turned off, and the merges run the torch path)."""
+    code = (
+        "from mergelab.merge import kernels\n"
+        "print(kernels.loops().__file__ if kernels.active() else '')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    found = done.stdout.strip() or None
+    print(f"compiled loops: {found or 'none (the torch path runs)'}")
+    return found
 
 
 # --- the benchmark --------------------------------------------------------------------------
@@ -540,7 +533,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     print(f"load average before: {load_before}")
     warm_up(folder, out_bytes, work)
     compile_sources()
-    kernel_load = kernels_load_times(env)
+    loops_file = compiled_loops(env)
 
     models = [folder / n for n in ("base", "expert_0", "expert_1")]
     reclaim = proactive_reclaim()
@@ -649,9 +642,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "cpu_count": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
             "torch": torch.__version__,
-            "numba": _version("numba"),
             "python": platform.python_version(),
-            "kernels_ready_s": {"first_process": kernel_load[0], "cached": kernel_load[1]},
+            "compiled_loops": loops_file,
             "load_average_before": load_before,
             "load_average_after": load_after,
             "proactive_reclaim": reclaim,

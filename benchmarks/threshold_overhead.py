@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if not kernels.active():
-        raise SystemExit("the compiled loops are not active (numba missing or disabled)")
-    kernels.warm_up()
+        raise SystemExit("the compiled loops are not active (not built, or turned off)")
     compiled_locate = ops._locate
     rows = {}
     for name, shape in SIZES.items():

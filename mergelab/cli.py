@@ -110,7 +110,7 @@ def _exit_without_teardown(code: int) -> NoReturn:
     """End the process once a command has returned: the exit handlers run (logging's flush,
     those libraries registered) and the standard streams are flushed, as at any exit, but the
     interpreter does not then tear itself down. That teardown frees, one by one, every object
-    torch, numba and the rest created, memory the OS takes back at once anyway: a noticeable
+    torch and the rest created, memory the OS takes back at once anyway: a noticeable
     part of a small merge's time (``docs/merge_performance.md``). Every command has finished
     its work, and closed and moved into place its outputs, before it returns; threads still
     alive then are idle workers (the chunk pool), which the OS ends with the process."""

@@ -416,10 +416,11 @@ def test_sample_stride_grows_with_the_tensor_up_to_one_row_per_period():
     """1/8 from SAMPLE_MIN_NUMEL entries, sparser while the sample keeps SAMPLE_VALUES values,
     at most 1/32 (a period of 1024 entries: every row of a 1024-wide matrix sampled)."""
     assert ops.sample_stride(ops.SAMPLE_MIN_NUMEL - 1) == 1
+    assert ops.sample_stride(1 << 19) == 8  # 512×1024: 2¹⁶ sampled values
     assert ops.sample_stride(1 << 20) == 16  # 1024×1024: 2¹⁶ sampled values
     assert ops.sample_stride(1 << 22) == ops.sample_stride(32000 * 1024) == 32
     assert ops.SAMPLE_RUN * ops.SAMPLE_STRIDE_MAX == 1024
-    for numel in (1 << 20, 3 << 20, 1 << 22, 1 << 25):
+    for numel in (1 << 19, 1 << 20, 3 << 20, 1 << 22, 1 << 25):
         stride = ops.sample_stride(numel)
         assert (
             numel // stride >= ops.SAMPLE_VALUES

@@ -1,9 +1,9 @@
-"""The compiled loops (mergelab.merge.kernels, numba) give the torch path's bits.
+"""The compiled loops (mergelab.merge.kernels, C) give the torch path's bits.
 
 Every chunked method that has a compiled pass (linear, task arithmetic, TIES, DARE-linear,
 DARE-TIES, breadcrumbs and the exact k-th largest |τ| behind TIES' and breadcrumbs' thresholds) is
 run twice on the same inputs, once with the compiled loops and once with them turned off (the torch
-code, which is also the fallback without numba), and the outputs must be equal bit for bit: stored
+code, which is also the fallback where the loops were not built), and the outputs must be equal bit for bit: stored
 bfloat16, float16 and float32 inputs, bfloat16/float32/float16 outputs, one to three experts,
 negative and zero weights, λ ≠ 1, both sign rules and every divisor, tensors over several chunks
 with a partial last one, and inputs full of exact zeros, −0.0 and ties at the thresholds.
@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from mergelab.merge import MergeInputError, TensorContext, get_merge_method, kernels, ops
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason="the compiled loops were not built (no C compiler)"
+)
 
 # a chunk and a bit (two chunks, the second partial, ending in a partial tile), in rows of 67
 ROW = 67
@@ -145,6 +147,27 @@ def test_dare_compiled_equals_torch(monkeypatch, method, params, dtype):
     assert_same_bits(*in_memory)
 
 
+# Every option set the two-expert bfloat16 loops are specialised for (_loops.c, two_loop_for):
+# both sign rules, every divisor, weights all positive or not, with and without DARE's drop.
+ELECTIONS = [
+    (method, {"majority_sign": sign, "divide_by": divide, "weight": weight, **drop})
+    for method, drop in [
+        ("ties", {"density": [0.3, 0.6], "trim_scope": "tensor"}),
+        ("dare_ties", {"density": [0.3, 0.6]}),
+        ("dare_ties", {"density": [1.0, 0.4]}),  # one expert drops, the other does not
+    ]
+    for sign in ("sum", "count")
+    for divide in ("none", "count", "weight_sum")
+    for weight in ([1.0, 0.5], [0.0, 1.5])
+]
+
+
+@pytest.mark.parametrize("method,params", ELECTIONS, ids=range(len(ELECTIONS)))
+def test_every_two_expert_election_loop_equals_torch(monkeypatch, method, params):
+    base, experts = inputs(2, torch.bfloat16, seed=12)
+    assert_same_bits(*both_paths(monkeypatch, method, base, experts, params, torch.bfloat16))
+
+
 BREADCRUMBS = [
     {"density": 0.9, "gamma": 0.01},
     {"density": [0.5, 1.0], "gamma": [0.1, 0.0], "weight": [0.7, 1.2], "lambda_": 0.9},
@@ -237,13 +260,15 @@ def test_sfc64_streams_are_numpys():
     for at, (i, block) in enumerate(keys):
         states[at // lanes, :, at % lanes] = kernels.sfc64_state(11, i, block)
     head = np.zeros((2 * lanes, 4), dtype=np.uint64)
-    kernels.loops().sfc64_fill(states, head, 4)  # in two calls: the states carry over
+    kernels.loops().sfc64_fill(states, head, 4)  # in three calls: the states carry over
     tail = np.zeros((2 * lanes, 6), dtype=np.uint64)  # rows longer than the steps asked
     kernels.loops().sfc64_fill(states, tail, 5)
-    rows = np.concatenate([head, tail[:, :5]], axis=1)
+    more = np.zeros((2 * lanes, 21), dtype=np.uint64)  # eight steps at a time, and the rest
+    kernels.loops().sfc64_fill(states, more, 21)
+    rows = np.concatenate([head, tail[:, :5], more], axis=1)
     for at, (i, block) in enumerate(keys):
         reference = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(i, block)))
-        assert rows[at].tolist() == reference.random_raw(9).tolist()
+        assert rows[at].tolist() == reference.random_raw(30).tolist()
 
 
 def test_bfloat16_rounding_is_torchs():
@@ -277,10 +302,10 @@ def test_kth_largest_tau_compiled_equals_torch_and_sort(monkeypatch, dtype):
         assert values == [float(magnitudes[k - 1]) for k in ks]
 
 
-def test_the_torch_path_runs_without_numba(monkeypatch):
-    """MERGELAB_KERNELS=torch (or no numba): no compiled loop is called."""
-    monkeypatch.setattr(kernels, "enabled", False)
-    monkeypatch.setattr(kernels, "_loops", None)
+def test_the_torch_path_runs_without_the_loops(monkeypatch):
+    """MERGELAB_KERNELS=torch (or no compiled loops built): no compiled loop is called."""
+    monkeypatch.setattr(kernels, "_extension", lambda: None)
+    assert not kernels.available() and not kernels.active() and kernels.active_loops() is None
 
     def refuse() -> None:
         raise AssertionError("the compiled loops were used")
@@ -404,24 +429,22 @@ def test_dare_chunks_fill_the_lanes_and_leave_each_thread_work(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_finiteness_check_compiled_equals_torch(monkeypatch, dtype):
-    kernels.loops()  # the compiled check runs only once the loops are loaded
     x = torch.randn(5000).to(dtype)
-    assert kernels.all_finite_if_loaded(x) is True
+    assert kernels.all_finite_compiled(x) is True
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = x.clone()
         y[4321] = bad
-        assert kernels.all_finite_if_loaded(y) is False
+        assert kernels.all_finite_compiled(y) is False
         assert ops.all_finite_chunk(y) is False
     monkeypatch.setattr(kernels, "enabled", False)
-    assert kernels.all_finite_if_loaded(x) is None
-    assert kernels.all_finite_if_loaded(torch.randn(10, dtype=torch.float16)) is None
+    assert kernels.all_finite_compiled(x) is None
+    assert kernels.all_finite_compiled(torch.randn(10, dtype=torch.float16)) is None
 
 
 def test_locate_compiled_equals_numpy(monkeypatch):
     """The bucket of the k-th largest and the rank inside it, found from the top by the compiled
     loop and by NumPy's cumulative sum, for sparse and dense histograms and every kind of k:
     the first, one inside a bucket, one at a bucket's edge, the last."""
-    kernels.loops()  # ops._locate uses the compiled loop once the loops are loaded
     rng = np.random.default_rng(3)
     for bins in (1, 7, 1 << 15, (1 << 16) + 2):
         for density in (0.001, 0.5, 1.0):
@@ -433,6 +456,6 @@ def test_locate_compiled_equals_numpy(monkeypatch):
             for k in sorted({1, max(1, total // 3), edge, total}):
                 compiled = ops._locate(counts, k)
                 with monkeypatch.context() as m:
-                    m.setattr(kernels, "loaded", lambda: None)  # the fallback _locate takes
+                    m.setattr(kernels, "active_loops", lambda: None)  # the fallback _locate takes
                     assert compiled == ops._locate(counts, k), (bins, density, k)
                 assert compiled == ops._locate_numpy(counts, k)

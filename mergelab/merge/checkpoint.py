@@ -92,8 +92,7 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
-from . import kernels, ops
-from .methods import COMPILED_METHODS
+from . import ops
 from .model_card import MODEL_CARD_NAME, model_card
 from .registry import LoopChecks, MergeMethod, TensorContext, get_merge_method, result_finite
 from .validation import (
@@ -489,14 +488,33 @@ class DirectStream:
             data = data[head:]
         whole = data.numel() - data.numel() % DIRECT_ALIGN
         if whole and data.data_ptr() % DIRECT_ALIGN == 0:
-            self._flush_blocks()  # the staged bytes end on a block boundary: all of them
-            view = memoryview(data[:whole].numpy())
-            done = 0
-            while done < whole:
-                done += os.pwrite(self._direct, view[done:], self._offset + done)
-            self._offset += whole
+            # the staged bytes end on a block boundary: all of them, then the tensor's blocks,
+            # in one call (each O_DIRECT write waits for the disk: one wait, not two)
+            views = [memoryview(data[:whole].numpy())]
+            if self._used:
+                views.insert(0, self._view[: self._used])
+            self._write_all(views)
+            self._used = 0
             data = data[whole:]
         self._stage(data)
+
+    def _write_all(self, views: list[memoryview]) -> None:
+        """Write ``views`` (whole blocks each) one after the other at the file position."""
+        total = sum(v.nbytes for v in views)
+        done = 0
+        while done < total:
+            rest, skip = [], done
+            for v in views:  # what is left of the views after `done` bytes
+                if skip >= v.nbytes:
+                    skip -= v.nbytes
+                    continue
+                rest.append(v[skip:])
+                skip = 0
+            if hasattr(os, "pwritev"):
+                done += os.pwritev(self._direct, rest, self._offset + done)
+            else:
+                done += os.pwrite(self._direct, rest[0], self._offset + done)
+        self._offset += total
 
     def _stage(self, data: torch.Tensor) -> None:
         """Copy ``data`` (flat uint8) into the staging buffer, writing it out whenever full."""
@@ -511,10 +529,8 @@ class DirectStream:
     def _flush_blocks(self) -> None:
         """Write the staged whole blocks directly; keep the partial last block staged."""
         whole = self._used - self._used % DIRECT_ALIGN
-        done = 0
-        while done < whole:
-            done += os.pwrite(self._direct, self._view[done:whole], self._offset + done)
-        self._offset += whole
+        if whole:
+            self._write_all([self._view[:whole]])
         rest = self._used - whole
         if rest:
             self._view[:rest] = self._view[whole : self._used]
@@ -990,11 +1006,12 @@ class CheckpointMergePlan:
 
     def _merge_ahead(self, index: int, phase: int | None) -> torch.Tensor:
         """:meth:`merge_tensor` of tensor ``index`` with tensors merged ahead: the tensors up to
-        ``index + workers`` are each merged on one chunk worker thread (single-threaded, so the
-        same result), in output buffers that rotate over ``OUTPUT_SLOTS + workers`` slots (those
-        write_sharded may still be writing, and those merged ahead). A tensor holding more than
-        1/(WHOLE_SHARE · workers) of all entries is merged in its turn on every core instead, so
-        one large tensor never leaves the other cores idle."""
+        ``index + MERGE_AHEAD · workers`` are each merged on one chunk worker thread
+        (single-threaded, so the same result), in output buffers that rotate over
+        ``OUTPUT_SLOTS + MERGE_AHEAD · workers`` slots (those write_sharded may still be writing,
+        and those merged ahead). A tensor holding more than 1/(WHOLE_SHARE · workers) of all
+        entries is merged in its turn on every core instead, so one large tensor never leaves the
+        other cores idle."""
         workers = ops.chunk_workers()
         n = torch.get_num_threads()
         if index != self._next_turn:  # not called in plan order: merge in turn from now on
@@ -1007,16 +1024,17 @@ class CheckpointMergePlan:
         def whole(j: int) -> bool:
             return WHOLE_SHARE * n * math.prod(self.tensors[j].shape) <= self._total_numel
 
-        while self._next_job <= index + n and self._next_job < len(self.tensors):
+        ahead = MERGE_AHEAD * n
+        while self._next_job <= index + ahead and self._next_job < len(self.tensors):
             j = self._next_job
             if not whole(j) and j > index:
                 break  # merged in its turn
             if whole(j):
-                self._jobs[j] = workers.submit(self._merge_one, j, self._phases[j], n)
+                self._jobs[j] = workers.submit(self._merge_one, j, self._phases[j], ahead)
             self._next_job += 1
         job = self._jobs.pop(index, None)
-        if job is None:
-            return self._merge_one(index, phase, n)
+        if job is None:  # the same slots: one of them is free for it (see _merge_one)
+            return self._merge_one(index, phase, ahead)
         return job.result()
 
     def _merge_one(self, index: int, phase: int | None, ahead: int) -> torch.Tensor:
@@ -1136,6 +1154,11 @@ class CheckpointMergePlan:
 # With tensors merged whole, one per chunk worker (CheckpointMergePlan._merge_ahead), a tensor
 # holding more than 1/(WHOLE_SHARE · workers) of the model's entries is merged on every core.
 WHOLE_SHARE = 4
+# ... and while the writer wants tensor k, tensors up to k + MERGE_AHEAD · workers are merged or
+# queued: with tensors of different sizes (a layer's 4M-entry MLP matrices beside its 0.5M-entry
+# key and value projections), a window of one tensor per worker left a worker idle while the
+# other finished a large one.
+MERGE_AHEAD = 2
 # Inputs (all models, compute dtype) of at most this size are read ahead in the background; the
 # two read-ahead buffer sets then add at most twice this to the peak memory.
 PREFETCH_MAX_BYTES = 2**30
@@ -1205,9 +1228,6 @@ def plan_checkpoint_merge(
     m = get_merge_method(method) if isinstance(method, str) else method
     if not models:
         raise MergeInputError("merge needs at least one model besides the base")
-    if m.name in COMPILED_METHODS and dtype == torch.float32:
-        # numba and the method's loops load while the inputs are opened and checked
-        kernels.warm_up_in_background(COMPILED_METHODS[m.name])
     if m.needs_base and base is None:
         raise MergeInputError(f"merge method {m.name!r} needs a base model (--base)")
     if vocab_padding not in VOCAB_PADDING_RULES:

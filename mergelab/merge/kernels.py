@@ -1,42 +1,41 @@
-"""Fused compiled loops (numba) for the chunked merge methods: one pass per chunk instead of a
-torch operation per step (about forty for TIES), with bit-identical results. The merge loops
-also report whether they loaded or stored a NaN/Inf (``FOUND_IN_INPUT``, ``FOUND_IN_RESULT``),
-so the engines need no separate pass to check.
+"""Fused compiled loops for the chunked merge methods: one pass per chunk instead of a torch
+operation per step (about forty for TIES), with bit-identical results. The merge loops also
+report whether they loaded or stored a NaN/Inf (``FOUND_IN_INPUT``, ``FOUND_IN_RESULT``), so the
+engines need no separate pass to check.
 
-The torch code in :mod:`ops` and :mod:`methods` stays the reference and the fallback: without
-numba installed, or with ``MERGELAB_KERNELS=torch`` in the environment, it runs unchanged. With
-numba, the same chunks (:func:`ops.for_chunks`, so the same worker threads and chunk boundaries)
-run compiled loops that release the GIL:
+The loops are C (``mergelab/merge/_loops.c``, the extension module ``mergelab.merge._loops``),
+built when the package is installed (``setup.py``); importing them costs about a millisecond.
+The torch code in :mod:`ops` and :mod:`methods` stays the reference and the fallback: where the
+package was installed without a C compiler, or with ``MERGELAB_KERNELS=torch`` in the
+environment, it runs unchanged. With the loops, the same chunks (:func:`ops.for_chunks`, so the
+same worker threads and chunk boundaries) run compiled loops that release the GIL:
 
-* :func:`kernels_numba.merge_chunk` — per position: widen the stored inputs (bfloat16 or float32) to
+* ``_loops.merge_chunk`` — per position: widen the stored inputs (bfloat16 or float32) to
   float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and
   rescale, then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and
   disjoint merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
-* :func:`kernels_numba.sum_chunk` — linear's and task arithmetic's weighted sum
-  (``methods._combine``), per position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
-* :func:`kernels_numba.tau_abs_histograms` — the radix-histogram passes of
-  :class:`ops.KthLargestAbs` over |τ_i| for one chunk, straight from the stored inputs, the
-  base read once for every expert.
+* ``_loops.sum_chunk`` — linear's and task arithmetic's weighted sum (``methods._combine``), per
+  position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
+* ``_loops.tau_abs_histograms`` — the radix-histogram passes of :class:`ops.KthLargestAbs` over
+  |τ_i| for one chunk, straight from the stored inputs, the base read once for every expert.
 
 Every float32 operation is the one torch performs, in the same order: ``add_(x, alpha=w)`` is a
-fused multiply-add in torch's vectorised kernels, so it is ``llvm.fma`` here; ``relu``, ``sign``,
-``hardshrink`` and ``clamp`` keep torch's treatment of −0.0. The loops work on tiles of
-:data:`TILE` positions (the task vectors of a tile stay in L1), so LLVM vectorises each step.
+fused multiply-add in torch's vectorised kernels, so it is ``fmaf`` there, and the compiler may
+not fuse anything else (``-ffp-contract=off``); ``relu``, ``sign``, ``hardshrink`` and ``clamp``
+keep torch's treatment of −0.0. The general loops work on tiles of :data:`TILE` positions (the
+task vectors of a tile stay in L1); two bfloat16 experts into a bfloat16 output, the common case,
+run one loop per position for each set of options, with the options as compile-time constants.
 DARE's masks are the same as the torch path's: the SFC64 stream NumPy would produce for each block
-and expert (state taken from ``numpy.random.SFC64``, then generated here), so no generator
+and expert (state taken from ``numpy.random.SFC64``, then generated there), so no generator
 changes. A DARE chunk is several blocks (:func:`dare_chunk`), and the loop advances the streams
-of all its blocks and experts together, :data:`DARE_LANES` in the lanes of one vector register:
-SFC64 is one long dependency chain per stream, which a stream at a time cannot speed up.
-
-The stored dtypes are run-time flags, so each loop is compiled once, on first use, and cached on
-disk (numba's ``cache=True``, in ``__pycache__`` next to the module); numba itself is imported
-only then (:func:`loops`). docs/merge_performance.md gives the compile and load costs.
+of all its blocks and experts together, :data:`DARE_LANES` at a time: SFC64 is one long
+dependency chain per stream, which a stream at a time cannot speed up. docs/merge_performance.md
+gives the costs.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 import threading
@@ -74,33 +73,68 @@ DARE_LANES = 8
 RUN_HASH = 2654435761
 
 
-_loops: ModuleType | None = None
+# Constants the C loops were built with, which must be these (a build of an older _loops.c is
+# refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
+LOOPS_VERSION = 1
+_SHARED_CONSTANTS = {
+    "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
+    "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,
+    "P_DARE_DIVISOR": P_DARE_DIVISOR, "P_SUM_W": P_SUM_W, "P_VOTE_W": P_VOTE_W, "P_FLIP": P_FLIP,
+    "P_MERGE_W": P_MERGE_W, "P_DIVISOR_W": P_DIVISOR_W, "F_KIND": F_KIND, "F_BAND": F_BAND,
+    "F_VOTE_COUNT": F_VOTE_COUNT, "F_VOTE_PLAIN": F_VOTE_PLAIN, "F_ANY_FLIP": F_ANY_FLIP,
+    "F_MERGE_PLAIN": F_MERGE_PLAIN, "F_DIVIDE_BY": F_DIVIDE_BY,
+    "F_DIVISOR_PLAIN": F_DIVISOR_PLAIN, "F_ALL_POSITIVE": F_ALL_POSITIVE,
+    "F_SUM_DIVIDE": F_SUM_DIVIDE, "F_SCALE": F_SCALE, "S_LAMBDA": S_LAMBDA, "S_TOTAL": S_TOTAL,
+    "S_MIN_W": S_MIN_W, "KIND_SUM": KIND_SUM, "KIND_ELECT": KIND_ELECT,
+    "DIVIDE_NONE": DIVIDE_NONE, "DIVIDE_COUNT": DIVIDE_COUNT,
+    "DIVIDE_WEIGHT_SUM": DIVIDE_WEIGHT_SUM, "FOUND_IN_INPUT": FOUND_IN_INPUT,
+    "FOUND_IN_RESULT": FOUND_IN_RESULT,
+}  # fmt: skip
 
 
 @functools.cache
+def _extension() -> ModuleType | None:
+    """The compiled loops (:mod:`mergelab.merge._loops`), or ``None`` where the package was
+    installed without them (no C compiler at install time)."""
+    try:
+        from . import _loops
+    except ImportError:
+        return None
+    stale = {k: v for k, v in _SHARED_CONSTANTS.items() if getattr(_loops, k, None) != v}
+    if stale:
+        raise ImportError(
+            f"mergelab.merge._loops ({_loops.__file__}) was built from another _loops.c "
+            f"(constants {sorted(stale)} differ); rebuild it: pip install -e . "
+            "(or python setup.py build_ext --inplace)"
+        )
+    return _loops
+
+
 def available() -> bool:
-    """Whether numba is installed (without importing it)."""
-    return importlib.util.find_spec("numba") is not None
+    """Whether the compiled loops were built (mergelab/merge/_loops.c, at install time)."""
+    return _extension() is not None
 
 
 def active() -> bool:
-    """Whether the compiled loops run (numba installed and not turned off)."""
+    """Whether the compiled loops run (built, and not turned off by MERGELAB_KERNELS=torch)."""
     return enabled and available()
 
 
 def loops() -> ModuleType:
-    """:mod:`mergelab.merge.kernels_numba`, imported on first use."""
-    global _loops
-    if _loops is None:
-        from . import kernels_numba
+    """The compiled loops' module (:mod:`mergelab.merge._loops`); an ImportError where the
+    package was installed without them."""
+    compiled = _extension()
+    if compiled is None:
+        raise ImportError(
+            "mergelab's compiled loops were not built (no C compiler when the package was "
+            "installed); the merges run the torch path"
+        )
+    return compiled
 
-        _loops = kernels_numba
-    return _loops
 
-
-def loaded() -> ModuleType | None:
-    """The compiled loops if something loaded them already (and they are on), else ``None``."""
-    return _loops if enabled else None
+def active_loops() -> ModuleType | None:
+    """The compiled loops where they run (:func:`active`), else ``None``."""
+    return _extension() if enabled else None
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -109,11 +143,10 @@ def usable(*tensors: torch.Tensor) -> bool:
     return active() and all(t.device.type == "cpu" for t in tensors)
 
 
-def all_finite_if_loaded(x: torch.Tensor) -> bool | None:
-    """Whether ``x`` has no NaN/Inf, by a compiled loop, where the loops are already loaded (a
-    merge method that uses them loaded them) and ``x`` is a contiguous bfloat16 or float32 CPU
-    tensor; else ``None`` (check with torch: a linear merge does not load numba for this)."""
-    compiled = loaded()
+def all_finite_compiled(x: torch.Tensor) -> bool | None:
+    """Whether ``x`` has no NaN/Inf, by a compiled loop, where the loops run and ``x`` is a
+    contiguous bfloat16 or float32 CPU tensor; else ``None`` (check with torch)."""
+    compiled = active_loops()
     if compiled is None or x.device.type != "cpu" or x.dtype not in _NATIVE:
         return None
     if not x.is_contiguous():
@@ -240,7 +273,7 @@ def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
 
 
 class ChunkMerger:
-    """Runs :func:`kernels_numba.merge_chunk` over the chunks of one tensor: ``merger(part)``
+    """Runs ``_loops.merge_chunk`` over the chunks of one tensor: ``merger(part)``
     merges ``part`` into ``out`` (to hand to ``ops.for_chunks``). Inputs in another dtype than
     bfloat16 or float32 are cast to float32 per chunk, and an output in another dtype is rounded
     from a float32 scratch buffer, with torch, as the torch path does."""
@@ -319,7 +352,7 @@ def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, 
 
 
 class ChunkSummer:
-    """Runs :func:`kernels_numba.sum_chunk` (methods._combine: the weighted sum of linear and
+    """Runs ``_loops.sum_chunk`` (methods._combine: the weighted sum of linear and
     task arithmetic) over the chunks of one tensor, as :class:`ChunkMerger` runs merge_chunk;
     ``summer(part)`` returns the chunk's NaN/Inf flags."""
 
@@ -506,61 +539,3 @@ class PassCounts:
                     found = np.concatenate([v[:n] for v, n in kept])
                 out[k] = (total[row, :2].astype(np.int64), found)
         return out
-
-
-# The loops a method's merge calls (warm_up's names)
-LOOPS = ("sum", "merge", "histograms")
-
-
-def warm_up(which: Sequence[str] = LOOPS) -> float:
-    """Compile (or load from numba's cache) the loops named in ``which`` (:data:`LOOPS`) by
-    running each once on a few entries; returns the seconds it took (0 when the loops are not
-    active). A merge does this on its first chunk anyway; the benchmark calls it to time
-    compilation apart from merging. Each loop loaded costs time: a merge loads only its own."""
-    import time
-
-    if not active():
-        return 0.0
-    unknown = set(which) - set(LOOPS)
-    if unknown:
-        raise ValueError(f"unknown compiled loops {sorted(unknown)}; known: {LOOPS}")
-    start = time.perf_counter()
-    base = torch.zeros(8, dtype=torch.bfloat16)
-    out = torch.empty(8, dtype=torch.bfloat16)
-    if "sum" in which:
-        ChunkSummer(base, [base], out, [1.0], lambda_=1.0, normalize=False)(slice(0, 8))
-    if "merge" in which:
-        plan = sum_plan([1.0], lambda_=1.0, normalize=False)
-        ChunkMerger(base, [base], out, *plan)(slice(0, 8))
-    if "histograms" in which:
-        TauHistograms(base, [base]).count(slice(0, 8), [(0, 1, (None, 1 << 15, False))])
-        loops().kth_largest_bits(np.arange(8, dtype=np.int32), 3)
-    return time.perf_counter() - start
-
-
-_warming: threading.Thread | None = None
-
-
-def warm_up_in_background(which: Sequence[str] = LOOPS) -> None:
-    """Start :func:`warm_up` of ``which`` on a daemon thread (once per process), so that
-    importing numba and loading the cached loops (about half a second for all of them)
-    overlaps with opening the inputs; the first chunk that needs a loop waits for it through
-    Python's import lock (or numba's dispatcher lock).
-
-    If the garbage collector has frozen objects by then (the streaming engine freezes what exists
-    when its merge starts), numba's objects join them: otherwise every full collection during
-    the merge walks them."""
-    global _warming
-    if _warming is None and active():
-        _warming = threading.Thread(
-            target=_warm_up_and_freeze, args=(tuple(which),), name="mergelab-kernels", daemon=True
-        )
-        _warming.start()
-
-
-def _warm_up_and_freeze(which: Sequence[str]) -> None:
-    import gc
-
-    warm_up(which)
-    if gc.get_freeze_count():
-        gc.freeze()

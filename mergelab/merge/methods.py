@@ -7,8 +7,8 @@ engine casts the result back to the checkpoint's dtype. The methods registered w
 chunks on every core (``ops.for_chunks``); the streaming engine hands them the inputs in their
 stored dtype and an output buffer (``ctx.dtype``, ``ctx.out``), so each chunk is cast in cache
 and no full-size float32 copy of any input exists. TIES, DARE (per-entry rescales) and
-breadcrumbs run each chunk as one compiled loop where numba is installed (``kernels``, the same
-bits: docs/merge_performance.md); the torch code here is the reference and the fallback. Where
+breadcrumbs run each chunk as one compiled loop where the package's C loops were built
+(``kernels``, the same bits: docs/merge_performance.md); the torch code here is the reference and the fallback. Where
 the TIES/DARE papers and the tools
 (PEFT 0.21 ``merge_utils``, mergekit 0.1.5) disagree the choice is a parameter, the paper's choice
 is the default, and each docstring says which setting reproduces which tool.
@@ -25,18 +25,6 @@ import torch
 from . import kernels, ops
 from .ops import DareRescale, DivideBy, MajoritySign
 from .registry import Interval, LoopChecks, TensorContext, merge_method
-
-# Methods with a compiled pass (mergelab.merge.kernels) where numba is installed, and the loops
-# each calls (kernels.LOOPS); the engines start loading them in the background when they plan
-# one of these.
-COMPILED_METHODS: dict[str, tuple[str, ...]] = {
-    "linear": ("sum",),
-    "task_arithmetic": ("sum",),
-    "ties": ("merge", "histograms"),
-    "dare_linear": ("merge",),
-    "dare_ties": ("merge",),
-    "breadcrumbs": ("merge", "histograms"),
-}
 
 # density 0 would keep nothing (the merge would be the base): a positive fraction is required.
 _DENSITY_RANGE = {"density": Interval(0.0, 1.0, low_open=True)}

@@ -26,7 +26,7 @@ DARE's random masks come from NumPy's SFC64 generator, one stream per block of
 :data:`CHUNK` entries (see :func:`dare_keep_mask`): blocks are drawn in parallel, and the raw
 64-bit output NumPy guarantees stable across versions is turned into masks here.
 
-Where numba is installed, the chunked methods and the histogram passes over task vectors run
+Where the compiled loops were built, the chunked methods and the histogram passes over task vectors run
 compiled loops instead (:mod:`mergelab.merge.kernels`): the same operations in the same order,
 so the same bits; the torch code here is their reference and the fallback.
 """
@@ -203,7 +203,7 @@ def all_finite_chunk(x: torch.Tensor) -> bool:
     """No NaN/Inf in ``x``: by a compiled loop where a merge already loaded them (exponent bits,
     one pass), else with torch: a sum is finite whenever ``x`` is (unless it overflows); only a
     non-finite sum needs the exact element-wise check."""
-    compiled = kernels.all_finite_if_loaded(x)
+    compiled = kernels.all_finite_compiled(x)
     if compiled is not None:
         return compiled
     return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
@@ -274,10 +274,10 @@ def _bits_to_float(bits: int) -> float:
 
 def _locate(counts: np.ndarray, k: int) -> tuple[int, int]:
     """Bucket holding the k-th largest (1-based, at most the total) item of a histogram, and its
-    rank inside it. A compiled loop from the top where the loops are loaded (it stops at the
-    bucket), else NumPy's cumulative sum of a reversed view, the slower of the two
+    rank inside it. A compiled loop from the top where the loops run (it stops at the bucket),
+    else NumPy's cumulative sum of a reversed view, the slower of the two
     (``benchmarks/threshold_overhead.py`` times both per tensor)."""
-    compiled = kernels.loaded()
+    compiled = kernels.active_loops()
     if compiled is not None and counts.dtype == np.int64:
         bucket, rank = compiled.locate_from_top(counts, k)
         return int(bucket), int(rank)
@@ -298,11 +298,10 @@ def _kth_largest_bits(parts: list[np.ndarray], k: int) -> int:
     two radix steps as the passes (top 16 bits, then the low 16 inside that bucket): quick
     whether the values are all distinct or, as τ of bfloat16 weights, a few dozen repeated
     (where ``np.partition`` took ~16× as long as on distinct values). Counted by a compiled
-    loop where the loops are loaded already (on 43 K values here: 0.1–0.5 ms, the NumPy steps
-    0.5–1.1 ms)."""
+    loop where the loops run."""
     values = np.concatenate(parts)
-    compiled = kernels.loaded()
-    if compiled is not None:  # a merge that collected with the compiled loops loaded them
+    compiled = kernels.active_loops()
+    if compiled is not None:
         return int(compiled.kth_largest_bits(values, k))
     top = values >> 16
     first = int(top.min())
@@ -313,9 +312,10 @@ def _kth_largest_bits(parts: list[np.ndarray], k: int) -> int:
 
 
 # The sampled first pass of KthLargestAbs: every SAMPLE_STRIDE-th entry of tensors this large
-# (the whole-model pass, and a tensor's own pass at least) ...
+# (the whole-model pass, and a tensor's own pass at least: from 2¹⁹ entries, e.g. the 512×1024
+# key and value projections of grouped-query attention, the sample holds SAMPLE_VALUES) ...
 SAMPLE_STRIDE = 8
-SAMPLE_MIN_NUMEL = 1 << 20
+SAMPLE_MIN_NUMEL = 1 << 19
 # ... and a tensor's own pass reads a sparser sample where it still holds SAMPLE_VALUES values,
 # up to one in SAMPLE_STRIDE_MAX: the sample's bracket of the k-th largest holds about
 # 4·numel/√(sampled values) of the tensor's values (±4 standard deviations of the sampled

@@ -1,0 +1,1430 @@
+/* The compiled loops behind mergelab.merge.kernels: a C extension, built when the package is
+ * installed (setup.py). Read kernels.py's docstring first; every function here mirrors a torch
+ * operation sequence named in its comment, operation for operation, so the results are the
+ * torch path's bits (tests/test_merge_kernels.py compares them).
+ *
+ * Why C and these flags: the loops must round exactly as torch does, so the compiler may not
+ * contract a*b+c into a fused multiply-add on its own (-ffp-contract=off: torch's fused ones are
+ * written as fmaf here) nor reorder sums (no -ffast-math). -fno-math-errno lets fmaf be the CPU
+ * instruction, -fno-trapping-math lets the vectoriser evaluate both sides of a select (no result
+ * changes: nothing here reads the floating-point exception flags). The hot loops are compiled
+ * for three x86-64 levels (AVX-512, AVX2, baseline) and the CPU picks one when the module loads
+ * (GCC's target_clones); elsewhere they are compiled once for the target.
+ *
+ * Layouts (set by kernels.py, checked where cheap):
+ *   inputs: addresses (int64) of flat bfloat16 (uint16 bits) or float32 arrays;
+ *   params: float32 [n_experts, N_PARAMS]; scalars: float32 [3]; flags: int64 [N_FLAGS].
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
+#define LOOPS_VERSION 1
+
+#define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
+#define GROUPED 1024   /* entries per tile of a histogram pass */
+#define DARE_LANES 8   /* SFC64 streams advanced together */
+#define RUN_HASH 2654435761LL
+
+enum { P_LOW, P_HIGH, P_DARE_LIMIT, P_DARE_DIVISOR, P_SUM_W, P_VOTE_W, P_FLIP, P_MERGE_W,
+       P_DIVISOR_W, N_PARAMS };
+enum { F_KIND, F_BAND, F_VOTE_COUNT, F_VOTE_PLAIN, F_ANY_FLIP, F_MERGE_PLAIN, F_DIVIDE_BY,
+       F_DIVISOR_PLAIN, F_ALL_POSITIVE, F_SUM_DIVIDE, F_SCALE, N_FLAGS };
+enum { S_LAMBDA, S_TOTAL, S_MIN_W, N_SCALARS };
+enum { KIND_SUM, KIND_ELECT };
+enum { DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM };
+#define FOUND_IN_INPUT 1
+#define FOUND_IN_RESULT 2
+#define F32_INF_BITS 0x7F800000u
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#define RESTRICT __restrict__
+#else
+#define INLINE static inline
+#define RESTRICT
+#endif
+
+/* ---- scalar pieces, each torch's operation ---------------------------------------------- */
+
+INLINE float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+INLINE uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+INLINE float bf16_to_f32(uint32_t h) { return u2f(h << 16); }
+
+/* Round to nearest even, as torch; NaN becomes 0xFFFF (what torch's vectorised cast gives). */
+INLINE uint16_t f32_to_bf16(float v)
+{
+    uint32_t u = f2u(v);
+    uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+    uint32_t nan = 0u - (uint32_t)((u & 0x7FFFFFFFu) > F32_INF_BITS);
+    return (uint16_t)((rounded >> 16) | nan);
+}
+
+/* torch.hardshrink: +0.0 where -lam <= x <= lam, else x (lam < 0 keeps everything). */
+INLINE float hardshrink(float x, float lam) { return ((x >= -lam) & (x <= lam)) ? 0.0f : x; }
+
+/* torch.sign: +-1, and +0.0 for +-0 (and NaN). */
+INLINE float sign_of(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+
+/* relu keeping -0.0 (torch's x.clamp(min=0) of a -0.0 is -0.0). */
+INLINE float relu(float x) { return x < 0.0f ? 0.0f : x; }
+
+/* DARE's float mask entry from 32 random bits (ops.dare_keep_block, operation for operation):
+ * 1 + u*2^-23 from the low 23 bits, then clamp((x - limit) * (-2^24), 0, 1). */
+INLINE float keep_value(uint32_t half, float limit)
+{
+    float x = u2f((half & 0x7FFFFFu) | 0x3F800000u);
+    float k = (x - limit) * -16777216.0f;
+    k = k < 0.0f ? 0.0f : k;
+    return k > 1.0f ? 1.0f : k;
+}
+
+INLINE uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+/* ---- tiles in either stored dtype ------------------------------------------------------ */
+
+/* Entries [start, start + count) of the array at addr (bfloat16 bits or float32), widened to
+ * float32 into dst; returns whether one of them is NaN or Inf (every exponent bit set). */
+INLINE int load_tile(int64_t addr, int bf16, int64_t start, int64_t count, float *RESTRICT dst)
+{
+    uint32_t most = 0;
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)(intptr_t)addr + start;
+        for (int64_t j = 0; j < count; j++) {
+            uint32_t h = src[j];
+            most = umax(most, h & 0x7FFFu);
+            dst[j] = bf16_to_f32(h);
+        }
+        return most >= 0x7F80u;
+    }
+    const uint32_t *src = (const uint32_t *)(intptr_t)addr + start;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t u = src[j];
+        most = umax(most, u & 0x7FFFFFFFu);
+        dst[j] = u2f(u);
+    }
+    return most >= F32_INF_BITS;
+}
+
+/* src[:count] into entries [start, start + count) at addr, rounded to bfloat16 or stored as
+ * float32; returns whether a stored entry is NaN or Inf (after rounding: a float32 beyond
+ * bfloat16's range rounds to Inf). */
+INLINE int emit_tile(int64_t addr, int bf16, int64_t start, int64_t count,
+                         const float *RESTRICT src)
+{
+    uint32_t most = 0;
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)(intptr_t)addr + start;
+        for (int64_t j = 0; j < count; j++) {
+            uint16_t h = f32_to_bf16(src[j]);
+            most = umax(most, (uint32_t)h & 0x7FFFu);
+            dst[j] = h;
+        }
+        return most >= 0x7F80u;
+    }
+    float *dst = (float *)(intptr_t)addr + start;
+    for (int64_t j = 0; j < count; j++) {
+        most = umax(most, f2u(src[j]) & 0x7FFFFFFFu);
+        dst[j] = src[j];
+    }
+    return most >= F32_INF_BITS;
+}
+
+/* One step of ops._weighted_rows_sum over a tile: acc = x (* w) for the first row, then
+ * acc + x, or fma(x, w, acc) (torch's add_(x, alpha=w)). */
+INLINE void add_row(float *RESTRICT acc, const float *RESTRICT x, int64_t n, int first, int plain,
+                    float w)
+{
+    if (first) {
+        if (plain)
+            for (int64_t j = 0; j < n; j++) acc[j] = x[j];
+        else
+            for (int64_t j = 0; j < n; j++) acc[j] = x[j] * w;
+    } else if (plain) {
+        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + x[j];
+    } else {
+        for (int64_t j = 0; j < n; j++) acc[j] = fmaf(x[j], w, acc[j]);
+    }
+}
+
+/* ---- SFC64, NumPy's algorithm, DARE_LANES streams at once ------------------------------- */
+
+#if defined(__GNUC__)
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef int64_t i64x8 __attribute__((vector_size(64)));
+#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, (i64x8){__VA_ARGS__})
+
+/* o[s][l] (step s, lane l) into o[l][s]: three rounds of shuffles. */
+INLINE void transpose8(u64x8 *o)
+{
+    u64x8 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = SHUFFLE(o[i], o[i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
+        t[i + 1] = SHUFFLE(o[i], o[i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = SHUFFLE(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 2] = SHUFFLE(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 1] = SHUFFLE(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = SHUFFLE(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; i++) {
+        o[i] = SHUFFLE(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        o[i + 4] = SHUFFLE(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* steps outputs of each of the DARE_LANES streams whose state is state[4][DARE_LANES] (rows
+ * a, b, c, counter; advanced): lane l's p-th output goes to out[l * stride + p]. The lanes are
+ * the elements of one vector; eight steps at a time are turned into eight per-lane runs. */
+HOT static void sfc64_lanes(uint64_t *RESTRICT state, uint64_t *RESTRICT out, int64_t steps,
+                            int64_t stride)
+{
+    u64x8 a, b, c, k, o[8];
+    memcpy(&a, state, 64);
+    memcpy(&b, state + DARE_LANES, 64);
+    memcpy(&c, state + 2 * DARE_LANES, 64);
+    memcpy(&k, state + 3 * DARE_LANES, 64);
+    int64_t p = 0;
+    for (; p + 8 <= steps; p += 8) {
+        for (int step = 0; step < 8; step++) {
+            o[step] = a + b + k;
+            k += 1;
+            a = b ^ (b >> 11);
+            b = c + (c << 3);
+            c = ((c << 24) | (c >> 40)) + o[step];
+        }
+        transpose8(o);
+        for (int l = 0; l < DARE_LANES; l++) memcpy(out + l * stride + p, &o[l], 64);
+    }
+    for (; p < steps; p++) {
+        u64x8 output = a + b + k;
+        k += 1;
+        a = b ^ (b >> 11);
+        b = c + (c << 3);
+        c = ((c << 24) | (c >> 40)) + output;
+        for (int l = 0; l < DARE_LANES; l++) out[l * stride + p] = output[l];
+    }
+    memcpy(state, &a, 64);
+    memcpy(state + DARE_LANES, &b, 64);
+    memcpy(state + 2 * DARE_LANES, &c, 64);
+    memcpy(state + 3 * DARE_LANES, &k, 64);
+}
+#else
+/* steps outputs of each of the DARE_LANES streams whose state is state[4][DARE_LANES] (rows
+ * a, b, c, counter; advanced): lane l's p-th output goes to out[l * stride + p]. */
+static void sfc64_lanes(uint64_t *RESTRICT state, uint64_t *RESTRICT out, int64_t steps,
+                        int64_t stride)
+{
+    for (int l = 0; l < DARE_LANES; l++) {
+        uint64_t a = state[l], b = state[DARE_LANES + l], c = state[2 * DARE_LANES + l];
+        uint64_t k = state[3 * DARE_LANES + l];
+        for (int64_t p = 0; p < steps; p++) {
+            uint64_t output = a + b + k;
+            k += 1;
+            a = b ^ (b >> 11);
+            b = c + (c << 3);
+            c = ((c << 24) | (c >> 40)) + output;
+            out[l * stride + p] = output;
+        }
+        state[l] = a, state[DARE_LANES + l] = b, state[2 * DARE_LANES + l] = c;
+        state[3 * DARE_LANES + l] = k;
+    }
+}
+#endif
+
+/* ---- the merge loops -------------------------------------------------------------------- */
+
+typedef struct {
+    const int64_t *addresses; /* base, then the experts */
+    int n;                    /* experts */
+    int bf16_in, bf16_out;
+    int64_t out;
+    const float *params;      /* [n, N_PARAMS] */
+    const float *scalars;
+    const int64_t *flags;
+} Merge;
+
+/* methods._sum_rows_into for a tile: theta_b + lam * sum_i w_i tau_i (/ sum w), into work[1]. */
+INLINE float *sum_rows(const Merge *g, float *tau, float *work, int64_t n)
+{
+    const float *b = work;
+    float *acc = work + TILE;
+    const int divide = g->flags[F_SUM_DIVIDE] != 0, scale = g->flags[F_SCALE] != 0;
+    const float total = g->scalars[S_TOTAL], lam = g->scalars[S_LAMBDA];
+    if (g->n == 2) { /* one loop for the common case, the same operations in order */
+        const float *t0 = tau, *t1 = tau + TILE;
+        const float w0 = g->params[P_SUM_W], w1 = g->params[N_PARAMS + P_SUM_W];
+        for (int64_t j = 0; j < n; j++) {
+            float v = fmaf(t1[j], w1, t0[j] * w0);
+            if (divide) v = v / total;
+            if (scale) v = v * lam;
+            acc[j] = v + b[j];
+        }
+        return acc;
+    }
+    for (int i = 0; i < g->n; i++) /* weighted_sum multiplies the first row too */
+        add_row(acc, tau + i * TILE, n, i == 0, 0, g->params[i * N_PARAMS + P_SUM_W]);
+    if (divide)
+        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] / total;
+    if (scale)
+        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] * lam;
+    for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + b[j];
+    return acc;
+}
+
+/* The two experts' weights in column col, or 1 and 1 where plain. */
+INLINE void two_weights(const Merge *g, int col, int plain, float *w0, float *w1)
+{
+    *w0 = plain ? 1.0f : g->params[col];
+    *w1 = plain ? 1.0f : g->params[N_PARAMS + col];
+}
+
+/* elect_merge for two experts, every step of a position in one loop: a "plain" weight is 1,
+ * and x * 1, fma(y, 1, x) = x + y and a division by 1 change no bits, so the loop always
+ * multiplies and divides, and picks each option's value with a select. */
+INLINE float *elect_merge_two(const Merge *g, float *tau, float *work, int64_t n)
+{
+    const float *b = work, *t0 = tau, *t1 = tau + TILE;
+    float *merged = work + 2 * TILE;
+    const int64_t *f = g->flags;
+    const int count_votes = f[F_VOTE_COUNT] != 0, all_positive = f[F_ALL_POSITIVE] != 0;
+    const int by_count = f[F_DIVIDE_BY] == DIVIDE_COUNT, by_weight = f[F_DIVIDE_BY] == DIVIDE_WEIGHT_SUM;
+    float vw0, vw1, mw0, mw1, dw0, dw1;
+    two_weights(g, P_VOTE_W, f[F_VOTE_PLAIN] != 0, &vw0, &vw1);
+    two_weights(g, P_MERGE_W, f[F_MERGE_PLAIN] != 0, &mw0, &mw1);
+    two_weights(g, P_DIVISOR_W, f[F_DIVISOR_PLAIN] != 0, &dw0, &dw1);
+    const float f0 = g->params[P_FLIP], f1 = g->params[N_PARAMS + P_FLIP];
+    const float lam = g->scalars[S_LAMBDA], min_w = g->scalars[S_MIN_W];
+    for (int64_t j = 0; j < n; j++) {
+        float x0 = t0[j], x1 = t1[j];
+        float r0 = count_votes ? sign_of(x0) : x0, r1 = count_votes ? sign_of(x1) : x1;
+        float votes = fmaf(r1, vw1, r0 * vw0);
+        float elected = votes < 0.0f ? -1.0f : 1.0f;
+        float m0 = relu(x0 * elected * f0), m1 = relu(x1 * elected * f1);
+        float total = fmaf(m1, mw1, m0 * mw0) * elected;
+        float a0 = m0 > 0.0f ? 1.0f : 0.0f, a1 = m1 > 0.0f ? 1.0f : 0.0f;
+        float count = a0 + a1;
+        float weights = fmaf(a1, dw1, a0 * dw0);
+        if (all_positive)
+            weights = weights < min_w ? min_w : weights;
+        else
+            weights = weights == 0.0f ? 1.0f : weights;
+        float divisor = by_count ? (count < 1.0f ? 1.0f : count) : 1.0f;
+        divisor = by_weight ? weights : divisor;
+        merged[j] = fmaf(total / divisor, lam, b[j]);
+    }
+    return merged;
+}
+
+/* theta_b + lam * disjoint_merge(elect_sign(tau)) for a tile, into work[2]: ops.elect_sign and
+ * ops.disjoint_merge_, operation for operation. */
+INLINE float *elect_merge(const Merge *g, float *tau, float *work, int64_t n)
+{
+    const float *b = work;
+    float *votes = work + TILE, *merged = work + 2 * TILE, *agreeing = work + 3 * TILE;
+    float *divisor = work + 4 * TILE, *x = work + 5 * TILE, *agrees = work + 6 * TILE;
+    float *elected = votes; /* the votes are only needed for their sign */
+    const int64_t *f = g->flags;
+    const int count_votes = f[F_VOTE_COUNT] != 0, plain_votes = f[F_VOTE_PLAIN] != 0;
+    const int any_flip = f[F_ANY_FLIP] != 0, plain_merge = f[F_MERGE_PLAIN] != 0;
+    const int64_t divide_by = f[F_DIVIDE_BY];
+    const int plain_divisor = f[F_DIVISOR_PLAIN] != 0;
+    for (int i = 0; i < g->n; i++) {
+        const float *row = tau + i * TILE;
+        if (count_votes) {
+            for (int64_t j = 0; j < n; j++) x[j] = sign_of(row[j]);
+            add_row(votes, x, n, i == 0, plain_votes, g->params[i * N_PARAMS + P_VOTE_W]);
+        } else {
+            add_row(votes, row, n, i == 0, plain_votes, g->params[i * N_PARAMS + P_VOTE_W]);
+        }
+    }
+    for (int64_t j = 0; j < n; j++) /* sign(votes) + 0.5, signed again: -1, or +1 for ties */
+        elected[j] = votes[j] < 0.0f ? -1.0f : 1.0f;
+    for (int i = 0; i < g->n; i++) {
+        const float *row = tau + i * TILE;
+        const float flip = g->params[i * N_PARAMS + P_FLIP];
+        for (int64_t j = 0; j < n; j++) {
+            float mag = row[j] * elected[j];
+            if (any_flip) mag = mag * flip;
+            x[j] = relu(mag);
+        }
+        add_row(merged, x, n, i == 0, plain_merge, g->params[i * N_PARAMS + P_MERGE_W]);
+        if (divide_by != DIVIDE_NONE) {
+            for (int64_t j = 0; j < n; j++) agrees[j] = x[j] > 0.0f ? 1.0f : 0.0f;
+            if (divide_by == DIVIDE_COUNT)
+                add_row(agreeing, agrees, n, i == 0, 1, 1.0f);
+            else
+                add_row(divisor, agrees, n, i == 0, plain_divisor,
+                        g->params[i * N_PARAMS + P_DIVISOR_W]);
+        }
+    }
+    for (int64_t j = 0; j < n; j++) merged[j] = merged[j] * elected[j];
+    if (divide_by == DIVIDE_COUNT) {
+        for (int64_t j = 0; j < n; j++)
+            merged[j] = merged[j] / (agreeing[j] < 1.0f ? 1.0f : agreeing[j]);
+    } else if (divide_by == DIVIDE_WEIGHT_SUM) {
+        if (f[F_ALL_POSITIVE] != 0) {
+            const float min_w = g->scalars[S_MIN_W];
+            for (int64_t j = 0; j < n; j++)
+                merged[j] = merged[j] / (divisor[j] < min_w ? min_w : divisor[j]);
+        } else {
+            for (int64_t j = 0; j < n; j++)
+                merged[j] = merged[j] / (divisor[j] == 0.0f ? 1.0f : divisor[j]);
+        }
+    }
+    const float lam = g->scalars[S_LAMBDA];
+    for (int64_t j = 0; j < n; j++) merged[j] = fmaf(merged[j], lam, b[j]);
+    return merged;
+}
+
+/* The tile of n positions from t0, any number of experts and either dtype: widen, form tau,
+ * trim or band, DARE's drop and rescale (bits[i]: expert i's random bits, NULL: no drop), then
+ * the sum or the election, rounded into the output. Adds the NaN/Inf flags to *found. */
+HOT static void merge_tile(const Merge *g, int64_t t0, int64_t n, const uint32_t *const *bits,
+                           float *tau, float *work, int *found)
+{
+    float *b = work, *x = work + 7 * TILE;
+    const int band = g->flags[F_BAND] != 0;
+    int bad = load_tile(g->addresses[0], g->bf16_in, t0, n, b);
+    for (int i = 0; i < g->n; i++) {
+        const float *p = g->params + i * N_PARAMS;
+        bad |= load_tile(g->addresses[1 + i], g->bf16_in, t0, n, x);
+        const float low = p[P_LOW], high = p[P_HIGH];
+        float *row = tau + i * TILE;
+        if (band) { /* breadcrumbs: trim below, then tau - hardshrink(tau, largest) */
+            for (int64_t j = 0; j < n; j++) {
+                float d = x[j] - b[j];
+                row[j] = hardshrink(d, low) - hardshrink(d, high);
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) row[j] = hardshrink(x[j] - b[j], low);
+        }
+        const float limit = p[P_DARE_LIMIT];
+        if (limit != 0.0f) {
+            const uint32_t *r = bits[i];
+            for (int64_t j = 0; j < n; j++) row[j] = row[j] * keep_value(r[j], limit);
+            const float divisor = p[P_DARE_DIVISOR];
+            if (divisor != 0.0f)
+                for (int64_t j = 0; j < n; j++) row[j] = row[j] / divisor;
+        }
+    }
+    float *result;
+    if (g->flags[F_KIND] == KIND_SUM)
+        result = sum_rows(g, tau, work, n);
+    else if (g->n == 2)
+        result = elect_merge_two(g, tau, work, n);
+    else
+        result = elect_merge(g, tau, work, n);
+    *found |= (bad ? FOUND_IN_INPUT : 0) |
+              (emit_tile(g->out, g->bf16_out, t0, n, result) ? FOUND_IN_RESULT : 0);
+}
+
+/* ---- two bfloat16 experts, every step in one loop per option set ------------------------ */
+
+typedef struct {
+    float low0, low1, high0, high1;   /* trim / band */
+    float limit0, limit1, div0, div1; /* DARE: drop limit, rescale divisor (1: none) */
+    int drop0, drop1;
+    float sw0, sw1, total, lam_sum;   /* the sum: weights, sum w, lam (1 without scaling) */
+    float vw0, vw1, mw0, mw1, dw0, dw1, f0, f1, lam, min_w; /* the election (1 where plain) */
+} Two;
+
+/* What merge_tile computes for two bfloat16 experts into a bfloat16 output, with the options
+ * as compile-time constants (each wrapper below is one set): the same operations in the same
+ * order, minus multiplications and divisions by exactly 1. r0, r1: DARE's random bits. */
+INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
+                    const uint16_t *RESTRICT e1, uint16_t *RESTRICT out, int64_t n,
+                    const uint32_t *RESTRICT r0, const uint32_t *RESTRICT r1, const Two *c,
+                    const int kind, const int band, const int dare, const int sum_divide,
+                    const int count_votes, const int divide_by, const int all_positive,
+                    const int flips)
+{
+    const float low0 = c->low0, low1 = c->low1, high0 = c->high0, high1 = c->high1;
+    const float limit0 = c->limit0, limit1 = c->limit1, div0 = c->div0, div1 = c->div1;
+    const int drop0 = c->drop0, drop1 = c->drop1;
+    const float sw0 = c->sw0, sw1 = c->sw1, total = c->total, lam_sum = c->lam_sum;
+    const float vw0 = c->vw0, vw1 = c->vw1, mw0 = c->mw0, mw1 = c->mw1;
+    const float dw0 = c->dw0, dw1 = c->dw1, f0 = c->f0, f1 = c->f1, lam = c->lam;
+    const float min_w = c->min_w;
+    uint32_t most_in = 0, most_out = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t hb = b[j], h0 = e0[j], h1 = e1[j];
+        most_in = umax(most_in, umax(hb & 0x7FFFu, umax(h0 & 0x7FFFu, h1 & 0x7FFFu)));
+        float base = bf16_to_f32(hb);
+        float d0 = bf16_to_f32(h0) - base, d1 = bf16_to_f32(h1) - base;
+        float x0 = band ? hardshrink(d0, low0) - hardshrink(d0, high0) : hardshrink(d0, low0);
+        float x1 = band ? hardshrink(d1, low1) - hardshrink(d1, high1) : hardshrink(d1, low1);
+        if (dare) {
+            float k0 = (x0 * keep_value(r0[j], limit0)) / div0;
+            float k1 = (x1 * keep_value(r1[j], limit1)) / div1;
+            x0 = drop0 ? k0 : x0;
+            x1 = drop1 ? k1 : x1;
+        }
+        float result;
+        if (kind == KIND_SUM) {
+            float v = fmaf(x1, sw1, x0 * sw0);
+            if (sum_divide) v = v / total;
+            result = v * lam_sum + base;
+        } else {
+            float q0 = count_votes ? sign_of(x0) : x0, q1 = count_votes ? sign_of(x1) : x1;
+            float votes = fmaf(q1, vw1, q0 * vw0);
+            float elected = votes < 0.0f ? -1.0f : 1.0f;
+            float m0 = x0 * elected, m1 = x1 * elected;
+            if (flips) {
+                m0 = m0 * f0;
+                m1 = m1 * f1;
+            }
+            m0 = relu(m0);
+            m1 = relu(m1);
+            float sum = fmaf(m1, mw1, m0 * mw0) * elected;
+            float a0 = m0 > 0.0f ? 1.0f : 0.0f, a1 = m1 > 0.0f ? 1.0f : 0.0f;
+            float q = sum;
+            if (divide_by == DIVIDE_COUNT) {
+                float count = a0 + a1;
+                q = sum / (count < 1.0f ? 1.0f : count);
+            } else if (divide_by == DIVIDE_WEIGHT_SUM) {
+                float w = fmaf(a1, dw1, a0 * dw0);
+                if (all_positive)
+                    w = w < min_w ? min_w : w;
+                else
+                    w = w == 0.0f ? 1.0f : w;
+                q = sum / w;
+            }
+            result = fmaf(q, lam, base);
+        }
+        uint16_t h = f32_to_bf16(result);
+        most_out = umax(most_out, (uint32_t)h & 0x7FFFu);
+        out[j] = h;
+    }
+    return (most_in >= 0x7F80u ? FOUND_IN_INPUT : 0) | (most_out >= 0x7F80u ? FOUND_IN_RESULT : 0);
+}
+
+typedef int (*TwoLoop)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
+                       const uint32_t *, const uint32_t *, const Two *);
+
+#define TWO(name, kind, band, dare, sum_divide, count_votes, divide_by, all_positive, flips)     \
+    HOT static int name(const uint16_t *b, const uint16_t *e0, const uint16_t *e1,             \
+                        uint16_t *out, int64_t n, const uint32_t *r0, const uint32_t *r1,       \
+                        const Two *c)                                                           \
+    {                                                                                           \
+        return two_loop(b, e0, e1, out, n, r0, r1, c, kind, band, dare, sum_divide,             \
+                        count_votes, divide_by, all_positive, flips);                           \
+    }
+/* the sums: linear parts of DARE-linear and breadcrumbs (trim or band, drop or not, / sum w) */
+TWO(sum_trim, KIND_SUM, 0, 0, 0, 0, 0, 0, 0)
+TWO(sum_trim_div, KIND_SUM, 0, 0, 1, 0, 0, 0, 0)
+TWO(sum_band, KIND_SUM, 1, 0, 0, 0, 0, 0, 0)
+TWO(sum_band_div, KIND_SUM, 1, 0, 1, 0, 0, 0, 0)
+TWO(sum_dare, KIND_SUM, 0, 1, 0, 0, 0, 0, 0)
+TWO(sum_dare_div, KIND_SUM, 0, 1, 1, 0, 0, 0, 0)
+/* the elections (TIES, DARE-TIES): sign rule x divisor, without sign flips */
+#define ELECT(suffix, dare)                                                                     \
+    TWO(elect_sum_none##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_NONE, 0, 0)                   \
+    TWO(elect_sum_count##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_COUNT, 0, 0)                 \
+    TWO(elect_sum_weight##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 1, 0)           \
+    TWO(elect_sum_weight_any##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 0, 0)       \
+    TWO(elect_votes_none##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_NONE, 0, 0)                 \
+    TWO(elect_votes_count##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_COUNT, 0, 0)               \
+    TWO(elect_votes_weight##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 1, 0)         \
+    TWO(elect_votes_weight_any##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 0, 0)
+ELECT(, 0)
+ELECT(_dare, 1)
+
+/* The specialised loop for these options (two bfloat16 experts, bfloat16 output), with c
+ * filled in, or NULL: then merge_tile runs. */
+static TwoLoop two_loop_for(const Merge *g, Two *c)
+{
+    if (!g->bf16_in || !g->bf16_out || g->n != 2) return NULL;
+    const int64_t *f = g->flags;
+    const float *p0 = g->params, *p1 = g->params + N_PARAMS;
+    const int band = f[F_BAND] != 0;
+    const int drop0 = p0[P_DARE_LIMIT] != 0.0f, drop1 = p1[P_DARE_LIMIT] != 0.0f;
+    const int dare = drop0 || drop1;
+    if (dare && band) return NULL;
+    /* rescale only where the expert drops (the loop divides both or neither) */
+    if ((!drop0 && p0[P_DARE_DIVISOR] != 0.0f) || (!drop1 && p1[P_DARE_DIVISOR] != 0.0f))
+        return NULL;
+    memset(c, 0, sizeof *c);
+    c->low0 = p0[P_LOW], c->low1 = p1[P_LOW], c->high0 = p0[P_HIGH], c->high1 = p1[P_HIGH];
+    c->limit0 = p0[P_DARE_LIMIT], c->limit1 = p1[P_DARE_LIMIT];
+    c->div0 = p0[P_DARE_DIVISOR] != 0.0f ? p0[P_DARE_DIVISOR] : 1.0f;
+    c->div1 = p1[P_DARE_DIVISOR] != 0.0f ? p1[P_DARE_DIVISOR] : 1.0f;
+    c->drop0 = drop0, c->drop1 = drop1;
+    if (f[F_KIND] == KIND_SUM) {
+        c->sw0 = p0[P_SUM_W], c->sw1 = p1[P_SUM_W], c->total = g->scalars[S_TOTAL];
+        c->lam_sum = f[F_SCALE] != 0 ? g->scalars[S_LAMBDA] : 1.0f;
+        const int divide = f[F_SUM_DIVIDE] != 0;
+        if (band) return divide ? sum_band_div : sum_band;
+        if (dare) return divide ? sum_dare_div : sum_dare;
+        return divide ? sum_trim_div : sum_trim;
+    }
+    if (band || f[F_ANY_FLIP] != 0) return NULL;
+    two_weights(g, P_VOTE_W, f[F_VOTE_PLAIN] != 0, &c->vw0, &c->vw1);
+    two_weights(g, P_MERGE_W, f[F_MERGE_PLAIN] != 0, &c->mw0, &c->mw1);
+    two_weights(g, P_DIVISOR_W, f[F_DIVISOR_PLAIN] != 0, &c->dw0, &c->dw1);
+    c->f0 = p0[P_FLIP], c->f1 = p1[P_FLIP];
+    c->lam = g->scalars[S_LAMBDA], c->min_w = g->scalars[S_MIN_W];
+    const int votes = f[F_VOTE_COUNT] != 0, positive = f[F_ALL_POSITIVE] != 0;
+    static const TwoLoop table[2][2][4] = {
+        {{elect_sum_none, elect_sum_count, elect_sum_weight_any, elect_sum_weight},
+         {elect_votes_none, elect_votes_count, elect_votes_weight_any, elect_votes_weight}},
+        {{elect_sum_none_dare, elect_sum_count_dare, elect_sum_weight_any_dare,
+          elect_sum_weight_dare},
+         {elect_votes_none_dare, elect_votes_count_dare, elect_votes_weight_any_dare,
+          elect_votes_weight_dare}},
+    };
+    int column;
+    switch (f[F_DIVIDE_BY]) {
+    case DIVIDE_NONE: column = 0; break;
+    case DIVIDE_COUNT: column = 1; break;
+    case DIVIDE_WEIGHT_SUM: column = positive ? 3 : 2; break;
+    default: return NULL;
+    }
+    return table[dare][votes][column];
+}
+
+/* merge_chunk: m positions; with DARE, the chunk is whole blocks of `block` entries (the last
+ * may be partial), expert i's random bits in block bk from stream lanes[bk * n + i] (-1: it
+ * does not drop) whose state is states[l / DARE_LANES][.][l % DARE_LANES]; every stream
+ * advances together, so the blocks are merged a tile of each in turn. */
+static int merge_chunk_impl(const Merge *g, int64_t m, const uint64_t *states, int64_t n_groups,
+                            const int64_t *lanes, int64_t n_blocks, int64_t block)
+{
+    int found = 0;
+    float *tau = malloc(sizeof(float) * TILE * (size_t)g->n);
+    float *work = malloc(sizeof(float) * TILE * 8);
+    const uint32_t **bits = malloc(sizeof(uint32_t *) * (size_t)g->n);
+    int64_t n_streams = n_groups * DARE_LANES;
+    uint64_t *state = NULL, *raw = NULL;
+    if (n_blocks > 0) {
+        state = malloc(sizeof(uint64_t) * 4 * DARE_LANES * (size_t)(n_groups ? n_groups : 1));
+        raw = malloc(sizeof(uint64_t) * (TILE / 2) * (size_t)(n_streams ? n_streams : 1));
+    }
+    if (!tau || !work || !bits || (n_blocks > 0 && (!state || !raw))) {
+        found = -1;
+        goto done;
+    }
+    Two c;
+    TwoLoop fast = two_loop_for(g, &c);
+    const uint16_t *b16 = (const uint16_t *)(intptr_t)g->addresses[0];
+    const uint16_t *e0 = NULL, *e1 = NULL;
+    uint16_t *o16 = (uint16_t *)(intptr_t)g->out;
+    if (fast) {
+        e0 = (const uint16_t *)(intptr_t)g->addresses[1];
+        e1 = (const uint16_t *)(intptr_t)g->addresses[2];
+    }
+    if (n_blocks == 0) {
+        for (int i = 0; i < g->n; i++) bits[i] = NULL;
+        if (fast) {
+            found = fast(b16, e0, e1, o16, m, NULL, NULL, &c);
+        } else {
+            for (int64_t t0 = 0; t0 < m; t0 += TILE)
+                merge_tile(g, t0, m - t0 < TILE ? m - t0 : TILE, bits, tau, work, &found);
+        }
+        goto done;
+    }
+    memcpy(state, states, sizeof(uint64_t) * 4 * DARE_LANES * (size_t)n_groups);
+    const uint32_t *halves = (const uint32_t *)raw; /* little-endian: low half first */
+    int64_t first_block = block < m ? block : m;
+    for (int64_t t0 = 0; t0 < first_block; t0 += TILE) {
+        /* this tile's random bits of every stream (the first block is the longest) */
+        int64_t length0 = m - t0 < TILE ? m - t0 : TILE;
+        for (int64_t gi = 0; gi < n_groups; gi++)
+            sfc64_lanes((uint64_t *)state + gi * 4 * DARE_LANES, raw + gi * DARE_LANES * (TILE / 2),
+                        (length0 + 1) / 2, TILE / 2);
+        for (int64_t bk = 0; bk < n_blocks; bk++) {
+            int64_t first = bk * block + t0;
+            if (first >= m) continue;
+            int64_t length = m - first;
+            if (length > TILE) length = TILE;
+            if ((bk + 1) * block - first < length) length = (bk + 1) * block - first;
+            for (int i = 0; i < g->n; i++) {
+                int64_t lane = lanes[bk * g->n + i];
+                bits[i] = lane >= 0 ? halves + lane * TILE : NULL;
+            }
+            if (fast) {
+                /* an expert that does not drop reads bits it does not use: any row will do */
+                const uint32_t *r0 = bits[0] ? bits[0] : halves, *r1 = bits[1] ? bits[1] : halves;
+                found |= fast(b16 + first, e0 + first, e1 + first, o16 + first, length, r0, r1, &c);
+            } else {
+                merge_tile(g, first, length, bits, tau, work, &found);
+            }
+        }
+    }
+done:
+    free(tau);
+    free(work);
+    free(bits);
+    free(state);
+    free(raw);
+    return found;
+}
+
+/* sum_chunk: methods._combine for m positions: sum_i w_i x_i without a base, else
+ * theta_b + lam * sum_i w_i (x_i - theta_b); divided by sum w where flags[F_SUM_DIVIDE]. torch's
+ * operations in its order: the first term multiplied, the others added by add_(x, alpha=w)
+ * (an FMA), then div_, then torch.add(theta_b, sum, alpha=lam) (an FMA too). */
+INLINE int sum_two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
+                        const uint16_t *RESTRICT e1, uint16_t *RESTRICT out, int64_t m, float w0,
+                        float w1, float total, float lam, const int has_base, const int divide)
+{
+    uint32_t most_in = 0, most_out = 0;
+    for (int64_t j = 0; j < m; j++) {
+        uint32_t h0 = e0[j], h1 = e1[j];
+        uint32_t hb = has_base ? b[j] : 0;
+        most_in = umax(most_in, umax(hb & 0x7FFFu, umax(h0 & 0x7FFFu, h1 & 0x7FFFu)));
+        float base = bf16_to_f32(hb);
+        float x0 = bf16_to_f32(h0), x1 = bf16_to_f32(h1);
+        if (has_base) {
+            x0 = x0 - base;
+            x1 = x1 - base;
+        }
+        float acc = fmaf(x1, w1, x0 * w0);
+        if (divide) acc = acc / total;
+        if (has_base) acc = fmaf(acc, lam, base);
+        uint16_t h = f32_to_bf16(acc);
+        most_out = umax(most_out, (uint32_t)h & 0x7FFFu);
+        out[j] = h;
+    }
+    return (most_in >= 0x7F80u ? FOUND_IN_INPUT : 0) | (most_out >= 0x7F80u ? FOUND_IN_RESULT : 0);
+}
+
+typedef int (*SumLoop)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
+                       float, float, float, float);
+#define SUM(name, has_base, divide)                                                             \
+    HOT static int name(const uint16_t *b, const uint16_t *e0, const uint16_t *e1,             \
+                        uint16_t *out, int64_t m, float w0, float w1, float total, float lam)  \
+    {                                                                                           \
+        return sum_two_loop(b, e0, e1, out, m, w0, w1, total, lam, has_base, divide);           \
+    }
+SUM(sum_plain, 0, 0)
+SUM(sum_plain_div, 0, 1)
+SUM(sum_base, 1, 0)
+SUM(sum_base_div, 1, 1)
+
+HOT static int sum_chunk_impl(const int64_t *addresses, int n, int has_base, int bf16_in, int64_t m,
+                          int64_t out, int bf16_out, const float *weights, const float *scalars,
+                          const int64_t *flags)
+{
+    const int divide = flags[F_SUM_DIVIDE] != 0;
+    const float total = scalars[S_TOTAL], lam = scalars[S_LAMBDA];
+    if (bf16_in && bf16_out && n == 2) {
+        static const SumLoop table[2][2] = {{sum_plain, sum_plain_div}, {sum_base, sum_base_div}};
+        const uint16_t *b = has_base ? (const uint16_t *)(intptr_t)addresses[0] : NULL;
+        const uint16_t *e0 = (const uint16_t *)(intptr_t)addresses[has_base];
+        const uint16_t *e1 = (const uint16_t *)(intptr_t)addresses[has_base + 1];
+        return table[has_base][divide](b ? b : e0, e0, e1, (uint16_t *)(intptr_t)out, m,
+                                       weights[0], weights[1], total, lam);
+    }
+    float work[3 * TILE];
+    float *b = work, *x = work + TILE, *acc = work + 2 * TILE;
+    int found = 0;
+    for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        int64_t n_tile = m - t0 < TILE ? m - t0 : TILE;
+        int bad = 0;
+        if (has_base) bad |= load_tile(addresses[0], bf16_in, t0, n_tile, b);
+        for (int i = 0; i < n; i++) {
+            bad |= load_tile(addresses[has_base + i], bf16_in, t0, n_tile, x);
+            if (has_base)
+                for (int64_t j = 0; j < n_tile; j++) x[j] = x[j] - b[j];
+            add_row(acc, x, n_tile, i == 0, 0, weights[i]);
+        }
+        if (divide)
+            for (int64_t j = 0; j < n_tile; j++) acc[j] = acc[j] / total;
+        if (has_base)
+            for (int64_t j = 0; j < n_tile; j++) acc[j] = fmaf(acc[j], lam, b[j]);
+        found |= (bad ? FOUND_IN_INPUT : 0) |
+                 (emit_tile(out, bf16_out, t0, n_tile, acc) ? FOUND_IN_RESULT : 0);
+    }
+    return found;
+}
+
+/* ---- histogram passes over |tau| (ops.KthLargestAbs) ------------------------------------ */
+
+/* Where the sampled run of period p starts among the m entries (ops._sample_runs). */
+INLINE int64_t run_start(int64_t p, int64_t m, int64_t step, int64_t run)
+{
+    int64_t start = p * run * step;
+    if (p < m / (run * step)) /* a complete period: the run ops.run_offsets picks */
+        start += ((p * RUN_HASH) >> 16) % step * run;
+    return start;
+}
+
+/* load_tile without the NaN/Inf check (the histogram passes: the merge checks every input). */
+INLINE void widen_tile(int64_t addr, int bf16, int64_t start, int64_t count, float *RESTRICT dst)
+{
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)(intptr_t)addr + start;
+        for (int64_t j = 0; j < count; j++) dst[j] = bf16_to_f32(src[j]);
+    } else {
+        memcpy(dst, (const float *)(intptr_t)addr + start, sizeof(float) * (size_t)count);
+    }
+}
+
+/* Sampled entries first .. first + count - 1 of m (all entries for step 1, else runs of run
+ * entries, one from every run * step at run_start's offset), widened into dst. */
+INLINE void load_sample(int64_t addr, int bf16, int64_t m, int64_t first, int64_t count,
+                        int64_t step, int64_t run, float *dst)
+{
+    if (step == 1) {
+        widen_tile(addr, bf16, first, count, dst);
+        return;
+    }
+    for (int64_t r = 0; r < count; r += run) {
+        int64_t start = run_start((first + r) / run, m, step, run);
+        int64_t n = run;
+        if (count - r < n) n = count - r;
+        if (m - start < n) n = m - start;
+        widen_tile(addr, bf16, start, n, dst + r);
+    }
+}
+
+/* Start loading the cache lines load_sample will read for the same arguments (step > 1): each
+ * run is a line or two at a hashed offset, which the CPU's own prefetchers do not guess. */
+INLINE void prefetch_sample(int64_t addr, int bf16, int64_t m, int64_t first, int64_t count,
+                            int64_t step, int64_t run)
+{
+#if defined(__GNUC__)
+    const int width = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < count; r += run) {
+        int64_t start = run_start((first + r) / run, m, step, run);
+        int64_t n = run;
+        if (count - r < n) n = count - r;
+        if (m - start < n) n = m - start;
+        if (n <= 0) break;
+        const char *lo = (const char *)(intptr_t)addr + width * start;
+        const char *hi = lo + width * n - 1;
+        for (; lo <= hi; lo += 64) __builtin_prefetch(lo, 0, 3);
+        __builtin_prefetch(hi, 0, 3);
+    }
+#else
+    (void)addr, (void)bf16, (void)m, (void)first, (void)count, (void)step, (void)run;
+#endif
+}
+
+/* |tau| = |expert - base| of a tile, once per expert for all its passes. */
+INLINE void magnitudes_tile(const float *RESTRICT expert, const float *RESTRICT base, int64_t n,
+                            float *RESTRICT magnitudes)
+{
+    for (int64_t j = 0; j < n; j++) magnitudes[j] = fabsf(expert[j] - base[j]);
+}
+
+/* The magnitudes compared with the band [lowest, highest]: 1 into inside[j] in the band;
+ * returns how many entries lie in the band (*n_in) and above it (*n_above; NaN counts as
+ * above, as its bits do). */
+INLINE void band_tile(const float *RESTRICT magnitudes, int64_t n, float lowest, float highest,
+                      uint8_t *RESTRICT inside, int64_t *n_in, int64_t *n_above)
+{
+    int32_t in_band = 0, above = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = magnitudes[j];
+        int keep = (v >= lowest) & (v <= highest);
+        in_band += keep;
+        above += !(v <= highest);
+        inside[j] = (uint8_t)keep;
+    }
+    *n_in = in_band;
+    *n_above = above;
+}
+
+INLINE uint32_t tau_bits(const float *expert, const float *base, int64_t j)
+{
+    return f2u(expert[j] - base[j]) & 0x7FFFFFFFu;
+}
+
+/* The bits of |tau| straight from bfloat16 inputs (the same operations as the staged way). */
+INLINE uint32_t direct_bits(const uint16_t *base, const uint16_t *expert, int64_t j)
+{
+    return f2u(bf16_to_f32(expert[j]) - bf16_to_f32(base[j])) & 0x7FFFFFFFu;
+}
+
+/* band_tile straight from bfloat16 inputs (no widened copies). */
+INLINE void band_direct(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                        float lowest, float highest, uint8_t *RESTRICT inside, int64_t *n_in,
+                        int64_t *n_above)
+{
+    int32_t in_band = 0, above = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = fabsf(bf16_to_f32(expert[j]) - bf16_to_f32(base[j]));
+        int keep = (v >= lowest) & (v <= highest);
+        in_band += keep;
+        above += !(v <= highest);
+        inside[j] = (uint8_t)keep;
+    }
+    *n_in = in_band;
+    *n_above = above;
+}
+
+/* band_direct for two bands of the same expert at once (breadcrumbs' two edges). */
+INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                         float lowest, float highest, float lowest2, float highest2,
+                         uint8_t *RESTRICT inside, uint8_t *RESTRICT inside2, int64_t *counts)
+{
+    int32_t in_band = 0, above = 0, in_band2 = 0, above2 = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = fabsf(bf16_to_f32(expert[j]) - bf16_to_f32(base[j]));
+        int keep = (v >= lowest) & (v <= highest), keep2 = (v >= lowest2) & (v <= highest2);
+        in_band += keep;
+        above += !(v <= highest);
+        in_band2 += keep2;
+        above2 += !(v <= highest2);
+        inside[j] = (uint8_t)keep;
+        inside2[j] = (uint8_t)keep2;
+    }
+    counts[0] = in_band, counts[1] = above, counts[2] = in_band2, counts[3] = above2;
+}
+
+/* The bits of |tau| from its float magnitude (the same bits: fabsf clears the sign). */
+INLINE uint32_t magnitude_bits(const float *magnitudes, int64_t j) { return f2u(magnitudes[j]); }
+
+typedef struct {
+    const int64_t *addresses;
+    int bf16;
+    int64_t m, step, run;
+    int64_t n_passes;
+    const int64_t *experts; /* pass k counts expert experts[k] (sorted) */
+    const uint8_t *top_bits, *collect;
+    const int64_t *lows, *widths;
+    int32_t *counts;        /* [n_passes, count_width] */
+    int64_t count_width;
+    int32_t *values;        /* [n_passes, capacity] */
+    int64_t capacity;
+    int64_t *filled;        /* [n_passes] */
+} Passes;
+
+/* tau_abs_histograms: counts of the ops.KthLargestAbs passes over |tau_e| (float32 bits), one
+ * per row of counts, for every step-th of the m entries (base first, then the experts). Pass
+ * k: with top_bits[k] the top 16 bits (2^15 bins); else bits - lows[k] clamped to
+ * [0, widths[k] + 1]; with collect[k] only the entries below and above that band (bins 0 and
+ * 1), the bit patterns inside it going to values[k, filled[k]++] while there is room (filled
+ * counts them all). The base is read once for all passes. */
+HOT static int tau_abs_histograms_impl(const Passes *q)
+{
+    const int64_t m = q->m, step = q->step, run = q->run;
+    const int64_t period = run * step;
+    const int64_t total = step == 1 ? m : m / period * run + (m % period < run ? m % period : run);
+    float base[GROUPED], expert[GROUPED], magnitudes[GROUPED];
+    uint32_t bins[GROUPED];
+    union { uint8_t bytes[GROUPED]; uint64_t words[GROUPED / 8]; } inside, inside2;
+    int64_t paired[4] = {0, 0, 0, 0}, pending = -1; /* band counts of pass `pending`, flagged in inside2 */
+    int64_t *ends = calloc((size_t)(q->n_passes ? q->n_passes : 1) * 2, sizeof(int64_t));
+    if (!ends) return -1;
+    memset(inside.bytes, 0, sizeof inside.bytes);
+    memset(inside2.bytes, 0, sizeof inside2.bytes);
+    for (int64_t t0 = 0; t0 < total; t0 += GROUPED) {
+        int64_t length = total - t0 < GROUPED ? total - t0 : GROUPED;
+        if (step > 1 && t0 + GROUPED < total) { /* the next tile's runs, while this one counts */
+            int64_t after = total - t0 - GROUPED < GROUPED ? total - t0 - GROUPED : GROUPED;
+            prefetch_sample(q->addresses[0], q->bf16, m, t0 + GROUPED, after, step, run);
+            for (int64_t k = 0; k < q->n_passes; k++)
+                if (k == 0 || q->experts[k] != q->experts[k - 1])
+                    prefetch_sample(q->addresses[1 + q->experts[k]], q->bf16, m, t0 + GROUPED,
+                                    after, step, run);
+        }
+        /* every entry of bfloat16 inputs: read in place; else widened copies of the sample */
+        const int direct = step == 1 && q->bf16;
+        const uint16_t *b16 = (const uint16_t *)(intptr_t)q->addresses[0] + t0, *e16 = NULL;
+        if (!direct) load_sample(q->addresses[0], q->bf16, m, t0, length, step, run, base);
+        int64_t loaded = -1, measured = -1;
+        for (int64_t k = 0; k < q->n_passes; k++) {
+            if (q->experts[k] != loaded) {
+                loaded = q->experts[k];
+                e16 = (const uint16_t *)(intptr_t)q->addresses[1 + loaded] + t0;
+                if (!direct)
+                    load_sample(q->addresses[1 + loaded], q->bf16, m, t0, length, step, run,
+                                expert);
+            }
+            int32_t *row = q->counts + k * q->count_width;
+            const int64_t low = q->lows[k], width = q->widths[k];
+            if (q->top_bits[k]) { /* the bins in a vectorised loop, then the increments */
+                if (direct)
+                    for (int64_t j = 0; j < length; j++) bins[j] = direct_bits(b16, e16, j) >> 16;
+                else
+                    for (int64_t j = 0; j < length; j++) bins[j] = tau_bits(expert, base, j) >> 16;
+                for (int64_t j = 0; j < length; j++) row[bins[j]] += 1;
+                continue;
+            }
+            const int64_t highest = low + width; /* the band: bits low + 1 .. highest */
+            if (highest >= (int64_t)F32_INF_BITS) { /* a band reaching Inf/NaN: entry by entry */
+                for (int64_t j = 0; j < length; j++) {
+                    uint32_t bits = direct ? direct_bits(b16, e16, j) : tau_bits(expert, base, j);
+                    int64_t v = (int64_t)bits - low;
+                    if (!q->collect[k]) {
+                        row[v < 0 ? 0 : (v > width + 1 ? width + 1 : v)] += 1;
+                    } else if (v <= 0) {
+                        ends[2 * k] += 1;
+                    } else if (v > width) {
+                        ends[2 * k + 1] += 1;
+                    } else {
+                        int64_t at = q->filled[k];
+                        if (at < q->capacity) q->values[k * q->capacity + at] = (int32_t)(v + low);
+                        q->filled[k] = at + 1;
+                    }
+                }
+                continue;
+            }
+            /* Most entries fall outside the band: a vectorised loop counts the entries in and
+             * above it and flags those in it (a byte each), and a second loop visits only the
+             * flagged bytes, eight at a time. */
+            int64_t n_in = 0, n_above = 0;
+            const float lowest = u2f((uint32_t)(low + 1)), top = u2f((uint32_t)highest);
+            const int pair = direct && k + 1 < q->n_passes && q->experts[k + 1] == loaded &&
+                             !q->top_bits[k + 1] &&
+                             q->lows[k + 1] + q->widths[k + 1] < (int64_t)F32_INF_BITS;
+            if (pending == k) { /* counted with the pass before, of the same expert */
+                memcpy(inside.bytes, inside2.bytes, (size_t)length);
+                n_in = paired[2], n_above = paired[3];
+                pending = -1;
+            } else if (pair) {
+                const int64_t low2 = q->lows[k + 1], high2 = low2 + q->widths[k + 1];
+                band_direct2(b16, e16, length, lowest, top, u2f((uint32_t)(low2 + 1)),
+                             u2f((uint32_t)high2), inside.bytes, inside2.bytes, paired);
+                n_in = paired[0], n_above = paired[1];
+                pending = k + 1;
+            } else if (direct) {
+                band_direct(b16, e16, length, lowest, top, inside.bytes, &n_in, &n_above);
+            } else {
+                if (measured != loaded) { /* |tau| once for all of this expert's band passes */
+                    measured = loaded;
+                    magnitudes_tile(expert, base, length, magnitudes);
+                }
+                band_tile(magnitudes, length, lowest, top, inside.bytes, &n_in, &n_above);
+            }
+            for (int64_t j = length; j < GROUPED; j++) inside.bytes[j] = 0;
+            if (n_in != 0 && q->collect[k]) {
+                int32_t *kept = q->values + k * q->capacity;
+                int64_t at = q->filled[k];
+                for (int64_t w = 0; w < GROUPED / 8; w++) {
+                    uint64_t flagged = inside.words[w];
+                    while (flagged) { /* each flagged byte, by its lowest set bit */
+                        int64_t j = 8 * w + (__builtin_ctzll(flagged) >> 3);
+                        if (at < q->capacity)
+                            kept[at] = (int32_t)(direct ? direct_bits(b16, e16, j)
+                                                        : magnitude_bits(magnitudes, j));
+                        at += 1;
+                        flagged &= flagged - 1;
+                    }
+                }
+                q->filled[k] = at;
+            } else if (n_in != 0) {
+                for (int64_t w = 0; w < GROUPED / 8; w++) {
+                    uint64_t flagged = inside.words[w];
+                    while (flagged) {
+                        int64_t j = 8 * w + (__builtin_ctzll(flagged) >> 3);
+                        uint32_t bits = direct ? direct_bits(b16, e16, j) : magnitude_bits(magnitudes, j);
+                        row[(int64_t)bits - low] += 1;
+                        flagged &= flagged - 1;
+                    }
+                }
+            }
+            ends[2 * k] += length - n_in - n_above;
+            ends[2 * k + 1] += n_above;
+        }
+    }
+    for (int64_t k = 0; k < q->n_passes; k++) {
+        if (q->top_bits[k]) continue;
+        int32_t *row = q->counts + k * q->count_width;
+        row[0] += (int32_t)ends[2 * k];
+        row[q->collect[k] ? 1 : q->widths[k] + 1] += (int32_t)ends[2 * k + 1];
+    }
+    free(ends);
+    return 0;
+}
+
+/* ops._locate: the bin holding the k-th largest item, and its rank inside it. */
+static void locate_from_top_impl(const int64_t *counts, int64_t n, int64_t k, int64_t *bin,
+                                 int64_t *rank)
+{
+    int64_t above = 0;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        if (above + counts[i] >= k) {
+            *bin = i;
+            *rank = k - above;
+            return;
+        }
+        above += counts[i];
+    }
+    *bin = 0;
+    *rank = k - above;
+}
+
+/* ops._kth_largest_bits for non-negative int32 bit patterns (1 <= k <= n): the same two radix
+ * steps (top 16 bits, then the low 16 inside that bucket). Returns -1 on a failed allocation. */
+static int64_t kth_largest_bits_impl(const int32_t *values, int64_t n, int64_t k)
+{
+    int32_t lo = values[0], hi = values[0];
+    for (int64_t i = 1; i < n; i++) {
+        lo = values[i] < lo ? values[i] : lo;
+        hi = values[i] > hi ? values[i] : hi;
+    }
+    int64_t first = lo >> 16, last = hi >> 16;
+    int64_t *buckets = calloc((size_t)(last - first + 1), sizeof(int64_t));
+    int64_t *lows = calloc((size_t)1 << 16, sizeof(int64_t));
+    if (!buckets || !lows) {
+        free(buckets);
+        free(lows);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++) buckets[(values[i] >> 16) - first] += 1;
+    int64_t bucket, rank, low, unused;
+    locate_from_top_impl(buckets, last - first + 1, k, &bucket, &rank);
+    for (int64_t i = 0; i < n; i++)
+        if ((values[i] >> 16) - first == bucket) lows[values[i] & 0xFFFF] += 1;
+    locate_from_top_impl(lows, (int64_t)1 << 16, rank, &low, &unused);
+    free(buckets);
+    free(lows);
+    return ((first + bucket) << 16) | low;
+}
+
+/* No NaN or Inf among the m entries at addr (bfloat16 bits or float32). */
+HOT static int all_finite_impl(int64_t addr, int bf16, int64_t m)
+{
+    uint32_t most = 0;
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)(intptr_t)addr;
+        for (int64_t j = 0; j < m; j++) most = umax(most, (uint32_t)src[j] & 0x7FFFu);
+        return most < 0x7F80u;
+    }
+    const uint32_t *src = (const uint32_t *)(intptr_t)addr;
+    for (int64_t j = 0; j < m; j++) most = umax(most, src[j] & 0x7FFFFFFFu);
+    return most < F32_INF_BITS;
+}
+
+/* ---- Python bindings -------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+/* The C-contiguous buffer of obj (a NumPy array) with items of itemsize bytes, or NULL with an
+ * error set. */
+static void *buffer_of(PyObject *obj, Buf *b, Py_ssize_t itemsize, int writable, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &b->view, flags) < 0) return NULL;
+    b->held = 1;
+    if (b->view.itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes expected, got %zd", what, itemsize,
+                     b->view.itemsize);
+        return NULL;
+    }
+    return b->view.buf;
+}
+
+static Py_ssize_t items(const Buf *b) { return b->view.len / b->view.itemsize; }
+
+static Py_ssize_t dim(const Buf *b, int axis)
+{
+    return axis < b->view.ndim ? b->view.shape[axis] : 1;
+}
+
+static void release(Buf *bufs, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (bufs[i].held) PyBuffer_Release(&bufs[i].view);
+}
+
+static PyObject *py_merge_chunk(PyObject *self, PyObject *args)
+{
+    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_states, *o_lanes;
+    int bf16_in, bf16_out;
+    long long m, out, block;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OpLLpOOOOOL", &o_addr, &bf16_in, &m, &out, &bf16_out, &o_params,
+                          &o_scalars, &o_flags, &o_states, &o_lanes, &block))
+        return NULL;
+    Buf bufs[6];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    const int64_t *addresses, *flags, *lanes;
+    const float *params, *scalars;
+    const uint64_t *states;
+    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
+    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
+    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
+    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
+    if (!(states = buffer_of(o_states, &bufs[4], 8, 0, "states"))) goto done;
+    if (!(lanes = buffer_of(o_lanes, &bufs[5], 8, 0, "lanes"))) goto done;
+    int n = (int)items(&bufs[0]) - 1;
+    if (n < 1 || items(&bufs[1]) != (Py_ssize_t)n * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
+        items(&bufs[3]) < N_FLAGS) {
+        PyErr_SetString(PyExc_ValueError, "merge_chunk: inconsistent argument sizes");
+        goto done;
+    }
+    int64_t n_blocks = dim(&bufs[5], 0), n_groups = dim(&bufs[4], 0);
+    if (items(&bufs[5]) == 0) n_blocks = 0;
+    if (items(&bufs[4]) == 0) n_groups = 0;
+    if (n_blocks > 0 && (items(&bufs[5]) != n_blocks * n ||
+                         items(&bufs[4]) != n_groups * 4 * DARE_LANES || block <= 0)) {
+        PyErr_SetString(PyExc_ValueError, "merge_chunk: inconsistent DARE streams");
+        goto done;
+    }
+    for (int64_t i = 0; i < n_blocks * n; i++) {
+        if (lanes[i] >= n_groups * DARE_LANES) {
+            PyErr_SetString(PyExc_ValueError, "merge_chunk: a lane without a stream");
+            goto done;
+        }
+    }
+    Merge g = {addresses, n, bf16_in, bf16_out, (int64_t)out, params, scalars, flags};
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = merge_chunk_impl(&g, m, states, n_groups, lanes, n_blocks, block);
+    Py_END_ALLOW_THREADS
+    if (found < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyLong_FromLong(found);
+done:
+    release(bufs, 6);
+    return result;
+}
+
+static PyObject *py_sum_chunk(PyObject *self, PyObject *args)
+{
+    PyObject *o_addr, *o_weights, *o_scalars, *o_flags;
+    int has_base, bf16_in, bf16_out;
+    long long m, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OppLLpOOO", &o_addr, &has_base, &bf16_in, &m, &out, &bf16_out,
+                          &o_weights, &o_scalars, &o_flags))
+        return NULL;
+    Buf bufs[4];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    const int64_t *addresses, *flags;
+    const float *weights, *scalars;
+    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
+    if (!(weights = buffer_of(o_weights, &bufs[1], 4, 0, "weights"))) goto done;
+    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
+    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
+    int n = (int)items(&bufs[0]) - (has_base ? 1 : 0);
+    if (n < 1 || items(&bufs[1]) < n || items(&bufs[2]) < N_SCALARS || items(&bufs[3]) < N_FLAGS) {
+        PyErr_SetString(PyExc_ValueError, "sum_chunk: inconsistent argument sizes");
+        goto done;
+    }
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = sum_chunk_impl(addresses, n, has_base, bf16_in, m, (int64_t)out, bf16_out, weights,
+                           scalars, flags);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(found);
+done:
+    release(bufs, 4);
+    return result;
+}
+
+static PyObject *py_tau_abs_histograms(PyObject *self, PyObject *args)
+{
+    PyObject *o_addr, *o_experts, *o_top, *o_lows, *o_widths, *o_collect, *o_counts, *o_values,
+        *o_filled;
+    int bf16;
+    long long m, step, run;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OpLLLOOOOOOOO", &o_addr, &bf16, &m, &step, &run, &o_experts,
+                          &o_top, &o_lows, &o_widths, &o_collect, &o_counts, &o_values, &o_filled))
+        return NULL;
+    Buf bufs[9];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    Passes q;
+    q.addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses");
+    if (!q.addresses) goto done;
+    q.experts = buffer_of(o_experts, &bufs[1], 8, 0, "experts");
+    if (!q.experts) goto done;
+    q.top_bits = buffer_of(o_top, &bufs[2], 1, 0, "top_bits");
+    if (!q.top_bits) goto done;
+    q.lows = buffer_of(o_lows, &bufs[3], 8, 0, "lows");
+    if (!q.lows) goto done;
+    q.widths = buffer_of(o_widths, &bufs[4], 8, 0, "widths");
+    if (!q.widths) goto done;
+    q.collect = buffer_of(o_collect, &bufs[5], 1, 0, "collect");
+    if (!q.collect) goto done;
+    q.counts = buffer_of(o_counts, &bufs[6], 4, 1, "counts");
+    if (!q.counts) goto done;
+    q.values = buffer_of(o_values, &bufs[7], 4, 1, "values");
+    if (!q.values) goto done;
+    q.filled = buffer_of(o_filled, &bufs[8], 8, 1, "filled");
+    if (!q.filled) goto done;
+    q.n_passes = items(&bufs[1]);
+    q.count_width = dim(&bufs[6], 1);
+    q.capacity = dim(&bufs[7], 1);
+    if (items(&bufs[7]) == 0) q.capacity = 0;
+    q.bf16 = bf16, q.m = m, q.step = step, q.run = run;
+    int n_inputs = (int)items(&bufs[0]);
+    int ok = step >= 1 && run >= 1 && GROUPED % run == 0 && items(&bufs[2]) == q.n_passes &&
+             items(&bufs[3]) == q.n_passes && items(&bufs[4]) == q.n_passes &&
+             items(&bufs[5]) == q.n_passes && items(&bufs[8]) == q.n_passes &&
+             dim(&bufs[6], 0) >= q.n_passes;
+    for (int64_t k = 0; ok && k < q.n_passes; k++) {
+        ok = q.experts[k] >= 0 && q.experts[k] + 1 < n_inputs &&
+             (q.top_bits[k] ? q.count_width >= (1 << 15)
+                            : (q.collect[k] ? q.count_width >= 2 : q.count_width >= q.widths[k] + 2));
+        if (ok && q.collect[k] && !q.top_bits[k]) ok = dim(&bufs[7], 0) >= q.n_passes || q.capacity == 0;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "tau_abs_histograms: inconsistent argument sizes");
+        goto done;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = tau_abs_histograms_impl(&q);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(bufs, 9);
+    return result;
+}
+
+static PyObject *py_kth_largest_bits(PyObject *self, PyObject *args)
+{
+    PyObject *o_values;
+    long long k;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OL", &o_values, &k)) return NULL;
+    Buf buf;
+    memset(&buf, 0, sizeof buf);
+    const int32_t *values = buffer_of(o_values, &buf, 4, 0, "values");
+    if (!values) {
+        release(&buf, 1);
+        return NULL;
+    }
+    int64_t n = items(&buf);
+    if (k < 1 || k > n) {
+        release(&buf, 1);
+        return PyErr_Format(PyExc_ValueError, "kth_largest_bits: k=%lld outside 1..%lld", k,
+                            (long long)n);
+    }
+    int64_t found;
+    Py_BEGIN_ALLOW_THREADS
+    found = kth_largest_bits_impl(values, n, k);
+    Py_END_ALLOW_THREADS
+    release(&buf, 1);
+    if (found < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(found);
+}
+
+static PyObject *py_locate_from_top(PyObject *self, PyObject *args)
+{
+    PyObject *o_counts;
+    long long k;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OL", &o_counts, &k)) return NULL;
+    Buf buf;
+    memset(&buf, 0, sizeof buf);
+    const int64_t *counts = buffer_of(o_counts, &buf, 8, 0, "counts");
+    if (!counts) {
+        release(&buf, 1);
+        return NULL;
+    }
+    int64_t bin, rank;
+    locate_from_top_impl(counts, items(&buf), k, &bin, &rank);
+    release(&buf, 1);
+    return Py_BuildValue("LL", (long long)bin, (long long)rank);
+}
+
+static PyObject *py_all_finite(PyObject *self, PyObject *args)
+{
+    long long addr, m;
+    int bf16, finite;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LpL", &addr, &bf16, &m)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    finite = all_finite_impl((int64_t)addr, bf16, m);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(finite);
+}
+
+static PyObject *py_sfc64_fill(PyObject *self, PyObject *args)
+{
+    PyObject *o_states, *o_rows;
+    long long steps;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOL", &o_states, &o_rows, &steps)) return NULL;
+    Buf bufs[2];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    uint64_t *states, *rows;
+    if (!(states = buffer_of(o_states, &bufs[0], 8, 1, "states"))) goto done;
+    if (!(rows = buffer_of(o_rows, &bufs[1], 8, 1, "rows"))) goto done;
+    int64_t groups = dim(&bufs[0], 0), stride = dim(&bufs[1], 1);
+    if (items(&bufs[0]) != groups * 4 * DARE_LANES || dim(&bufs[1], 0) < groups * DARE_LANES ||
+        steps > stride || steps < 0) {
+        PyErr_SetString(PyExc_ValueError, "sfc64_fill: inconsistent argument sizes");
+        goto done;
+    }
+    for (int64_t gi = 0; gi < groups; gi++)
+        sfc64_lanes(states + gi * 4 * DARE_LANES, rows + gi * DARE_LANES * stride, steps, stride);
+    result = Py_NewRef(Py_None);
+done:
+    release(bufs, 2);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"merge_chunk", py_merge_chunk, METH_VARARGS,
+     "merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states, "
+     "lanes, block) -> NaN/Inf flags"},
+    {"sum_chunk", py_sum_chunk, METH_VARARGS,
+     "sum_chunk(addresses, has_base, bf16_in, m, out_address, bf16_out, weights, scalars, "
+     "flags) -> NaN/Inf flags"},
+    {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,
+     "tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, "
+     "collect, counts, values, filled)"},
+    {"kth_largest_bits", py_kth_largest_bits, METH_VARARGS, "kth_largest_bits(values, k) -> int"},
+    {"locate_from_top", py_locate_from_top, METH_VARARGS,
+     "locate_from_top(counts, k) -> (bin, rank)"},
+    {"all_finite", py_all_finite, METH_VARARGS, "all_finite(address, bf16, m) -> bool"},
+    {"sfc64_fill", py_sfc64_fill, METH_VARARGS, "sfc64_fill(states, rows, steps)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_loops", "mergelab's compiled merge loops (see kernels.py).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__loops(void)
+{
+    PyObject *mod = PyModule_Create(&module);
+    if (!mod) return NULL;
+    const struct { const char *name; long value; } constants[] = {
+        {"VERSION", LOOPS_VERSION}, {"TILE", TILE}, {"GROUPED", GROUPED},
+        {"DARE_LANES", DARE_LANES}, {"RUN_HASH", (long)RUN_HASH}, {"N_PARAMS", N_PARAMS},
+        {"N_FLAGS", N_FLAGS}, {"P_LOW", P_LOW}, {"P_HIGH", P_HIGH},
+        {"P_DARE_LIMIT", P_DARE_LIMIT}, {"P_DARE_DIVISOR", P_DARE_DIVISOR}, {"P_SUM_W", P_SUM_W},
+        {"P_VOTE_W", P_VOTE_W}, {"P_FLIP", P_FLIP}, {"P_MERGE_W", P_MERGE_W},
+        {"P_DIVISOR_W", P_DIVISOR_W}, {"F_KIND", F_KIND}, {"F_BAND", F_BAND},
+        {"F_VOTE_COUNT", F_VOTE_COUNT}, {"F_VOTE_PLAIN", F_VOTE_PLAIN}, {"F_ANY_FLIP", F_ANY_FLIP},
+        {"F_MERGE_PLAIN", F_MERGE_PLAIN}, {"F_DIVIDE_BY", F_DIVIDE_BY},
+        {"F_DIVISOR_PLAIN", F_DIVISOR_PLAIN}, {"F_ALL_POSITIVE", F_ALL_POSITIVE},
+        {"F_SUM_DIVIDE", F_SUM_DIVIDE}, {"F_SCALE", F_SCALE}, {"S_LAMBDA", S_LAMBDA},
+        {"S_TOTAL", S_TOTAL}, {"S_MIN_W", S_MIN_W}, {"KIND_SUM", KIND_SUM},
+        {"KIND_ELECT", KIND_ELECT}, {"DIVIDE_NONE", DIVIDE_NONE}, {"DIVIDE_COUNT", DIVIDE_COUNT},
+        {"DIVIDE_WEIGHT_SUM", DIVIDE_WEIGHT_SUM}, {"FOUND_IN_INPUT", FOUND_IN_INPUT},
+        {"FOUND_IN_RESULT", FOUND_IN_RESULT},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
+        if (PyModule_AddIntConstant(mod, constants[i].name, constants[i].value) < 0) {
+            Py_DECREF(mod);
+            return NULL;
+        }
+    }
+    return mod;
+}
