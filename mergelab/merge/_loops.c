@@ -70,8 +70,9 @@ INLINE uint16_t f32_to_bf16(float v)
     return (uint16_t)((rounded >> 16) | nan);
 }
 
-/* torch.hardshrink: +0.0 where -lam <= x <= lam, else x (lam < 0 keeps everything). */
-INLINE float hardshrink(float x, float lam) { return ((x >= -lam) & (x <= lam)) ? 0.0f : x; }
+/* torch.hardshrink: +0.0 where -lam <= x <= lam, else x (lam < 0 keeps everything). Written
+ * as |x| <= lam, the same test for every x and lam (NaN fails both; -0.0 becomes +0.0). */
+INLINE float hardshrink(float x, float lam) { return fabsf(x) <= lam ? 0.0f : x; }
 
 /* torch.sign: +-1, and +0.0 for +-0 (and NaN). */
 INLINE float sign_of(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
