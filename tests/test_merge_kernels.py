@@ -124,29 +124,6 @@ def test_ties_whole_model_thresholds_compiled_equal_torch(monkeypatch):
     assert all(0 < t < 1 for t in found[0])
 
 
-def test_whole_model_thresholds_counted_whole_per_worker_equal_counted_in_turn():
-    """hold=True (the streaming engine's stored-dtype passes): every tensor counted whole on one
-    worker thread, several at once; the thresholds are those of counting each in turn."""
-    sizes = [NUMEL, ROW * 75, ROW * 8000, ROW * 16, ROW * 9000]  # sampled and unsampled tensors
-    tensors = [inputs(2, torch.bfloat16, seed=20 + s, numel=n) for s, n in enumerate(sizes)]
-
-    def make_iter():
-        return ((f"t{i}", b, e) for i, (b, e) in enumerate(tensors))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # two chunk workers, as on the project's machine
-    try:
-        in_turn = ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32)
-        held = ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32, hold=True)
-    finally:
-        torch.set_num_threads(threads)
-    assert held == in_turn
-    magnitudes = [torch.cat([(e[i].float() - b.float()).abs().flatten() for b, e in tensors])
-                  for i in range(2)]  # fmt: skip
-    for m, d, t in zip(magnitudes, [0.2, 0.35], held):
-        assert t == float(m.sort(descending=True).values[ops.kept_count(d, m.numel()) - 1])
-
-
 DARE = [
     ("dare_linear", {"density": 0.2}),
     ("dare_linear", {"density": [0.3, 1.0], "weight": [0.6, -0.4], "normalize": True}),

@@ -288,7 +288,7 @@ class ChunkMerger:
         flags: np.ndarray,
         dare_seed: int | None = None,
     ) -> None:
-        self.inputs = Inputs(base, experts)
+        self.inputs = _Inputs(base, experts)
         self.out = out.view(-1)
         self.params, self.scalars, self.flags = params, scalars, flags
         self.dare_seed = dare_seed
@@ -366,7 +366,7 @@ class ChunkSummer:
         lambda_: float,
         normalize: bool,
     ) -> None:
-        self.inputs = Inputs(base, experts)
+        self.inputs = _Inputs(base, experts)
         self.has_base = base is not None
         self.out = out.view(-1)
         total = sum(weights)
@@ -395,7 +395,7 @@ class ChunkSummer:
         return _finish(self.out, part, result, direct, found)
 
 
-class Inputs:
+class _Inputs:
     """Base (if any) and expert tensors as the loops read them: flat, contiguous, bfloat16 or
     float32 (anything else is cast to float32 chunk by chunk, into this thread's scratch
     buffers)."""
@@ -426,7 +426,7 @@ class TauHistograms:
     from the stored inputs (what ops._tau_histograms computes with torch)."""
 
     def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
-        self.inputs = Inputs(base, experts)
+        self.inputs = _Inputs(base, experts)
 
     def pass_counts(self, finders: Sequence[tuple[int, int, tuple | None]]) -> PassCounts:
         """The counting function of one pass of finders given as (expert, stride,
@@ -447,9 +447,7 @@ class PassCounts:
     of each chunk. A collecting pass (``KthLargestAbs`` "collect") keeps the bit patterns in
     its band in the thread's own array too, up to ``ops.COLLECT_MAX`` per thread."""
 
-    def __init__(
-        self, inputs: Inputs | None, finders: Sequence[tuple[int, int, tuple | None]]
-    ) -> None:
+    def __init__(self, inputs: _Inputs, finders: Sequence[tuple[int, int, tuple | None]]) -> None:
         from .ops import COLLECT_MAX
 
         self.inputs = inputs
@@ -479,12 +477,8 @@ class PassCounts:
         self.per_thread: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.lock = threading.Lock()
 
-    def __call__(self, part: slice, inputs: Inputs | None = None) -> list[None]:
-        """Count ``part`` of ``inputs`` (default: the tensor this pass was made for; a pass
-        over many tensors, each counted whole on one thread, passes each tensor's own)."""
+    def __call__(self, part: slice) -> list[None]:
         from .ops import SAMPLE_RUN
-
-        inputs = inputs or self.inputs
 
         arrays = self.per_thread.get(threading.get_ident())
         if arrays is None:
@@ -500,7 +494,7 @@ class PassCounts:
             ]
             with self.lock:
                 self.per_thread[threading.get_ident()] = arrays
-        addresses = np.array(inputs.addresses(part), dtype=np.int64)
+        addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
         for (step, _, experts, top_bits, lows, widths, collect, *_), (
             counts,
             values,
@@ -508,7 +502,7 @@ class PassCounts:
         ) in zip(self.groups, arrays):
             loops().tau_abs_histograms(
                 addresses,
-                inputs.bf16,
+                self.inputs.bf16,
                 part.stop - part.start,
                 step,
                 SAMPLE_RUN,

@@ -265,10 +265,8 @@ def _ties_prepare(
     params: dict[str, Any], make_iter, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
     """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops); τ in
-    ``dtype`` when the engine streams stored-dtype tensors (memory maps: several may be counted
-    at once)."""
-    density = params["density"]
-    thresholds = ops.global_magnitude_thresholds(make_iter, density, dtype, hold=dtype is not None)
+    ``dtype`` when the engine streams stored-dtype tensors."""
+    thresholds = ops.global_magnitude_thresholds(make_iter, params["density"], dtype)
     return {"ties_thresholds": thresholds}
 
 

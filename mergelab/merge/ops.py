@@ -37,10 +37,8 @@ import ctypes
 import math
 import struct
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -733,31 +731,30 @@ def global_magnitude_thresholds(
     make_iter: Callable[[], TensorTriples],
     densities: list[float],
     dtype: torch.dtype | None = None,
-    *,
-    hold: bool = False,
 ) -> list[float]:
     """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
     ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called once per
-    pass (two, three at worst: a sampled first pass, see :class:`KthLargestAbs`); τ_i is formed
-    chunk by chunk, in reused buffers, in ``dtype`` (default: each base's own). Each tensor is
-    counted on every core in turn, and nothing but the current tensor is held; with ``hold``
-    (the tensors stay valid after the next is yielded: memory maps, as the streaming engine's
-    stored-dtype passes give) and the compiled loops, each tensor is counted whole on one worker
-    thread while the next ones are read and counted on the others (:func:`_count_whole`). Expert
-    i keeps the entries with |τ_i| ≥ its threshold, i.e. its ``kept_count(density_i, N)``
-    largest over all N parameters (plus any exact ties with the k-th). Over the whole model this
-    is the TIES paper's trim; over one tensor, mergekit's.
+    pass (two, three at worst: a sampled first pass, see :class:`KthLargestAbs`) and nothing but
+    the current tensor is held; τ_i is formed chunk by chunk, on every core, in reused buffers, in
+    ``dtype`` (default: each base's own). Expert i keeps the entries with |τ_i| ≥ its threshold,
+    i.e. its ``kept_count(density_i, N)`` largest over all N parameters (plus any exact ties with
+    the k-th). Over the whole model this is the TIES paper's trim; over one tensor, mergekit's.
     """
     finders = [KthLargestAbs(SAMPLE_STRIDE) for _ in densities]
     first = True
     while first or any(f.wants_pass() for f in finders):
         active = [(i, f) for i, f in enumerate(finders) if first or f.wants_pass()]
-        tensors = iter(make_iter())
-        if hold and dtype == torch.float32 and chunk_workers() is not None:
-            tensors = _count_whole(tensors, active)  # what it cannot count comes back
-        for _, base, experts in tensors:
-            _count_in_turn(base, experts, active, dtype)
+        for _, base, experts in make_iter():
+            numel = base.numel()
+            count = _tau_histograms(base, experts, dtype)(
+                [f for _, f in active], [i for i, _ in active]
+            )
+            size = histogram_chunk(numel)
+            for part, counts in zip(chunks(numel, size), for_chunks(numel, count, size)):
+                for (_, finder), c in zip(active, counts):
+                    finder.add(c, part.stop - part.start)
+            _add_totals(count, [f for _, f in active])
         for i, finder in active:
             density = densities[i]
             if first:  # a density of 1 keeps everything: no threshold to find
@@ -766,63 +763,6 @@ def global_magnitude_thresholds(
                 finder.end_pass()
         first = False
     return [0.0 if d >= 1 else f.value() for f, d in zip(finders, densities)]
-
-
-def _count_in_turn(
-    base: torch.Tensor,
-    experts: list[torch.Tensor],
-    active: list[tuple[int, KthLargestAbs]],
-    dtype: torch.dtype | None,
-) -> None:
-    """One tensor's counts of a pass of ``active`` (expert index, finder), chunk by chunk on
-    every core."""
-    numel = base.numel()
-    count = _tau_histograms(base, experts, dtype)([f for _, f in active], [i for i, _ in active])
-    size = histogram_chunk(numel)
-    for part, counts in zip(chunks(numel, size), for_chunks(numel, count, size)):
-        for (_, finder), c in zip(active, counts):
-            finder.add(c, part.stop - part.start)
-    _add_totals(count, [f for _, f in active])
-
-
-def _count_whole(
-    tensors: Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]],
-    active: list[tuple[int, KthLargestAbs]],
-) -> Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]]:
-    """Count a pass over ``tensors`` with the compiled loops, each tensor whole on one chunk
-    worker (its chunks in order, into that thread's arrays of one :class:`kernels.PassCounts`
-    for the whole pass: counts add up in any order), up to two tensors per worker queued while
-    the calling thread reads the next; yields back the tensors the loops cannot take (counted
-    in turn by the caller). The same counts as counting every tensor in turn."""
-    finders = [f for _, f in active]
-    passes = kernels.PassCounts(None, [(i, f.stride, f.pass_bins()) for i, f in active])
-    workers = chunk_workers()
-    pending: deque[Future] = deque()
-    ahead = 2 * torch.get_num_threads()
-
-    def count(inputs: kernels.Inputs, numel: int) -> int:
-        for part in chunks(numel, histogram_chunk(numel)):
-            passes(part, inputs)
-        return numel
-
-    def finish(job: Future) -> None:
-        numel = job.result()
-        for finder in finders:
-            finder.add(None, numel)
-
-    try:
-        for name, base, experts in tensors:
-            if base.numel() >= 2**31 or not kernels.usable(base, *experts):
-                yield name, base, experts
-                continue
-            pending.append(workers.submit(count, kernels.Inputs(base, experts), base.numel()))
-            while len(pending) > ahead:
-                finish(pending.popleft())
-        while pending:
-            finish(pending.popleft())
-    finally:
-        futures_wait(pending)  # no worker may still count when the pass ends (or fails)
-    _add_totals(passes, finders)
 
 
 # --- sparsification (in place on a method's own buffers) ---------------------------------------

@@ -362,8 +362,7 @@ class MergeMethod:
 
         ``params``: resolved global parameters and per-model lists merged into one dict. An
         engine may pass ``dtype`` (the compute dtype) for a ``chunked`` method, whose
-        ``make_iter`` then yields the tensors in their stored dtype, each valid after the next
-        is yielded (memory maps, not reused buffers); the hook receives it as
+        ``make_iter`` then yields the tensors in their stored dtype; the hook receives it as
         ``prepare(params, make_iter, dtype=dtype)``.
         """
         if not self.has_first_pass(params):
