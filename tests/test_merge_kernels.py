@@ -459,3 +459,30 @@ def test_locate_compiled_equals_numpy(monkeypatch):
                     m.setattr(kernels, "active_loops", lambda: None)  # the fallback _locate takes
                     assert compiled == ops._locate(counts, k), (bins, density, k)
                 assert compiled == ops._locate_numpy(counts, k)
+
+
+@pytest.mark.skipif(kernels.file_mapping() is None, reason="no mmap on this system")
+def test_file_mapping_maps_the_files_bytes_read_only(tmp_path):
+    """_loops.Mapping (what CheckpointFolder.map uses, without holding the GIL): the file's bytes
+    from a page-aligned offset, read-only, with clear errors for bad arguments."""
+    import mmap
+    import os
+
+    data = os.urandom(3 * mmap.ALLOCATIONGRANULARITY + 100)
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    mapping = kernels.file_mapping()
+    with open(path, "rb") as f:
+        m = mapping(f.fileno(), mmap.ALLOCATIONGRANULARITY, len(data) - mmap.ALLOCATIONGRANULARITY)
+        bad_offset = pytest.raises(OSError)
+        with bad_offset:  # not a multiple of the page size
+            mapping(f.fileno(), 1, 10)
+        with pytest.raises(ValueError):
+            mapping(f.fileno(), 0, 0)
+    view = memoryview(m)  # the file is closed: the map stays valid
+    assert view.readonly and bytes(view) == data[mmap.ALLOCATIONGRANULARITY :]
+    assert m.address % mmap.ALLOCATIONGRANULARITY == 0
+    with pytest.raises(TypeError):
+        view[0] = 1
+    with pytest.raises(OSError):
+        mapping(-1, 0, 10)

@@ -22,9 +22,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#define HAVE_MAPPING 1
+#endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 1
+#define LOOPS_VERSION 2
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1378,6 +1382,92 @@ done:
     return result;
 }
 
+#ifdef HAVE_MAPPING
+/* ---- memory maps that do not hold the GIL ----------------------------------------------- */
+
+/* A read-only shared map of part of a file, its pages mapped at once (MAP_POPULATE, Linux), with
+ * the buffer protocol (torch.frombuffer takes it). Python 3.11's mmap module holds the GIL while
+ * it maps and unmaps; mapping a tensor's inputs takes milliseconds, and every other thread of
+ * the merge (the other workers, the writer) would wait for it: this maps and unmaps without. */
+typedef struct {
+    PyObject_HEAD
+    void *data;
+    size_t size;
+} Mapping;
+
+static PyObject *mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"fd", "offset", "length", "populate", NULL};
+    int fd, populate = 1;
+    long long offset, length;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iLL|p", keywords, &fd, &offset, &length,
+                                     &populate))
+        return NULL;
+    if (offset < 0 || length <= 0)
+        return PyErr_Format(PyExc_ValueError, "Mapping: offset %lld, length %lld", offset, length);
+    int flags = MAP_SHARED;
+#ifdef MAP_POPULATE
+    if (populate) flags |= MAP_POPULATE;
+#endif
+    void *data;
+    Py_BEGIN_ALLOW_THREADS
+    data = mmap(NULL, (size_t)length, PROT_READ, flags, fd, (off_t)offset);
+    Py_END_ALLOW_THREADS
+    if (data == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+    Mapping *self = (Mapping *)type->tp_alloc(type, 0);
+    if (!self) {
+        munmap(data, (size_t)length);
+        return NULL;
+    }
+    self->data = data;
+    self->size = (size_t)length;
+    return (PyObject *)self;
+}
+
+static void mapping_dealloc(Mapping *self)
+{
+    void *data = self->data;
+    size_t size = self->size;
+    if (data) {
+        Py_BEGIN_ALLOW_THREADS
+        munmap(data, size);
+        Py_END_ALLOW_THREADS
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int mapping_getbuffer(Mapping *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->data, (Py_ssize_t)self->size, 1, flags);
+}
+
+static PyObject *mapping_address(Mapping *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromVoidPtr(self->data);
+}
+
+static PyBufferProcs mapping_buffer = {(getbufferproc)mapping_getbuffer, NULL};
+static PyGetSetDef mapping_getset[] = {
+    {"address", (getter)mapping_address, NULL, "where the map starts", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mergelab.merge._loops.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_dealloc = (destructor)mapping_dealloc,
+    .tp_as_buffer = &mapping_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Mapping(fd, offset, length, populate=True): a read-only shared memory map of "
+              "length bytes of the file from offset (a multiple of the page size); mapped and "
+              "unmapped without holding the GIL.",
+    .tp_getset = mapping_getset,
+    .tp_new = mapping_new,
+};
+#endif
+
 static PyMethodDef methods[] = {
     {"merge_chunk", py_merge_chunk, METH_VARARGS,
      "merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states, "
@@ -1405,6 +1495,13 @@ PyMODINIT_FUNC PyInit__loops(void)
 {
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
+#ifdef HAVE_MAPPING
+    if (PyType_Ready(&MappingType) < 0 || PyModule_AddObjectRef(mod, "Mapping",
+                                                                 (PyObject *)&MappingType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+#endif
     const struct { const char *name; long value; } constants[] = {
         {"VERSION", LOOPS_VERSION}, {"TILE", TILE}, {"GROUPED", GROUPED},
         {"DARE_LANES", DARE_LANES}, {"RUN_HASH", (long)RUN_HASH}, {"N_PARAMS", N_PARAMS},

@@ -92,7 +92,7 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
-from . import ops
+from . import kernels, ops
 from .model_card import MODEL_CARD_NAME, model_card
 from .registry import LoopChecks, MergeMethod, TensorContext, get_merge_method, result_finite
 from .validation import (
@@ -382,13 +382,18 @@ class CheckpointFolder:
                 f"{self.label}: shard {info.file.name} ended inside tensor {info.name!r}"
             )
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(
-            f.fileno(),
-            info.offset + info.nbytes - start,
-            flags=mmap.MAP_SHARED | _MAP_POPULATE,
-            prot=mmap.PROT_READ,
-            offset=start,
-        )
+        length = info.offset + info.nbytes - start
+        mapping = kernels.file_mapping()
+        if mapping is not None:  # Python's mmap holds the GIL while it maps: the other threads wait
+            mapped = mapping(f.fileno(), start, length)
+        else:
+            mapped = mmap.mmap(
+                f.fileno(),
+                length,
+                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                prot=mmap.PROT_READ,
+                offset=start,
+            )
         flat = torch.frombuffer(
             mapped, dtype=torch.uint8, count=info.nbytes, offset=info.offset - start
         )

@@ -75,7 +75,7 @@ RUN_HASH = 2654435761
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 1
+LOOPS_VERSION = 2
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
     "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,
@@ -135,6 +135,14 @@ def loops() -> ModuleType:
 def active_loops() -> ModuleType | None:
     """The compiled loops where they run (:func:`active`), else ``None``."""
     return _extension() if enabled else None
+
+
+def file_mapping() -> type | None:
+    """``_loops.Mapping`` (a read-only memory map of part of a file, made and released without
+    holding the GIL) where the loops were built for a system with mmap, else ``None``. It is not
+    a merge loop: ``MERGELAB_KERNELS=torch`` leaves it on."""
+    compiled = _extension()
+    return getattr(compiled, "Mapping", None) if compiled is not None else None
 
 
 def usable(*tensors: torch.Tensor) -> bool:
