@@ -869,42 +869,11 @@ class CheckpointMergePlan:
         """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
         reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
         dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
-        chunk by chunk).
-
-        A stored pass maps the next ``PASS_AHEAD`` tensors on a background thread while the
-        caller counts this one, and unmaps behind it there too: mapping and unmapping a
-        tensor's page-cache pages cost about as much as counting them, and took turns with the
-        counting on the main thread. The caller must drop a tensor's views before it asks for
-        the one after next (a view kept longer only moves its unmapping to the main thread)."""
-        if not stored:
-            for t in self.tensors:
-                loaded = self.load(t, "-pass", check=False, stored=False)
-                if loaded is not None:
-                    yield (t.name, *loaded)
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="mergelab-map") as mapper:
-            todo = iter(self.tensors)
-            ahead: deque[tuple[str, Future]] = deque()
-
-            def map_next() -> None:
-                t = next(todo, None)
-                if t is not None:
-                    ahead.append((t.name, mapper.submit(self.load, t, check=False, stored=True)))
-
-            for _ in range(PASS_AHEAD):
-                map_next()
-            behind: deque[Any] = deque()  # the last two tensors yielded
-            while ahead:
-                name, future = ahead.popleft()
-                map_next()
-                loaded = future.result()
-                del future
-                if len(behind) == 2:  # the caller has let go of it: unmap it on the mapper
-                    mapper.submit(_release, behind.popleft())
-                if loaded is not None:
-                    behind.append(loaded)
-                    yield (name, *loaded)
-                    del loaded
+        chunk by chunk)."""
+        for t in self.tensors:
+            loaded = self.load(t, "-pass", check=False, stored=stored)
+            if loaded is not None:
+                yield (t.name, *loaded)
 
     def streams_stored(self, name: str) -> bool:
         """Whether tensor ``name`` reaches the method in its stored dtype (``ctx.dtype`` set): a
@@ -1195,8 +1164,6 @@ WHOLE_SHARE = 4
 # key and value projections), a window of one tensor per worker can leave a worker waiting while
 # the other finishes a large one (docs/merge_performance.md).
 MERGE_AHEAD = 2
-# A whole-model pass over the stored inputs maps this many tensors ahead of the one counted.
-PASS_AHEAD = 2
 # Inputs (all models, compute dtype) of at most this size are read ahead in the background; the
 # two read-ahead buffer sets then add at most twice this to the peak memory.
 PREFETCH_MAX_BYTES = 2**30
@@ -1414,12 +1381,6 @@ def _gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def _release(loaded: Any) -> None:
-    """Drop a pass's last references to a tensor's maps (on the mapper thread: unmapping its
-    pages is the work)."""
-    del loaded
 
 
 def run_checkpoint_merge(
