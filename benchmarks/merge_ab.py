@@ -34,13 +34,14 @@ from pathlib import Path
 
 from io_floor import shard_files
 from merge_speed import (
-    LLAMA_SHAPE,
     VARIANTS,
     Resident,
+    add_set_arguments,
     load_average,
     mergelab_command,
     proactive_reclaim,
     run_measured,
+    synthetic_set,
     tool_env,
     tool_files,
 )
@@ -75,27 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", required=True, help="git revision to compare against")
     parser.add_argument("--variants", nargs="+", default=["ties", "breadcrumbs"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache-dir", default=".cache/merge_speed")
-    parser.add_argument("--results", default="benchmarks/results/merge_ab.json")
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=LLAMA_SHAPE["num_hidden_layers"],
-        help="the synthetic set of this many layers (made by merge_speed.py --layers N)",
-    )
+    add_set_arguments(parser, "benchmarks/results/merge_ab.json")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    folder = Path(args.cache_dir).resolve() / f"llama-{args.layers}L"
-    if not (folder / "spec.json").is_file():
-        parser.error(
-            f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py"
-            f" --layers {args.layers} once"
-        )
-    work = Path(args.cache_dir).resolve() / "outputs"
-    work.mkdir(parents=True, exist_ok=True)
-    models = [folder / n for n in ("base", "expert_0", "expert_1")]
+    folder, work, models = synthetic_set(parser, args)
     commits = {"old": git("rev-parse", args.old), "new": git("rev-parse", "HEAD")}
     dirty = bool(git("status", "--porcelain", "--", "mergelab"))
     scratch = Path(tempfile.mkdtemp(prefix="merge-ab-"))

@@ -510,6 +510,36 @@ def _commit() -> str | None:
     return head + ("+changes" if git("status", "--porcelain", "--", "mergelab").strip() else "")
 
 
+def add_set_arguments(parser: argparse.ArgumentParser, results: str) -> None:
+    """The options of a benchmark that runs on a synthetic set this script made: where the
+    sets live, which one (``--layers``), where its results go (default ``results``)."""
+    parser.add_argument("--cache-dir", default=".cache/merge_speed")
+    parser.add_argument("--results", default=results)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LLAMA_SHAPE["num_hidden_layers"],
+        help="the synthetic set of this many layers (made by merge_speed.py --layers N)",
+    )
+
+
+def synthetic_set(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[Path, Path, list[Path]]:
+    """The set ``add_set_arguments`` chose, made earlier by this script: its folder, the folder
+    for outputs beside it (created), and its three models (base, expert_0, expert_1); a parser
+    error if it was never made."""
+    folder = Path(args.cache_dir).resolve() / f"llama-{args.layers}L"
+    if not (folder / "spec.json").is_file():
+        parser.error(
+            f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py"
+            f" --layers {args.layers} once"
+        )
+    work = Path(args.cache_dir).resolve() / "outputs"
+    work.mkdir(parents=True, exist_ok=True)
+    return folder, work, [folder / n for n in ("base", "expert_0", "expert_1")]
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

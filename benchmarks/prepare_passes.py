@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from io_floor import shard_files
 from merge_speed import (
-    LLAMA_SHAPE,
     Resident,
+    add_set_arguments,
     load_average,
     mergelab_command,
     run_measured,
+    synthetic_set,
     tool_env,
 )
 
@@ -78,24 +79,9 @@ def map_only_pass(plan: checkpoint.CheckpointMergePlan) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache-dir", default=".cache/merge_speed")
-    parser.add_argument("--results", default="benchmarks/results/prepare_passes.json")
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=LLAMA_SHAPE["num_hidden_layers"],
-        help="the synthetic set of this many layers (made by merge_speed.py --layers N)",
-    )
+    add_set_arguments(parser, "benchmarks/results/prepare_passes.json")
     args = parser.parse_args(argv)
-    folder = Path(args.cache_dir).resolve() / f"llama-{args.layers}L"
-    if not (folder / "spec.json").is_file():
-        parser.error(
-            f"no synthetic checkpoints in {folder}: run benchmarks/merge_speed.py"
-            f" --layers {args.layers} once"
-        )
-    work = Path(args.cache_dir).resolve() / "outputs"
-    work.mkdir(parents=True, exist_ok=True)
-    models = [folder / n for n in ("base", "expert_0", "expert_1")]
+    folder, work, models = synthetic_set(parser, args)
     held = Resident(shard_files(models))  # see merge_speed.Resident
     print(f"held in memory: {held.summary()}")
     plan = checkpoint.plan_checkpoint_merge(
