@@ -28,6 +28,7 @@ import torch
 from io_floor import shard_files
 from merge_speed import (
     Resident,
+    _commit,
     add_set_arguments,
     load_average,
     mergelab_command,
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "map_only_pass_s": median(lambda r: r["map_only_pass"]["s"]),
     }
     config = {
+        "commit": _commit(),
         "shape": json.loads((folder / "spec.json").read_text()),
         "ties_model": {"density": 0.2, "trim_scope": "model"},
         "repeats": args.repeats,
