@@ -474,8 +474,7 @@ def test_file_mapping_maps_the_files_bytes_read_only(tmp_path):
     mapping = kernels.file_mapping()
     with open(path, "rb") as f:
         m = mapping(f.fileno(), mmap.ALLOCATIONGRANULARITY, len(data) - mmap.ALLOCATIONGRANULARITY)
-        bad_offset = pytest.raises(OSError)
-        with bad_offset:  # not a multiple of the page size
+        with pytest.raises(OSError):  # not a multiple of the page size
             mapping(f.fileno(), 1, 10)
         with pytest.raises(ValueError):
             mapping(f.fileno(), 0, 0)

@@ -1397,17 +1397,16 @@ typedef struct {
 
 static PyObject *mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *keywords[] = {"fd", "offset", "length", "populate", NULL};
-    int fd, populate = 1;
+    static char *keywords[] = {"fd", "offset", "length", NULL};
+    int fd;
     long long offset, length;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iLL|p", keywords, &fd, &offset, &length,
-                                     &populate))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iLL", keywords, &fd, &offset, &length))
         return NULL;
     if (offset < 0 || length <= 0)
         return PyErr_Format(PyExc_ValueError, "Mapping: offset %lld, length %lld", offset, length);
     int flags = MAP_SHARED;
 #ifdef MAP_POPULATE
-    if (populate) flags |= MAP_POPULATE;
+    flags |= MAP_POPULATE;
 #endif
     void *data;
     Py_BEGIN_ALLOW_THREADS
@@ -1460,7 +1459,7 @@ static PyTypeObject MappingType = {
     .tp_dealloc = (destructor)mapping_dealloc,
     .tp_as_buffer = &mapping_buffer,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mapping(fd, offset, length, populate=True): a read-only shared memory map of "
+    .tp_doc = "Mapping(fd, offset, length): a read-only shared memory map of "
               "length bytes of the file from offset (a multiple of the page size); mapped and "
               "unmapped without holding the GIL.",
     .tp_getset = mapping_getset,
