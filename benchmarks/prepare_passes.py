@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from io_floor import shard_files
 from merge_speed import (
+    VARIANTS,
     Resident,
     _commit,
     add_set_arguments,
@@ -43,24 +44,30 @@ from mergelab.outputs import atomic_output_file
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def since(wall: float, cpu: float) -> dict:
+    """Wall and CPU seconds since ``time.perf_counter()`` gave ``wall`` and
+    ``time.process_time()`` gave ``cpu``."""
+    return {
+        "s": round(time.perf_counter() - wall, 3),
+        "cpu_s": round(time.process_time() - cpu, 3),
+    }
+
+
 def timed_passes(plan: checkpoint.CheckpointMergePlan) -> tuple[float, list[dict]]:
-    """The TIES prepare step of ``plan`` (as ``run_checkpoint_merge`` runs it), each pass timed:
-    (total wall seconds, per pass wall and CPU seconds)."""
+    """The TIES prepare step of ``plan`` as ``run_checkpoint_merge`` runs it (over the stored
+    inputs, the garbage collector frozen), each pass timed: (total wall seconds, per pass wall
+    and CPU seconds)."""
     passes: list[dict] = []
 
     def make_iter():
         wall, cpu = time.perf_counter(), time.process_time()
         yield from plan.iter_inputs(stored=True)
-        passes.append(
-            {
-                "s": round(time.perf_counter() - wall, 3),
-                "cpu_s": round(time.process_time() - cpu, 3),
-            }
-        )
+        passes.append(since(wall, cpu))
 
     params = {**plan.params, **plan.per_model}
     start = time.perf_counter()
-    plan.method.compute_stats(params, make_iter, plan.compute_dtype)
+    with checkpoint._gc_frozen():
+        plan.method.compute_stats(params, make_iter, plan.compute_dtype)
     return round(time.perf_counter() - start, 3), passes
 
 
@@ -70,11 +77,7 @@ def map_only_pass(plan: checkpoint.CheckpointMergePlan) -> dict:
     numel = 0
     for _, base, _experts in plan.iter_inputs(stored=True):
         numel += base.numel()
-    return {
-        "s": round(time.perf_counter() - wall, 3),
-        "cpu_s": round(time.process_time() - cpu, 3),
-        "entries": numel,
-    }
+    return {**since(wall, cpu), "entries": numel}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,12 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     folder, work, models = synthetic_set(parser, args)
     held = Resident(shard_files(models))  # see merge_speed.Resident
     print(f"held in memory: {held.summary()}")
+    method, params, *_ = VARIANTS["ties_model"]  # what the ties_model subprocess merges
     plan = checkpoint.plan_checkpoint_merge(
-        "ties",
-        models[0],
-        models[1:],
-        params={"density": 0.2, "trim_scope": "model"},
-        dtype=torch.float32,
+        method, models[0], models[1:], params=params, dtype=torch.float32
     )
     rounds: list[dict] = []
     try:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "commit": _commit(),
         "shape": json.loads((folder / "spec.json").read_text()),
-        "ties_model": {"density": 0.2, "trim_scope": "model"},
+        "ties_model": {"method": method, **params},
         "repeats": args.repeats,
         "threads": "default",
         "torch_threads": torch.get_num_threads(),
