@@ -124,6 +124,54 @@ def test_ties_whole_model_thresholds_compiled_equal_torch(monkeypatch):
     assert all(0 < t < 1 for t in found[0])
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_whole_model_thresholds_fetching_ahead_are_the_same(monkeypatch, compiled):
+    monkeypatch.setattr(kernels, "enabled", compiled)
+    tensors = [inputs(2, torch.bfloat16, seed=s, numel=n) for s, n in [(3, NUMEL), (4, ROW * 75)]]
+    tensors += [inputs(2, torch.bfloat16, seed=5, numel=ROW * 1500)]
+    fetched = []
+
+    def make_iter():  # fresh tensors on every yield, as memory maps are
+        for i, (b, e) in enumerate(tensors):
+            fetched.append(i)
+            yield f"t{i}", b.clone(), [x.clone() for x in e]
+
+    found = [
+        ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32, fetch_ahead=ahead)
+        for ahead in (False, True)
+    ]
+    assert found[0] == found[1]
+    flat = [torch.cat([(e[i].float() - b.float()).view(-1) for b, e in tensors]) for i in range(2)]
+    n = flat[0].numel()
+    for x, density, threshold in zip(flat, [0.2, 0.35], found[1]):
+        assert threshold == float(
+            x.abs().sort(descending=True).values[ops.kept_count(density, n) - 1]
+        )
+    assert fetched == [0, 1, 2] * (len(fetched) // 3)
+
+
+def test_pass_counts_move_to_int64_and_keep_every_count(monkeypatch):
+    base, experts = inputs(2, torch.bfloat16, seed=6, numel=NUMEL)
+    finders = [(0, 1, (None, 1 << 15, False)), (1, 4, (None, 1 << 15, False))]
+    counted = []
+    for widen_after in (kernels.WIDEN_ENTRIES, 1000):
+        monkeypatch.setattr(kernels, "WIDEN_ENTRIES", widen_after)
+        counter = kernels.TauHistograms(base, experts).pass_counts(finders)
+        for part in ops.chunks(NUMEL, NUMEL // 7):
+            counter(part)
+        counted.append([c.numpy().copy() for c in counter.totals()])
+    for plain, widened in zip(*counted):
+        assert widened.dtype == np.int64 and (plain == widened).all()
+    assert counted[0][0].sum() == NUMEL
+
+
+def test_start_chunks_returns_what_for_chunks_does():
+    n = ops.GRAIN * 9 + 5
+    started = ops.start_chunks(n, lambda part: (part.start, part.stop), ops.GRAIN)
+    assert started() == ops.for_chunks(n, lambda part: (part.start, part.stop), ops.GRAIN)
+    assert started()[-1] == (ops.GRAIN * 9, n)
+
+
 DARE = [
     ("dare_linear", {"density": 0.2}),
     ("dare_linear", {"density": [0.3, 1.0], "weight": [0.6, -0.4], "normalize": True}),

@@ -448,14 +448,24 @@ class TauHistograms:
         return counting.totals()
 
 
-class PassCounts:
-    """One histogram pass over a tensor's chunks: ``self(part)`` counts a chunk into this worker
-    thread's own arrays (and returns ``None`` per finder: nothing to add per chunk);
-    ``totals()`` adds the threads' arrays up, once. Passes with the same stride share one read
-    of each chunk. A collecting pass (``KthLargestAbs`` "collect") keeps the bit patterns in
-    its band in the thread's own array too, up to ``ops.COLLECT_MAX`` per thread."""
+# A worker thread's int32 counts of a PassCounts move to int64 after this many entries (each
+# call of the loop counts fewer than 2³¹).
+WIDEN_ENTRIES = 1 << 30
 
-    def __init__(self, inputs: _Inputs, finders: Sequence[tuple[int, int, tuple | None]]) -> None:
+
+class PassCounts:
+    """One histogram pass: ``self(part)`` counts a chunk of the bound inputs (``count(inputs,
+    part)`` of any inputs: one pass over many tensors) into this worker thread's own arrays
+    (and returns ``None`` per finder: nothing to add per chunk); ``totals()`` adds the threads'
+    arrays up, once. Passes with the same stride share one read of each chunk. A collecting
+    pass (``KthLargestAbs`` "collect") keeps the bit patterns in its band in the thread's own
+    array too, up to ``ops.COLLECT_MAX`` per thread. The loops count into int32 (half the cache
+    footprint of the band's random increments); a thread's counts move to int64 before they
+    could overflow, so a pass may cover any number of entries."""
+
+    def __init__(
+        self, inputs: _Inputs | None, finders: Sequence[tuple[int, int, tuple | None]]
+    ) -> None:
         from .ops import COLLECT_MAX
 
         self.inputs = inputs
@@ -481,37 +491,30 @@ class PassCounts:
                     COLLECT_MAX if any(collect) else 0,
                 )
             )
-        # per thread and group: counts, collected bit patterns, how many each row collected
-        self.per_thread: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self.per_thread: dict[int, _ThreadCounts] = {}
         self.lock = threading.Lock()
 
     def __call__(self, part: slice) -> list[None]:
+        return self.count(self.inputs, part)
+
+    def count(self, inputs: _Inputs, part: slice) -> list[None]:
+        """Count ``part`` of ``inputs`` into this thread's arrays."""
         from .ops import SAMPLE_RUN
 
-        arrays = self.per_thread.get(threading.get_ident())
-        if arrays is None:
-            # int32: half the cache footprint of the band's random increments (callers keep
-            # tensors under 2³¹ entries); collected values are uninitialised until written
-            arrays = [
-                (
-                    np.zeros((len(g[1]), max(g[7])), dtype=np.int32),
-                    np.empty((len(g[1]), g[8]), dtype=np.int32),
-                    np.zeros(len(g[1]), dtype=np.int64),
-                )
-                for g in self.groups
-            ]
+        mine = self.per_thread.get(threading.get_ident())
+        if mine is None:
+            mine = _ThreadCounts(self.groups)
             with self.lock:
-                self.per_thread[threading.get_ident()] = arrays
-        addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
-        for (step, _, experts, top_bits, lows, widths, collect, *_), (
-            counts,
-            values,
-            filled,
-        ) in zip(self.groups, arrays):
+                self.per_thread[threading.get_ident()] = mine
+        m = part.stop - part.start
+        addresses = np.array(inputs.addresses(part), dtype=np.int64)
+        for (step, _, experts, top_bits, lows, widths, collect, *_), counts, values, filled in zip(
+            self.groups, mine.counts, mine.values, mine.filled
+        ):
             loops().tau_abs_histograms(
                 addresses,
-                self.inputs.bf16,
-                part.stop - part.start,
+                inputs.bf16,
+                m,
                 step,
                 SAMPLE_RUN,
                 experts,
@@ -523,10 +526,13 @@ class PassCounts:
                 values,
                 filled,
             )
+        mine.entries += m
+        if mine.entries >= WIDEN_ENTRIES:  # before any int32 bin could pass 2³¹ − 1
+            mine.widen()
         return [None] * self.n
 
     def totals(self) -> list[Any]:
-        """Per finder: its counts (an int32 tensor), or for a collecting pass the pair (counts
+        """Per finder: its counts (an int64 tensor), or for a collecting pass the pair (counts
         below and above the band, the collected bit patterns: ``None`` if a thread met more
         than it could keep); ``None`` for a finished finder."""
         out: list[Any] = [None] * self.n
@@ -534,16 +540,39 @@ class PassCounts:
         for g, (_, ks, *_, collect, sizes, capacity) in enumerate(self.groups):
             if not threads:
                 break
-            total = threads[0][g][0]
-            for other in threads[1:]:
-                total += other[g][0]
+            total = sum(t.total(g) for t in threads)
             for row, (k, size) in enumerate(zip(ks, sizes)):
                 if not collect[row]:
-                    out[k] = torch.from_numpy(total[row, :size])  # int32; the finder adds it up
+                    out[k] = torch.from_numpy(total[row, :size])  # the finder adds it up
                     continue
-                kept = [(t[g][1][row], int(t[g][2][row])) for t in threads]
+                kept = [(t.values[g][row], int(t.filled[g][row])) for t in threads]
                 found = None
                 if all(n <= capacity for _, n in kept):
                     found = np.concatenate([v[:n] for v, n in kept])
-                out[k] = (total[row, :2].astype(np.int64), found)
+                out[k] = (total[row, :2], found)
         return out
+
+
+class _ThreadCounts:
+    """One worker thread's arrays of a :class:`PassCounts`, per group: the loops' int32 counts,
+    their int64 running totals, the collected bit patterns (uninitialised until written) and
+    how many each row collected."""
+
+    def __init__(self, groups: list) -> None:
+        self.counts = [np.zeros((len(g[1]), max(g[7])), dtype=np.int32) for g in groups]
+        self.wide: list[np.ndarray] | None = None  # made by the first widen()
+        self.values = [np.empty((len(g[1]), g[8]), dtype=np.int32) for g in groups]
+        self.filled = [np.zeros(len(g[1]), dtype=np.int64) for g in groups]
+        self.entries = 0  # counted into the int32 arrays since they were last widened
+
+    def widen(self) -> None:
+        if self.wide is None:
+            self.wide = [np.zeros(c.shape, dtype=np.int64) for c in self.counts]
+        for wide, counts in zip(self.wide, self.counts):
+            wide += counts
+            counts[:] = 0
+        self.entries = 0
+
+    def total(self, group: int) -> np.ndarray:
+        counts = self.counts[group].astype(np.int64)
+        return counts if self.wide is None else counts + self.wide[group]

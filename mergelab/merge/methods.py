@@ -265,8 +265,11 @@ def _ties_prepare(
     params: dict[str, Any], make_iter, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
     """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops); τ in
-    ``dtype`` when the engine streams stored-dtype tensors."""
-    thresholds = ops.global_magnitude_thresholds(make_iter, params["density"], dtype)
+    ``dtype`` when the engine streams stored-dtype tensors, which are fresh memory maps: each
+    is counted while the next is mapped."""
+    thresholds = ops.global_magnitude_thresholds(
+        make_iter, params["density"], dtype, fetch_ahead=dtype is not None
+    )
     return {"ties_thresholds": thresholds}
 
 

@@ -34,6 +34,7 @@ so the same bits; the torch code here is their reference and the fallback.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import threading
@@ -150,19 +151,34 @@ def for_chunks(numel: int, fn: Callable[[slice], R], size: int | None = None) ->
     ``for_chunks`` itself (a nested call runs serially). With one torch thread, or fewer than
     :data:`GRAIN` entries, everything runs on the calling thread.
     """
+    return start_chunks(numel, fn, size)()
+
+
+def start_chunks(
+    numel: int, fn: Callable[[slice], R], size: int | None = None
+) -> Callable[[], list[R]]:
+    """:func:`for_chunks` started: the chunks run on the workers while the caller goes on;
+    calling the result waits for them and returns what ``for_chunks`` would. Where
+    ``for_chunks`` runs on the calling thread, they have run when this returns."""
     parts = list(chunks(numel, size))
     workers = None if numel < GRAIN or getattr(_on_worker, "active", False) else chunk_workers()
     if workers is None or len(parts) == 1:
         if workers is not None:  # one chunk, still single-threaded: the same results either way
-            return [workers.submit(fn, parts[0]).result()]
-        return [fn(part) for part in parts]
+            future = workers.submit(fn, parts[0])
+            return lambda: [future.result()]
+        done = [fn(part) for part in parts]
+        return lambda: done
     n_runs = min(len(parts), 4 * _workers[0])
     bounds = [round(i * len(parts) / n_runs) for i in range(n_runs + 1)]
     runs = [parts[a:b] for a, b in zip(bounds, bounds[1:])]
     futures = [workers.submit(lambda run: [fn(part) for part in run], run) for run in runs]
-    results: list[R] = []
-    for future in futures:
-        results.extend(future.result())
+
+    def results() -> list[R]:
+        out: list[R] = []
+        for future in futures:
+            out.extend(future.result())
+        return out
+
     return results
 
 
@@ -328,6 +344,10 @@ SAMPLE_MIN_NUMEL = 1 << 19
 # rows differ in scale the bracket missed (benchmarks/sampling_passes.py).
 SAMPLE_VALUES = 1 << 16
 SAMPLE_STRIDE_MAX = 32
+# The whole-model pass (global_magnitude_thresholds) reads the sparsest sample a tensor's own
+# pass may: its sample is every tensor's at once, far more than SAMPLE_VALUES values, and every
+# row of every matrix is still sampled.
+MODEL_SAMPLE_STRIDE = SAMPLE_STRIDE_MAX
 # Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
 # every SAMPLE_RUN · stride, so the pass reads 1/stride of the memory (every stride-th entry of
 # bfloat16 weights touches every 64-byte cache line). Which run of a period is read varies from
@@ -631,14 +651,22 @@ def _find_many(
 
 
 def _tau_histograms(
-    base: torch.Tensor, experts: list[torch.Tensor], dtype: torch.dtype | None = None
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    dtype: torch.dtype | None = None,
+    shared: kernels.PassCounts | None = None,
 ) -> Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]]:
     """For finders of τ_i = θ_i − θ_b: a per-chunk counting function (``finders[j]`` counts
     τ of expert ``indices[j]``), τ formed in ``dtype`` (default: the base's) in scratch
     buffers, inputs cast chunk by chunk, only the entries each finder's pass needs (its
-    ``stride``: a sampled pass reads :func:`_sample_runs`), then widened to float32."""
+    ``stride``: a sampled pass reads :func:`_sample_runs`), then widened to float32. Where the
+    compiled loops count, they count into ``shared`` if given (one pass over many tensors,
+    whose totals the caller adds), else into a counter of this tensor's own."""
     dtype = dtype or base.dtype
     if dtype == torch.float32 and base.numel() < 2**31 and kernels.usable(base, *experts):
+        if shared is not None:
+            inputs = kernels.TauHistograms(base, experts).inputs
+            return lambda _finders, _indices: functools.partial(shared.count, inputs)
         return _compiled_tau_histograms(base, experts)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
@@ -731,30 +759,26 @@ def global_magnitude_thresholds(
     make_iter: Callable[[], TensorTriples],
     densities: list[float],
     dtype: torch.dtype | None = None,
+    *,
+    fetch_ahead: bool = False,
 ) -> list[float]:
     """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
     ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called once per
     pass (two, three at worst: a sampled first pass, see :class:`KthLargestAbs`) and nothing but
-    the current tensor is held; τ_i is formed chunk by chunk, on every core, in reused buffers, in
-    ``dtype`` (default: each base's own). Expert i keeps the entries with |τ_i| ≥ its threshold,
-    i.e. its ``kept_count(density_i, N)`` largest over all N parameters (plus any exact ties with
-    the k-th). Over the whole model this is the TIES paper's trim; over one tensor, mergekit's.
+    the current tensor is held; with ``fetch_ahead`` (only for tensors that stay valid after the
+    next is yielded, such as fresh memory maps) each tensor is counted on every core while the
+    next one is fetched, two held at once. τ_i is formed chunk by chunk in reused buffers, on
+    every core, in ``dtype`` (default: each base's own). Expert i
+    keeps the entries with |τ_i| ≥ its threshold, i.e. its ``kept_count(density_i, N)`` largest
+    over all N parameters (plus any exact ties with the k-th). Over the whole model this is the
+    TIES paper's trim; over one tensor, mergekit's.
     """
-    finders = [KthLargestAbs(SAMPLE_STRIDE) for _ in densities]
+    finders = [KthLargestAbs(MODEL_SAMPLE_STRIDE) for _ in densities]
     first = True
     while first or any(f.wants_pass() for f in finders):
         active = [(i, f) for i, f in enumerate(finders) if first or f.wants_pass()]
-        for _, base, experts in make_iter():
-            numel = base.numel()
-            count = _tau_histograms(base, experts, dtype)(
-                [f for _, f in active], [i for i, _ in active]
-            )
-            size = histogram_chunk(numel)
-            for part, counts in zip(chunks(numel, size), for_chunks(numel, count, size)):
-                for (_, finder), c in zip(active, counts):
-                    finder.add(c, part.stop - part.start)
-            _add_totals(count, [f for _, f in active])
+        _model_pass(make_iter, active, dtype, fetch_ahead)
         for i, finder in active:
             density = densities[i]
             if first:  # a density of 1 keeps everything: no threshold to find
@@ -763,6 +787,49 @@ def global_magnitude_thresholds(
                 finder.end_pass()
         first = False
     return [0.0 if d >= 1 else f.value() for f, d in zip(finders, densities)]
+
+
+def _model_pass(
+    make_iter: Callable[[], TensorTriples],
+    active: list[tuple[int, KthLargestAbs]],
+    dtype: torch.dtype | None,
+    fetch_ahead: bool,
+) -> None:
+    """One pass of whole-model finders (expert index, finder) over every tensor, on every core;
+    with ``fetch_ahead`` a tensor's chunks are counted while the next tensor is fetched (mapping
+    it is most of a pass's own cost). The compiled loops count into one set of arrays per
+    worker for the whole pass, added to the finders once at its end."""
+    finders, indices = [f for _, f in active], [i for i, _ in active]
+    shared = kernels.PassCounts(None, [(i, f.stride, f.pass_bins()) for i, f in active])
+    counting: Callable[[], None] | None = None
+    for _, base, experts in make_iter():
+        numel = base.numel()
+        size = histogram_chunk(numel)
+        started = start_chunks(
+            numel, _tau_histograms(base, experts, dtype, shared)(finders, indices), size
+        )
+        if counting is not None:
+            counting()
+        counting = functools.partial(_add_chunk_counts, started, numel, size, finders)
+        if not fetch_ahead:
+            counting()
+            counting = None
+        del base, experts  # held by the counting function until it is done
+    if counting is not None:
+        counting()
+    for finder, c in zip(finders, shared.totals()):
+        if c is not None:
+            finder.add(c, 0)
+
+
+def _add_chunk_counts(
+    started: Callable[[], list], numel: int, size: int, finders: list[KthLargestAbs]
+) -> None:
+    """Wait for a tensor's counting chunks and add what each returned to its finder (the
+    compiled loops return ``None``: their counts come with the pass's totals)."""
+    for part, counts in zip(chunks(numel, size), started()):
+        for finder, c in zip(finders, counts):
+            finder.add(c, part.stop - part.start)
 
 
 # --- sparsification (in place on a method's own buffers) ---------------------------------------
