@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": "default",
         "torch_threads": torch.get_num_threads(),
-        "sample_stride": ops.SAMPLE_STRIDE,
+        "model_sample_stride": ops.MODEL_SAMPLE_STRIDE,
     }
     result = {"config": config, "summary": summary, "rounds": rounds}
     with atomic_output_file(args.results) as tmp:
