@@ -769,10 +769,10 @@ def global_magnitude_thresholds(
     the current tensor is held; with ``fetch_ahead`` (only for tensors that stay valid after the
     next is yielded, such as fresh memory maps) each tensor is counted on every core while the
     next one is fetched, two held at once. τ_i is formed chunk by chunk in reused buffers, on
-    every core, in ``dtype`` (default: each base's own). Expert i
-    keeps the entries with |τ_i| ≥ its threshold, i.e. its ``kept_count(density_i, N)`` largest
-    over all N parameters (plus any exact ties with the k-th). Over the whole model this is the
-    TIES paper's trim; over one tensor, mergekit's.
+    every core, in ``dtype`` (default: each base's own). Expert i keeps the entries with |τ_i| ≥
+    its threshold, i.e. its ``kept_count(density_i, N)`` largest over all N parameters (plus any
+    exact ties with the k-th). Over the whole model this is the TIES paper's trim; over one
+    tensor, mergekit's.
     """
     finders = [KthLargestAbs(MODEL_SAMPLE_STRIDE) for _ in densities]
     first = True
