@@ -39,7 +39,7 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -497,6 +497,10 @@ class PassCounts:
     def __call__(self, part: slice) -> list[None]:
         return self.count(self.inputs, part)
 
+    def counting(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> Callable:
+        """The counting function of this pass's chunks of another tensor's inputs."""
+        return functools.partial(self.count, _Inputs(base, experts))
+
     def count(self, inputs: _Inputs, part: slice) -> list[None]:
         """Count ``part`` of ``inputs`` into this thread's arrays."""
         from .ops import SAMPLE_RUN
@@ -540,7 +544,11 @@ class PassCounts:
         for g, (_, ks, *_, collect, sizes, capacity) in enumerate(self.groups):
             if not threads:
                 break
-            total = sum(t.total(g) for t in threads)
+            total = np.zeros(threads[0].counts[g].shape, dtype=np.int64)
+            for t in threads:
+                total += t.counts[g]
+                if t.wide is not None:
+                    total += t.wide[g]
             for row, (k, size) in enumerate(zip(ks, sizes)):
                 if not collect[row]:
                     out[k] = torch.from_numpy(total[row, :size])  # the finder adds it up
@@ -572,7 +580,3 @@ class _ThreadCounts:
             wide += counts
             counts[:] = 0
         self.entries = 0
-
-    def total(self, group: int) -> np.ndarray:
-        counts = self.counts[group].astype(np.int64)
-        return counts if self.wide is None else counts + self.wide[group]

@@ -618,15 +618,12 @@ def _find_many(
     firsts = [g[0] for g in groups if g]
     order = [i for i, g in enumerate(groups) if g]
     size = histogram_chunk(numel)
-    parts = list(chunks(numel, size))
 
     def run(active: list[tuple[int, KthLargestAbs]]) -> None:
         count = histograms_for(active)
-        counted = for_chunks(numel, count, size)
-        for part, counts in zip(parts, counted):
-            for (_, finder), c in zip(active, counts):
-                finder.add(c, part.stop - part.start)
-        _add_totals(count, [f for _, f in active])
+        finders = [f for _, f in active]
+        _add_chunk_counts(for_chunks(numel, count, size), numel, size, finders)
+        _add_totals(count, finders)
 
     def histograms_for(active: list[tuple[int, KthLargestAbs]]) -> Callable[[slice], list]:
         return histograms([f for _, f in active], [g for g, _ in active])
@@ -665,8 +662,8 @@ def _tau_histograms(
     dtype = dtype or base.dtype
     if dtype == torch.float32 and base.numel() < 2**31 and kernels.usable(base, *experts):
         if shared is not None:
-            inputs = kernels.TauHistograms(base, experts).inputs
-            return lambda _finders, _indices: functools.partial(shared.count, inputs)
+            counting = shared.counting(base, experts)
+            return lambda _finders, _indices: counting
         return _compiled_tau_histograms(base, experts)
     flat_base = base.reshape(-1)
     flat_experts = [e.reshape(-1) for e in experts]
@@ -810,7 +807,7 @@ def _model_pass(
         )
         if counting is not None:
             counting()
-        counting = functools.partial(_add_chunk_counts, started, numel, size, finders)
+        counting = functools.partial(_wait_and_add, started, numel, size, finders)
         if not fetch_ahead:
             counting()
             counting = None
@@ -822,12 +819,17 @@ def _model_pass(
             finder.add(c, 0)
 
 
-def _add_chunk_counts(
+def _wait_and_add(
     started: Callable[[], list], numel: int, size: int, finders: list[KthLargestAbs]
 ) -> None:
-    """Wait for a tensor's counting chunks and add what each returned to its finder (the
-    compiled loops return ``None``: their counts come with the pass's totals)."""
-    for part, counts in zip(chunks(numel, size), started()):
+    """Wait for a tensor's counting chunks (:func:`start_chunks`), then :func:`_add_chunk_counts`."""
+    _add_chunk_counts(started(), numel, size, finders)
+
+
+def _add_chunk_counts(counted: list, numel: int, size: int, finders: list[KthLargestAbs]) -> None:
+    """Add what each of a tensor's counting chunks returned to its finder (the compiled loops
+    return ``None``: their counts come with the pass's totals)."""
+    for part, counts in zip(chunks(numel, size), counted):
         for finder, c in zip(finders, counts):
             finder.add(c, part.stop - part.start)
 
