@@ -56,13 +56,14 @@ def since(wall: float, cpu: float) -> dict:
 def timed_passes(plan: checkpoint.CheckpointMergePlan) -> tuple[float, list[dict]]:
     """The TIES prepare step of ``plan`` as ``run_checkpoint_merge`` runs it (over the stored
     inputs, the garbage collector frozen), each pass timed: (total wall seconds, per pass wall
-    and CPU seconds)."""
+    and CPU seconds, and ``sparse``: over maps not populated ahead, as the cluster count and the
+    cluster sample read them)."""
     passes: list[dict] = []
 
-    def make_iter():
+    def make_iter(sparse=False):
         wall, cpu = time.perf_counter(), time.process_time()
-        yield from plan.iter_inputs(stored=True)
-        passes.append(since(wall, cpu))
+        yield from plan.iter_inputs(stored=True, sparse=sparse)
+        passes.append({**since(wall, cpu), "sparse": sparse})
 
     params = {**plan.params, **plan.per_model}
     start = time.perf_counter()
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": "default",
         "torch_threads": torch.get_num_threads(),
-        "model_sample_stride": ops.MODEL_SAMPLE_STRIDE,
+        "model_sample": {
+            "cluster_entries": ops.MODEL_SAMPLE_CLUSTER,
+            "clusters": ops.MODEL_SAMPLE_CLUSTERS,
+            "run_per_period": [ops.MODEL_SAMPLE_RUN, ops.MODEL_SAMPLE_PERIOD],
+            "margin_se": ops.MODEL_SAMPLE_MARGIN,
+        },
     }
     result = {"config": config, "summary": summary, "rounds": rounds}
     with atomic_output_file(args.results) as tmp:

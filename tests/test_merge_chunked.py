@@ -17,6 +17,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,24 +215,132 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
     assert len(passes) == 4  # sampled, collecting (too many), the two exact passes
 
 
-def test_whole_model_thresholds_of_a_large_model_take_two_passes():
-    g = torch.Generator().manual_seed(4)
-    sizes = [ops.CHUNK * 5, 1000, ops.CHUNK * 3 + 17]
+def whole_model(sizes, seed, row=None, row_sigma=0.0):
+    """Base and two experts' tensors of ``sizes``; with ``row``, τ's rows of ``row`` entries
+    scaled by log-normal factors (σ = ``row_sigma``), so entries of one row are alike."""
+    g = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=g) for s in sizes]
-    experts = [[b + torch.randn(b.shape, generator=g) for b in base] for _ in range(2)]
+    experts = []
+    for _ in range(2):
+        taus = [torch.randn(s, generator=g) for s in sizes]
+        if row is not None:
+            taus = [
+                (
+                    t.view(-1, row) * torch.exp(row_sigma * torch.randn(s // row, 1, generator=g))
+                ).reshape(-1)
+                for t, s in zip(taus, sizes)
+            ]
+        experts.append([b + t for b, t in zip(base, taus)])
+    return base, experts
+
+
+def thresholds_and_passes(base, experts, densities):
     calls = []
 
     def make_iter():
         calls.append(1)
         return ((f"t{i}", b, [e[i] for e in experts]) for i, b in enumerate(base))
 
-    densities = [0.2, 0.3]
-    thresholds = ops.global_magnitude_thresholds(make_iter, densities)
-    assert len(calls) == 2  # a sampled pass and one exact pass over the band
-    n = sum(sizes)
+    return ops.global_magnitude_thresholds(make_iter, densities), len(calls)
+
+
+def assert_kth_of_the_model(base, experts, densities, thresholds):
+    n = sum(b.numel() for b in base)
     for e, d, threshold in zip(experts, densities, thresholds):
         flat = torch.cat([x - b for x, b in zip(e, base)])
         assert threshold == kth_by_sort(flat, ops.kept_count(d, n))
+
+
+def small_clusters(monkeypatch, cluster, period, run, budget):
+    """Patch the whole-model sample's clusters (entries, period, run, how many)."""
+    for name, value in zip(
+        [
+            "MODEL_SAMPLE_CLUSTER",
+            "MODEL_SAMPLE_PERIOD",
+            "MODEL_SAMPLE_RUN",
+            "MODEL_SAMPLE_CLUSTERS",
+        ],
+        [cluster, period, run, budget],
+    ):
+        monkeypatch.setattr(ops, name, value)
+
+
+def test_whole_model_thresholds_of_a_large_model_take_two_passes():
+    base, experts = whole_model([ops.CHUNK * 5, 1000, ops.CHUNK * 3 + 17], seed=4)
+    thresholds, passes = thresholds_and_passes(base, experts, [0.2, 0.3])
+    assert passes == 2  # the sample, then one exact pass over its band
+    assert_kth_of_the_model(base, experts, [0.2, 0.3], thresholds)
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+@pytest.mark.parametrize("sigma", [0.0, 0.5, 1.5])
+def test_whole_model_sample_brackets_the_kth_where_rows_differ(monkeypatch, seed, sigma):
+    """Rows of 1024 entries scaled alike (log-normal, σ = ``sigma``), 64 of 128 clusters of 16
+    rows sampled: the bracket, MODEL_SAMPLE_MARGIN standard errors counted over clusters, holds
+    the k-th largest; one exact pass follows where it is narrow (rows of one scale), else the
+    two radix passes. Where rows differ, that error is at least twice the one counted over
+    values (as if each were drawn alone), whose bracket would be too narrow."""
+    small_clusters(monkeypatch, 16384, 1024, 32, 64)
+    row = 1024
+    base, experts = whole_model([row * 600, row * 400, row * 1048], seed, row, row_sigma=sigma)
+    thresholds, passes = thresholds_and_passes(base, experts, [0.2, 0.35])
+    assert_kth_of_the_model(base, experts, [0.2, 0.35], thresholds)
+    assert passes == 2 if sigma == 0 else passes in (2, 3)
+    sample = ops.ClusterSample(1)
+    for i, b in enumerate(base):
+        sample.add(b, [experts[0][i]], torch.float32)
+    rows = sample.rows(0)
+    assert rows.shape == (64, 512)
+    finder = ops.KthLargestAbs()
+    n = sum(b.numel() for b in base)
+    finder.from_sample(n, ops.kept_count(0.2, n), rows)
+    kth_bits = np.float32(thresholds[0]).view(np.int32) >> 16
+    low, high = finder._bucket, finder._bucket + (finder._width >> 16) - 1  # noqa: SLF001
+    assert low <= kth_bits <= high
+    above = (rows >= np.quantile(rows, 0.8)).sum(axis=1)
+    p, m, c = above.sum() / rows.size, rows.size, len(rows)
+    over_clusters = math.sqrt(((above - p * rows.shape[1]) ** 2).sum() * c / (c - 1)) / m
+    over_values = math.sqrt(p * (1 - p) / m)
+    assert over_clusters > (2 if sigma else 0.5) * over_values
+
+
+def test_cluster_sample_is_the_clusters_of_smallest_hash_however_it_was_cut(monkeypatch):
+    small_clusters(monkeypatch, 64, 32, 8, 16)
+    base, experts = whole_model([64 * 200, 64 * 50 + 3, 64 * 400, 10], seed=8)
+    clusters = sum(-(-b.numel() // 64) for b in base)
+    rows = []
+    for told in (None, clusters):
+        sample = ops.ClusterSample(2, told)
+        for i, b in enumerate(base):
+            sample.add(b, [e[i] for e in experts], torch.float32)
+        assert sample.count == sum(b.numel() for b in base)
+        rows.append([sample.rows(j) for j in range(2)])
+    for a, b in zip(*rows):
+        assert a.shape == (16, 16) and np.array_equal(a, b)
+
+
+def test_checkpoint_whole_model_sample_reads_unpopulated_maps(wide_ckpts, tmp_path, monkeypatch):
+    """The engine's sampled pass maps the inputs without populating them (it reads a few pages),
+    the exact pass and the merge populate them, and the result is the in-memory merge's bits."""
+    small_clusters(monkeypatch, 256, 64, 16, 4)
+    (base, e0, e1), (base_sd, sd0, sd1) = wide_ckpts
+    params = {"density": 0.3, "trim_scope": "model"}
+    expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params, seed=2)
+    populated = []
+    original = CheckpointFolder.map
+
+    def recording(self, name, populate=True):
+        populated.append(populate)
+        return original(self, name, populate)
+
+    monkeypatch.setattr(CheckpointFolder, "map", recording)
+    out = merge_checkpoints(
+        "ties", base, [e0, e1], output=tmp_path / "out", params=params, seed=2, progress=False
+    )
+    assert False in populated and True in populated
+    with CheckpointFolder(out) as folder:
+        for name, tensor in expected.items():
+            assert torch.equal(folder.read(name), tensor), name
 
 
 # --- DARE's generator -----------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -44,8 +46,9 @@ def test_kth_largest_abs_equals_sorting(values):
     sizes=st.lists(st.integers(1, 300), min_size=1, max_size=5),
     density=st.floats(0.001, 0.999),
     seed=st.integers(0, 2**16),
+    clusters=st.sampled_from([None, (8, 4, 2, 2), (16, 8, 4, 3)]),
 )
-def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density, seed):
+def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density, seed, clusters):
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=g) for s in sizes]
     experts = [[b + torch.randn(b.shape, generator=g) for b in base] for _ in range(2)]
@@ -55,8 +58,13 @@ def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density,
         calls.append(1)
         return ((f"t{i}", b, [e[i] for e in experts]) for i, b in enumerate(base))
 
-    thresholds = ops.global_magnitude_thresholds(make_iter, [density, 0.5])
-    # a sampled pass, then one exact pass over a band, or (a sample this small rarely pins the
+    names = ["MODEL_SAMPLE_CLUSTER", "MODEL_SAMPLE_PERIOD", "MODEL_SAMPLE_RUN"]
+    names.append("MODEL_SAMPLE_CLUSTERS")
+    with contextlib.ExitStack() as stack:  # the default clusters, or clusters of a few entries
+        for name, value in zip(names, clusters or ()):
+            stack.enter_context(mock.patch.object(ops, name, value))
+        thresholds = ops.global_magnitude_thresholds(make_iter, [density, 0.5])
+    # the sample, then one exact pass over its band, or (a sample this small rarely pins the
     # band down) the two exact radix passes
     assert len(calls) in (2, 3)
     n = sum(sizes)
@@ -65,7 +73,7 @@ def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density,
         assert threshold == kth_largest_by_sort(flat, ops.kept_count(d, n))
 
 
-def test_global_thresholds_skip_the_second_pass_when_nothing_is_trimmed():
+def test_global_thresholds_take_no_pass_when_nothing_is_trimmed():
     calls = []
 
     def make_iter():
@@ -73,7 +81,7 @@ def test_global_thresholds_skip_the_second_pass_when_nothing_is_trimmed():
         return [("w", torch.zeros(3), [torch.ones(3)])]
 
     assert ops.global_magnitude_thresholds(make_iter, [1.0]) == [0.0]
-    assert len(calls) == 1
+    assert not calls
 
 
 def test_kept_count_follows_mergekit():

@@ -28,7 +28,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 2
+#define LOOPS_VERSION 3
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1385,8 +1385,9 @@ done:
 #ifdef HAVE_MAPPING
 /* ---- memory maps that do not hold the GIL ----------------------------------------------- */
 
-/* A read-only shared map of part of a file, its pages mapped at once (MAP_POPULATE, Linux), with
- * the buffer protocol (torch.frombuffer takes it). Python 3.11's mmap module holds the GIL while
+/* A read-only shared map of part of a file, its pages mapped at once (MAP_POPULATE, Linux; not
+ * with populate=False, for a pass that reads a few of its pages: each is then mapped when it is
+ * first read), with the buffer protocol (torch.frombuffer takes it). Python 3.11's mmap module holds the GIL while
  * it maps and unmaps; mapping a tensor's inputs takes milliseconds, and every other thread of
  * the merge (the other workers, the writer) would wait for it: this maps and unmaps without. */
 typedef struct {
@@ -1397,16 +1398,17 @@ typedef struct {
 
 static PyObject *mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *keywords[] = {"fd", "offset", "length", NULL};
-    int fd;
+    static char *keywords[] = {"fd", "offset", "length", "populate", NULL};
+    int fd, populate = 1;
     long long offset, length;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iLL", keywords, &fd, &offset, &length))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iLL|p", keywords, &fd, &offset, &length,
+                                     &populate))
         return NULL;
     if (offset < 0 || length <= 0)
         return PyErr_Format(PyExc_ValueError, "Mapping: offset %lld, length %lld", offset, length);
     int flags = MAP_SHARED;
 #ifdef MAP_POPULATE
-    flags |= MAP_POPULATE;
+    if (populate) flags |= MAP_POPULATE;
 #endif
     void *data;
     Py_BEGIN_ALLOW_THREADS

@@ -364,11 +364,12 @@ class CheckpointFolder:
             )
         return buffer.view(info.dtype).reshape(info.shape)
 
-    def map(self, name: str) -> torch.Tensor:
+    def map(self, name: str, populate: bool = True) -> torch.Tensor:
         """One tensor as a read-only view of its bytes in the page cache: a memory map of just
-        its pages, filled by the kernel at once (``MAP_POPULATE``), so nothing is copied to read
-        it. The map is released when the last view of it is dropped; only the engine's casts read
-        it, and nothing may write to it."""
+        its pages, filled by the kernel at once (``MAP_POPULATE``; with ``populate`` off, page by
+        page as they are first read, for a pass that reads few of them), so nothing is copied to
+        read it. The map is released when the last view of it is dropped; only the engine's casts
+        read it, and nothing may write to it."""
         info = self.info(name)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
@@ -385,12 +386,12 @@ class CheckpointFolder:
         length = info.offset + info.nbytes - start
         mapping = kernels.file_mapping()
         if mapping is not None:  # Python's mmap holds the GIL while it maps: the other threads wait
-            mapped = mapping(f.fileno(), start, length)
+            mapped = mapping(f.fileno(), start, length, populate)
         else:
             mapped = mmap.mmap(
                 f.fileno(),
                 length,
-                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                flags=mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0),
                 prot=mmap.PROT_READ,
                 offset=start,
             )
@@ -835,17 +836,23 @@ class CheckpointMergePlan:
     # -- reading inputs for one output tensor --------------------------------------------------
 
     def inputs(
-        self, name: str, pool: BufferPool | None = None, slot: str = "", *, mapped: bool = False
+        self,
+        name: str,
+        pool: BufferPool | None = None,
+        slot: str = "",
+        *,
+        mapped: bool = False,
+        populate: bool = True,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(base tensor, expert tensors) for ``name`` as stored (checkpoint dtype), rows cut to
         the common vocabulary where the vocab-padding rule applies. With ``pool`` the tensors
         live in its reusable buffers (valid until the next call); with ``mapped`` they are
-        read-only views of the page cache (:meth:`CheckpointFolder.map`), which must not be
-        written to."""
+        read-only views of the page cache (:meth:`CheckpointFolder.map`, ``populate`` as there),
+        which must not be written to."""
 
         def read(folder: CheckpointFolder, key: str, source: str = name) -> torch.Tensor:
             if mapped:
-                return folder.map(source)
+                return folder.map(source, populate)
             nbytes = folder.info(source).nbytes
             buffer = pool.take(f"read-{key}{slot}", (nbytes,), torch.uint8) if pool else None
             return folder.read(source, buffer)
@@ -864,14 +871,14 @@ class CheckpointMergePlan:
         return base, experts
 
     def iter_inputs(
-        self, stored: bool = False
+        self, stored: bool = False, sparse: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
         """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
         reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
         dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
-        chunk by chunk)."""
+        chunk by chunk), with ``sparse`` not populated ahead (a pass that reads few pages)."""
         for t in self.tensors:
-            loaded = self.load(t, "-pass", check=False, stored=stored)
+            loaded = self.load(t, "-pass", check=False, stored=stored, sparse=sparse)
             if loaded is not None:
                 yield (t.name, *loaded)
 
@@ -884,15 +891,22 @@ class CheckpointMergePlan:
         return self.input_dtype is None and (recipe is None or recipe.align is None)
 
     def load(
-        self, t: OutputTensor, slot: str = "", *, check: bool = True, stored: bool | None = None
+        self,
+        t: OutputTensor,
+        slot: str = "",
+        *,
+        check: bool = True,
+        stored: bool | None = None,
+        sparse: bool = False,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
-        """Inputs of ``t``, memory-mapped; ``None`` for a non-floating tensor. They stay mapped in
+        """Inputs of ``t``, memory-mapped (with ``sparse``, stored ones are not populated ahead:
+        :meth:`CheckpointFolder.map`); ``None`` for a non-floating tensor. They stay mapped in
         their stored dtype when ``stored`` (default: :meth:`streams_stored`), else they are cast
         to the compute dtype in the pool's buffers (set ``slot``) and checked for NaN/Inf while
         they are copied (unless ``check`` is off). Stored inputs are checked after the merge
         (:meth:`_check_inputs`): the method's compiled loop sees every entry anyway."""
         pool = self._pool
-        base, experts = self.inputs(t.name, mapped=True)
+        base, experts = self.inputs(t.name, mapped=True, populate=not (sparse and stored))
         reference = base if base is not None else experts[0]
         if not reference.is_floating_point():
             return None

@@ -16,6 +16,7 @@ is the default, and each docstring says which setting reproduces which tool.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -264,11 +265,17 @@ def task_arithmetic(
 def _ties_prepare(
     params: dict[str, Any], make_iter, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """Whole-model |τ_i| thresholds, one per expert (two streamed passes, see ops); τ in
-    ``dtype`` when the engine streams stored-dtype tensors, which are fresh memory maps: each
-    is counted while the next is mapped."""
+    """Whole-model |τ_i| thresholds, one per expert (a sampled pass and an exact one, see ops); τ
+    in ``dtype`` when the engine streams stored-dtype tensors, which are fresh memory maps: the
+    sample reads them unpopulated (``make_iter(sparse=True)``), and in the exact pass each is
+    counted while the next is mapped."""
+    stored = dtype is not None
     thresholds = ops.global_magnitude_thresholds(
-        make_iter, params["density"], dtype, fetch_ahead=dtype is not None
+        make_iter,
+        params["density"],
+        dtype,
+        fetch_ahead=stored,
+        sample_iter=functools.partial(make_iter, sparse=True) if stored else None,
     )
     return {"ties_thresholds": thresholds}
 

@@ -344,17 +344,32 @@ SAMPLE_MIN_NUMEL = 1 << 19
 # rows differ in scale the bracket missed (benchmarks/sampling_passes.py).
 SAMPLE_VALUES = 1 << 16
 SAMPLE_STRIDE_MAX = 32
-# The whole-model pass (global_magnitude_thresholds) reads the sparsest sample a tensor's own
-# pass may: its sample is every tensor's at once, far more than SAMPLE_VALUES values, and every
-# row of every matrix is still sampled.
-MODEL_SAMPLE_STRIDE = SAMPLE_STRIDE_MAX
 # Task vectors are sampled in runs instead (_sample_runs): SAMPLE_RUN consecutive entries out of
 # every SAMPLE_RUN · stride, so the pass reads 1/stride of the memory (every stride-th entry of
 # bfloat16 weights touches every 64-byte cache line). Which run of a period is read varies from
 # period to period (run_offsets).
 SAMPLE_RUN = 32
-# A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each).
+# The whole-model first pass (global_magnitude_thresholds) samples clusters of
+# MODEL_SAMPLE_CLUSTER consecutive entries (64 KiB of bfloat16, what the kernel maps at one page
+# fault) instead: the MODEL_SAMPLE_CLUSTERS clusters of the whole model with the smallest hash
+# (ClusterSample), of each one run of MODEL_SAMPLE_RUN entries from every MODEL_SAMPLE_PERIOD
+# (every row of a 1024-wide matrix, as the per-tensor sample). It reads a few thousand clusters
+# of a model of any size, where a strided sample touched every page (and mapping every page was
+# most of that pass's time). Values of one cluster (32 rows of a matrix) are more alike than
+# values drawn alone, so the bracket of the k-th largest is MODEL_SAMPLE_MARGIN standard errors
+# of the sampled fraction counted over clusters, not over values (KthLargestAbs.from_sample).
+MODEL_SAMPLE_CLUSTER = 1 << 15
+MODEL_SAMPLE_CLUSTERS = 1024
+MODEL_SAMPLE_PERIOD = SAMPLE_RUN * SAMPLE_STRIDE_MAX
+MODEL_SAMPLE_RUN = SAMPLE_RUN
+MODEL_SAMPLE_MARGIN = 4
+# A sampled bracket spans at most this many top-16-bit buckets (its histogram: 2¹⁶ bins each)
+# in a tensor's own passes, and in the whole-model pass, whose counts are kept once per worker
+# for the whole pass (kernels.PassCounts: at most 4 MiB of int32, 8 once widened to int64, per
+# worker and expert), this many: its clustered sample's bracket is wider where rows of a matrix
+# differ in scale.
 _MAX_BAND_BUCKETS = 4
+MODEL_MAX_BAND_BUCKETS = 16
 # A bracket the sample says holds at most half this many values is collected instead (any
 # width): its values' bit patterns are kept, and the k-th found among them. Also the most values
 # a collecting pass keeps (per worker thread in the compiled loops): 1 MiB of int32 each.
@@ -548,15 +563,64 @@ class KthLargestAbs:
         if top >= 1 and bottom <= m:
             high, _ = _locate(self._counts, top)
             low, _ = _locate(self._counts, bottom)
-            self._bucket, self._width = low, (high - low + 1) << 16
-            sampled_inside = int(self._counts[low : high + 1].sum())
-            if sampled_inside * (self.count / m) <= COLLECT_MAX // 2:
-                self._switch("collect", 0)
-                return
-            if high - low + 1 <= _MAX_BAND_BUCKETS:
-                self._switch("band", self._width + 2)
-                return
+            self._choose_band(low, high, int(self._counts[low : high + 1].sum()), m)
+            return
         self._switch("high", _HIGH_BUCKETS)
+
+    def _choose_band(
+        self, low: int, high: int, sampled_inside: int, m: int, widest: int = _MAX_BAND_BUCKETS
+    ) -> None:
+        """The next pass for a band of top-16-bit buckets ``low`` .. ``high`` that the sample (``m``
+        values, ``sampled_inside`` of them in the band) says holds the k-th largest: collect its
+        values if few, else histogram it if at most ``widest`` buckets, else the two exact
+        passes."""
+        self._bucket, self._width = low, (high - low + 1) << 16
+        if sampled_inside * (self.count / m) <= COLLECT_MAX // 2:
+            self._switch("collect", 0)
+        elif high - low + 1 <= widest:
+            self._switch("band", self._width + 2)
+        else:
+            self._switch("high", _HIGH_BUCKETS)
+
+    def from_sample(self, count: int, k: int, rows: np.ndarray) -> None:
+        """End the first pass with a sample of clusters (:class:`ClusterSample`) instead of a
+        histogram: ``count`` values in all, of which the k-th largest (1-based) is wanted; ``rows``
+        the sampled clusters' |x| bit patterns, one row each (−1 pads a short cluster).
+
+        The band is the sample's (q ∓ δ)-quantiles, q = k / count (Woodruff's interval):
+        δ is MODEL_SAMPLE_MARGIN standard errors of the sampled fraction at or above the sample's
+        q-quantile t, estimated over the clusters (a ratio estimator: Σ_c (a_c − p n_c)², a_c of
+        the n_c values of cluster c at or above t, p their total share), plus
+        MODEL_SAMPLE_MARGIN / m; it allows for values of a cluster being alike, which a bracket
+        counted over values does not."""
+        self._first = False
+        self.count = count
+        self._k = max(0, min(k, count))
+        if self._k == 0:
+            self._finish(math.inf)
+            return
+        values = rows[rows >= 0]
+        m = values.size
+        clusters = rows.shape[0]
+        if clusters < 2:
+            self._switch("high", _HIGH_BUCKETS)
+            return
+        q = self._k / count
+        t = _kth_largest_bits([values], min(m, max(1, math.ceil(q * m))))
+        at_or_above = (rows >= t).sum(axis=1)
+        sizes = (rows >= 0).sum(axis=1)
+        share = at_or_above.sum() / m
+        spread = float(((at_or_above - share * sizes) ** 2).sum())
+        se = math.sqrt(clusters / (clusters - 1) * spread) / m
+        delta = MODEL_SAMPLE_MARGIN * (se + 1 / m)
+        top, bottom = math.floor((q - delta) * m), math.ceil((q + delta) * m)
+        if top < 1 or bottom > m:
+            self._switch("high", _HIGH_BUCKETS)
+            return
+        high = _kth_largest_bits([values], top) >> 16
+        low = _kth_largest_bits([values], bottom) >> 16
+        inside = int(((values >> 16 >= low) & (values >> 16 <= high)).sum())
+        self._choose_band(low, high, inside, m, MODEL_MAX_BAND_BUCKETS)
 
 
 def sample_stride(numel: int) -> int:
@@ -758,32 +822,148 @@ def global_magnitude_thresholds(
     dtype: torch.dtype | None = None,
     *,
     fetch_ahead: bool = False,
+    sample_iter: Callable[[], TensorTriples] | None = None,
 ) -> list[float]:
     """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
     ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called once per
-    pass (two, three at worst: a sampled first pass, see :class:`KthLargestAbs`) and nothing but
-    the current tensor is held; with ``fetch_ahead`` (only for tensors that stay valid after the
-    next is yielded, such as fresh memory maps) each tensor is counted on every core while the
-    next one is fetched, two held at once. τ_i is formed chunk by chunk in reused buffers, on
-    every core, in ``dtype`` (default: each base's own). Expert i keeps the entries with |τ_i| ≥
-    its threshold, i.e. its ``kept_count(density_i, N)`` largest over all N parameters (plus any
-    exact ties with the k-th). Over the whole model this is the TIES paper's trim; over one
-    tensor, mergekit's.
+    pass and nothing but the current tensor is held. The first pass samples whole clusters of
+    entries (:class:`ClusterSample`, over ``sample_iter()`` if given: the same tensors, e.g. memory
+    maps not populated ahead, since it reads few of their pages; it is walked once before, without
+    reading anything, to count the clusters); then one exact pass over the
+    band the sample gives (two more at worst, see :class:`KthLargestAbs`), or none where the
+    model is small enough to be sampled whole. With ``fetch_ahead`` (only for tensors that stay
+    valid after the next is yielded, such as fresh memory maps) each tensor is counted on every
+    core while the next one is fetched, two held at once. τ_i is formed chunk by chunk in reused
+    buffers, on every core, in ``dtype`` (default: each base's own). Expert i keeps the entries
+    with |τ_i| ≥ its threshold, i.e. its ``kept_count(density_i, N)`` largest over all N
+    parameters (plus any exact ties with the k-th). Over the whole model this is the TIES paper's
+    trim; over one tensor, mergekit's.
     """
-    finders = [KthLargestAbs(MODEL_SAMPLE_STRIDE) for _ in densities]
-    first = True
-    while first or any(f.wants_pass() for f in finders):
-        active = [(i, f) for i, f in enumerate(finders) if first or f.wants_pass()]
+    finders = [KthLargestAbs() for _ in densities]
+    trimming = [(i, f) for i, f in enumerate(finders) if densities[i] < 1]
+    if not trimming:  # a density of 1 keeps everything: no threshold to find
+        return [0.0] * len(densities)
+    clusters = None
+    if (
+        sample_iter is not None
+    ):  # cheap to walk: count the clusters, so the sample reads ~its budget
+        clusters = sum(-(-base.numel() // MODEL_SAMPLE_CLUSTER) for _, base, _ in sample_iter())
+    sample = ClusterSample(len(trimming), clusters)
+    for _, base, experts in (sample_iter or make_iter)():
+        sample.add(base, [experts[i] for i, _ in trimming], dtype)
+        del base, experts
+    for j, (i, finder) in enumerate(trimming):
+        k = kept_count(densities[i], sample.count)
+        finder.from_sample(sample.count, k, sample.rows(j))
+    while True:
+        active = [(i, f) for i, f in trimming if f.wants_pass()]
+        if not active:
+            break
         _model_pass(make_iter, active, dtype, fetch_ahead)
-        for i, finder in active:
-            density = densities[i]
-            if first:  # a density of 1 keeps everything: no threshold to find
-                finder.end_pass(kept_count(density, finder.count) if density < 1 else 0)
-            else:
-                finder.end_pass()
-        first = False
+        for _, finder in active:
+            finder.end_pass()
     return [0.0 if d >= 1 else f.value() for f, d in zip(finders, densities)]
+
+
+class ClusterSample:
+    """A uniform sample of clusters of :data:`MODEL_SAMPLE_CLUSTER` consecutive entries over one
+    pass of tensors, and the bit patterns of every expert's |τ| at the entries read of them: one
+    run of :data:`MODEL_SAMPLE_RUN` from every :data:`MODEL_SAMPLE_PERIOD` entries of a
+    cluster, at a hashed offset (:func:`run_offsets`, as the per-tensor sample reads them).
+
+    Bottom-k sampling: each cluster gets a hash of (tensor, cluster) (SplitMix64's finaliser);
+    the sample is the :data:`MODEL_SAMPLE_CLUSTERS` clusters with the smallest hashes of all,
+    each cluster equally likely whatever the tensors' sizes. As the pass goes, the clusters
+    with hashes up to a cut are kept; where a tensor's would make more than twice the budget,
+    the cut first drops to the budget-th smallest hash of those held and this tensor's, and the
+    clusters above it go. A cluster above the cut is never read, so the pass reads about
+    budget · (1 + ln(clusters / budget)) clusters, or, told how many ``clusters`` there are,
+    about 5/4 of the budget (the cut starts there); it holds at most twice the budget
+    (8 MiB of bit patterns per expert at the defaults).
+    """
+
+    def __init__(self, n_experts: int, clusters: int | None = None) -> None:
+        self.count = 0  # entries seen
+        self._budget, self._size = MODEL_SAMPLE_CLUSTERS, MODEL_SAMPLE_CLUSTER
+        self._period, self._run = MODEL_SAMPLE_PERIOD, MODEL_SAMPLE_RUN
+        self._cut = np.uint64(2**64 - 1)
+        if clusters is not None and clusters > 2 * self._budget:
+            self._cut = np.uint64(int(2**64 * (5 * self._budget / 4) / clusters))
+        self._tensors = 0
+        self._hashes: list[np.ndarray] = []
+        self._rows: list[list[np.ndarray]] = [[] for _ in range(n_experts)]
+        self._held = 0
+
+    def add(
+        self, base: torch.Tensor, experts: list[torch.Tensor], dtype: torch.dtype | None
+    ) -> None:
+        """Sample one tensor's clusters (τ_i formed in ``dtype``, default the base's, as the
+        exact passes form it)."""
+        numel = base.numel()
+        self.count += numel
+        n_clusters = -(-numel // self._size)
+        ids = np.arange(n_clusters, dtype=np.uint64) | np.uint64(self._tensors << 32)
+        self._tensors += 1
+        hashes = _mix64(ids)
+        picked = np.flatnonzero(hashes <= self._cut)
+        if self._held + picked.size > 2 * self._budget:
+            self._keep(self._budget, hashes[picked])
+            picked = picked[hashes[picked] <= self._cut]
+        if not picked.size:
+            return
+        index, outside = self._entries(picked, numel)
+        dtype = dtype or base.dtype
+        b = base.reshape(-1)[index].to(dtype)
+        for rows, expert in zip(self._rows, experts):
+            e = expert.reshape(-1)[index].to(dtype)
+            bits = (e - b).float().abs_().view(torch.int32).numpy()
+            bits[outside] = -1
+            rows.append(bits)
+        self._hashes.append(hashes[picked])
+        self._held += picked.size
+
+    def _entries(self, picked: np.ndarray, numel: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The entries read of clusters ``picked`` of a tensor of ``numel``: their indices,
+        ``[clusters, size / period · run]`` (those past the end repeat its last entry), and
+        where they are past the end."""
+        per = self._size // self._period
+        periods = (picked[:, None] * per + np.arange(per)).astype(np.int64)
+        offsets = run_offsets(torch.from_numpy(periods), self._period // self._run).numpy()
+        starts = periods * self._period + offsets * self._run
+        index = (starts[:, :, None] + np.arange(self._run)).reshape(len(picked), -1)
+        outside = index >= numel
+        return torch.from_numpy(np.minimum(index, numel - 1)), outside
+
+    def rows(self, expert: int) -> np.ndarray:
+        """The sampled clusters' |τ| bit patterns of trimming expert ``expert`` (in the order of
+        ``add``'s experts), one row per cluster, −1 for entries past a tensor's end."""
+        if self._held > self._budget:
+            self._keep(self._budget)
+        rows = self._rows[expert]
+        if not rows:
+            return np.empty((0, self._size // self._period * self._run), dtype=np.int32)
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def _keep(self, n: int, coming: np.ndarray | None = None) -> None:
+        """Lower the cut to the ``n``-th smallest hash of the clusters held and those ``coming``
+        (not read yet), and drop the clusters held above it: later clusters are read only if
+        their hash is at most the cut."""
+        held = np.concatenate(self._hashes) if self._hashes else np.empty(0, np.uint64)
+        candidates = held if coming is None else np.concatenate([held, coming])
+        self._cut = np.partition(candidates, n - 1)[n - 1]
+        kept = np.flatnonzero(held <= self._cut)
+        self._hashes = [held[kept]]
+        self._rows = [[np.concatenate(rows)[kept]] if rows else [] for rows in self._rows]
+        self._held = kept.size
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of uint64 ``x`` (a bijection that scatters nearby inputs)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def _model_pass(
