@@ -64,9 +64,9 @@ def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density,
         for name, value in zip(names, clusters or ()):
             stack.enter_context(mock.patch.object(ops, name, value))
         thresholds = ops.global_magnitude_thresholds(make_iter, [density, 0.5])
-    # the sample, then one exact pass over its band, or (a sample this small rarely pins the
-    # band down) the two exact radix passes
-    assert len(calls) in (2, 3)
+    # the sample, then one exact pass over its band; or (a sample of a few clusters rarely pins
+    # the band down) the two exact radix passes, straight away (3) or after a band that missed (4)
+    assert len(calls) in (2, 3, 4)
     n = sum(sizes)
     for e, d, threshold in zip(experts, [density, 0.5], thresholds):
         flat = torch.cat([x - b for x, b in zip(e, base)])

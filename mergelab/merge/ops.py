@@ -827,12 +827,12 @@ def global_magnitude_thresholds(
     """Per-expert |τ_i| thresholds over every tensor ``make_iter()`` yields (global top-k).
 
     ``make_iter()`` returns a fresh iterable of ``(name, base, experts)``; it is called once per
-    pass and nothing but the current tensor is held. The first pass samples whole clusters of
+    pass and nothing but the current tensor is held. The first pass samples clusters of
     entries (:class:`ClusterSample`, over ``sample_iter()`` if given: the same tensors, e.g. memory
     maps not populated ahead, since it reads few of their pages; it is walked once before, without
     reading anything, to count the clusters); then one exact pass over the
-    band the sample gives (two more at worst, see :class:`KthLargestAbs`), or none where the
-    model is small enough to be sampled whole. With ``fetch_ahead`` (only for tensors that stay
+    band the sample gives (two more at worst, see :class:`KthLargestAbs`); no pass at all where
+    every density is 1. With ``fetch_ahead`` (only for tensors that stay
     valid after the next is yielded, such as fresh memory maps) each tensor is counted on every
     core while the next one is fetched, two held at once. τ_i is formed chunk by chunk in reused
     buffers, on every core, in ``dtype`` (default: each base's own). Expert i keeps the entries
@@ -845,9 +845,7 @@ def global_magnitude_thresholds(
     if not trimming:  # a density of 1 keeps everything: no threshold to find
         return [0.0] * len(densities)
     clusters = None
-    if (
-        sample_iter is not None
-    ):  # cheap to walk: count the clusters, so the sample reads ~its budget
+    if sample_iter is not None:  # cheap to walk: count the clusters (the sample reads ~its budget)
         clusters = sum(-(-base.numel() // MODEL_SAMPLE_CLUSTER) for _, base, _ in sample_iter())
     sample = ClusterSample(len(trimming), clusters)
     for _, base, experts in (sample_iter or make_iter)():
