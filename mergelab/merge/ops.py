@@ -599,7 +599,8 @@ class KthLargestAbs:
         if self._k == 0:
             self._finish(math.inf)
             return
-        values = rows[rows >= 0]
+        valid = rows >= 0
+        values = rows[valid]
         m = values.size
         clusters = rows.shape[0]
         if clusters < 2:
@@ -608,7 +609,7 @@ class KthLargestAbs:
         q = self._k / count
         t = _kth_largest_bits([values], min(m, max(1, math.ceil(q * m))))
         at_or_above = (rows >= t).sum(axis=1)
-        sizes = (rows >= 0).sum(axis=1)
+        sizes = valid.sum(axis=1)
         share = at_or_above.sum() / m
         spread = float(((at_or_above - share * sizes) ** 2).sum())
         se = math.sqrt(clusters / (clusters - 1) * spread) / m
@@ -619,7 +620,8 @@ class KthLargestAbs:
             return
         high = _kth_largest_bits([values], top) >> 16
         low = _kth_largest_bits([values], bottom) >> 16
-        inside = int(((values >> 16 >= low) & (values >> 16 <= high)).sum())
+        buckets = values >> 16
+        inside = int(((buckets >= low) & (buckets <= high)).sum())
         self._choose_band(low, high, inside, m, MODEL_MAX_BAND_BUCKETS)
 
 
@@ -846,7 +848,7 @@ def global_magnitude_thresholds(
         return [0.0] * len(densities)
     clusters = None
     if sample_iter is not None:  # cheap to walk: count the clusters (the sample reads ~its budget)
-        clusters = sum(-(-base.numel() // MODEL_SAMPLE_CLUSTER) for _, base, _ in sample_iter())
+        clusters = sum(ClusterSample.clusters_in(base.numel()) for _, base, _ in sample_iter())
     sample = ClusterSample(len(trimming), clusters)
     for _, base, experts in (sample_iter or make_iter)():
         sample.add(base, [experts[i] for i, _ in trimming], dtype)
@@ -900,7 +902,7 @@ class ClusterSample:
         exact passes form it)."""
         numel = base.numel()
         self.count += numel
-        n_clusters = -(-numel // self._size)
+        n_clusters = self.clusters_in(numel)
         ids = np.arange(n_clusters, dtype=np.uint64) | np.uint64(self._tensors << 32)
         self._tensors += 1
         hashes = _mix64(ids)
@@ -920,6 +922,11 @@ class ClusterSample:
             rows.append(bits)
         self._hashes.append(hashes[picked])
         self._held += picked.size
+
+    @staticmethod
+    def clusters_in(numel: int) -> int:
+        """How many clusters a tensor of ``numel`` entries is cut into (the last one short)."""
+        return -(-numel // MODEL_SAMPLE_CLUSTER)
 
     def _entries(self, picked: np.ndarray, numel: int) -> tuple[torch.Tensor, np.ndarray]:
         """The entries read of clusters ``picked`` of a tensor of ``numel``: their indices,

@@ -40,8 +40,9 @@ cast each chunk to) and ``ctx.out`` (the output buffer, to round each chunk's re
 full-size compute-dtype copy of a tensor is ever made; their ``prepare`` hook gets
 ``dtype=`` too, and its ``make_iter()`` then yields read-only memory maps, fresh on every yield
 (one stays valid after the next is yielded); ``make_iter(sparse=True)`` yields the same maps
-without populating them ahead, for a pass that reads only a few of their pages. Without ``ctx.dtype`` (the in-memory engine, a
-direct call) everything arrives in the compute dtype as above.
+without populating them ahead, for a pass that reads only a few of their pages. Without
+``ctx.dtype`` (the in-memory engine, a direct call) everything arrives in the compute dtype as
+above.
 
 Per-tensor statistics that need only the tensor's inputs (e.g. TIES' per-tensor thresholds, which
 take passes over the inputs before the merge) can come from an optional hook
