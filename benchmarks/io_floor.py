@@ -5,7 +5,7 @@ merged size, flushed to disk, and nothing else.
     python benchmarks/io_floor.py MODE OUT_BYTES OUT_DIR INPUT_FOLDER...
 
 It treats Python's garbage collector as the ``mergelab`` command does (none while torch is
-imported, ``mergelab/__init__.py``) and ends as it does, without the interpreter's teardown
+imported, then torch's objects moved to the oldest generation, ``mergelab/__init__.py``) and ends as it does, without the interpreter's teardown
 (``os._exit`` once done, ``mergelab/cli.py``), so that the floor is no slower than a tool that
 does the least.
 """
@@ -78,6 +78,8 @@ def main(argv: list[str]) -> int:
     gc.disable()
     import torch  # noqa: F401  (what both tools load first)
 
+    gc.freeze()  # torch's objects into the oldest generation, as `import mergelab` does
+    gc.unfreeze()
     if collecting:
         gc.enable()
     io_floor([Path(p) for p in inputs], int(out_bytes), Path(out_dir), mode=mode)

@@ -302,6 +302,30 @@ def test_one_subcommand_is_loaded_and_the_help_lists_them_all(monkeypatch, capsy
     assert all(name in shown for name in cli.SUBCOMMAND_MODULES)
 
 
+def test_import_leaves_torch_objects_out_of_the_young_collections():
+    """After `import mergelab`, torch's objects sit in the collector's oldest generation, not
+    in the youngest (where the next two collections would each walk them all), and nothing new
+    is frozen; a process that had frozen objects of its own keeps them frozen."""
+    code = (
+        "import gc\n"
+        "import mergelab\n"
+        "print(len(gc.get_objects(generation=0)), len(gc.get_objects(generation=2)),"
+        " gc.get_freeze_count(), gc.isenabled())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    young, old, frozen, enabled = done.stdout.split()
+    assert int(young) < 1000 < 100_000 < int(old), done.stdout
+    assert (frozen, enabled) == ("0", "True")
+    code = (
+        "import gc\n"
+        "gc.freeze()\n"
+        "import mergelab\n"
+        "print(gc.get_freeze_count() > 1000, len(gc.get_objects(generation=2)) < 100_000)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr
+
+
 def test_the_command_leaves_torch_out_of_the_last_collection():
     """Run as a program, `mergelab` freezes the collector's objects before exiting (the exit's
     full collection would walk all of torch's); called from Python, it leaves them alone."""

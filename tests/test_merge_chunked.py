@@ -24,9 +24,11 @@ import torch
 from mergelab.merge import TensorContext, get_merge_method, kernels, merge_state_dicts, ops
 from mergelab.merge.checkpoint import (
     DIRECT_ALIGN,
+    HUGE_PAGE_MIN_BYTES,
     BufferPool,
     CheckpointFolder,
     DirectStream,
+    huge_page_empty,
     merge_checkpoints,
 )
 
@@ -409,6 +411,52 @@ def test_direct_writes_give_the_same_bytes_as_ordinary_writes(tmp_path, monkeypa
     assert write(tmp_path / "b.bin", staging=1 << 20) == expected
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # where the OS has no direct I/O
     assert write(tmp_path / "c.bin", staging=8192) == expected
+
+
+def _vma_fields(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps fields of the map holding ``address`` (None: no smaps here)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found, inside = None, False
+    for line in lines:
+        head = line.split()[0]
+        if not head.endswith(":"):  # a map's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+            if inside:
+                found = {}
+        elif inside:
+            key, _, value = line.partition(":")
+            found[key] = value.strip()
+    return found
+
+
+def test_large_pool_buffers_are_advised_into_huge_pages():
+    """Pool buffers of 2 MiB and more live in their own private map that the kernel may back
+    with transparent huge pages (THPeligible in smaps where THP is "madvise" or "always");
+    smaller ones are ordinary tensors; both hold what is written into them, and a slot's
+    buffer is reused, not remade."""
+    small = huge_page_empty(1000, torch.float32)
+    assert small.shape == (1000,) and small.dtype == torch.float32
+    n = HUGE_PAGE_MIN_BYTES // 2 + 5  # bfloat16 entries: 10 bytes over the threshold
+    big = huge_page_empty(n, torch.bfloat16)
+    assert big.shape == (n,) and big.is_contiguous() and big.dtype == torch.bfloat16
+    big.copy_(torch.arange(n, dtype=torch.float32).remainder_(256).to(torch.bfloat16))
+    tail = torch.tensor([(n - 3) % 256, (n - 2) % 256, (n - 1) % 256], dtype=torch.float32)
+    assert torch.equal(big[-3:].float(), tail)
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = setting.read_text() if setting.exists() else ""
+    if "[madvise]" in mode or "[always]" in mode:
+        fields = _vma_fields(big.data_ptr())
+        if fields is not None and "THPeligible" in fields:
+            assert fields["THPeligible"] == "1"
+    pool = BufferPool()
+    first = pool.take("out", (n,), torch.bfloat16, phase=8)
+    again = pool.take("out", (n // 2,), torch.bfloat16, phase=8)
+    assert first.data_ptr() == again.data_ptr()
+    assert first.data_ptr() % DIRECT_ALIGN == 8
 
 
 def test_placed_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch):
