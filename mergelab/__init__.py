@@ -5,9 +5,9 @@ import gc as _gc
 # Importing torch creates about a million objects, and each full collection Python runs while
 # they are being created walks all of them: the collector waits until the imports are done.
 # They are then moved to its oldest generation (freeze, then unfreeze: where two collections
-# would have taken them anyway), so that the next young collections do not walk them all twice
-# (0.2 s of every `mergelab` command's start here); nothing stays frozen, and a process that
-# had frozen objects of its own keeps them so.
+# would have taken them anyway), so that the next two young collections do not each walk them
+# all (docs/merge_performance.md); nothing stays frozen, and a process that had frozen objects
+# of its own keeps them so.
 _collecting = _gc.isenabled()
 _frozen_before = _gc.get_freeze_count()
 _gc.disable()
