@@ -5,9 +5,9 @@ merged size, flushed to disk, and nothing else.
     python benchmarks/io_floor.py MODE OUT_BYTES OUT_DIR INPUT_FOLDER...
 
 It treats Python's garbage collector as the ``mergelab`` command does (none while torch is
-imported, then torch's objects moved to the oldest generation, ``mergelab/__init__.py``) and ends as it does, without the interpreter's teardown
-(``os._exit`` once done, ``mergelab/cli.py``), so that the floor is no slower than a tool that
-does the least.
+imported, then torch's objects moved to the oldest generation, ``mergelab/__init__.py``) and
+ends as it does, without the interpreter's teardown (``os._exit`` once done,
+``mergelab/cli.py``), so that the floor is no slower than a tool that does the least.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 import gc as _gc
 
-# Importing torch creates about a million objects, and each full collection Python runs while
-# they are being created walks all of them: the collector waits until the imports are done.
+# Importing torch creates hundreds of thousands of objects, and each full collection Python
+# runs while they are being created walks all of them: the collector waits until the imports
+# are done.
 # They are then moved to its oldest generation (freeze, then unfreeze: where two collections
 # would have taken them anyway), so that the next two young collections do not each walk them
 # all (docs/merge_performance.md); nothing stays frozen, and a process that had frozen objects

@@ -446,9 +446,11 @@ def test_large_pool_buffers_are_advised_into_huge_pages():
     big.copy_(torch.arange(n, dtype=torch.float32).remainder_(256).to(torch.bfloat16))
     tail = torch.tensor([(n - 3) % 256, (n - 2) % 256, (n - 1) % 256], dtype=torch.float32)
     assert torch.equal(big[-3:].float(), tail)
-    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    mode = setting.read_text() if setting.exists() else ""
-    if "[madvise]" in mode or "[always]" in mode:
+    thp = Path("/sys/kernel/mm/transparent_hugepage")
+    mode = (thp / "enabled").read_text() if (thp / "enabled").exists() else ""
+    size = thp / "hugepages-2048kB" / "enabled"  # per-size setting (Linux 6.8+)
+    size_mode = size.read_text() if size.exists() else "[inherit]"
+    if ("[madvise]" in mode or "[always]" in mode) and "[never]" not in size_mode:
         fields = _vma_fields(big.data_ptr())
         if fields is not None and "THPeligible" in fields:
             assert fields["THPeligible"] == "1"
