@@ -1196,16 +1196,14 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     ``madvise``, get ``torch.empty``. The map lives as long as the tensor."""
     nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE_MIN_BYTES or advice is None or not hasattr(mmap.mmap, "madvise"):
+    if nbytes < HUGE_PAGE_MIN_BYTES or advice is None:
         return torch.empty(numel, dtype=dtype)
     # a length in whole huge pages: Linux then also places the map on a huge-page boundary
     size = -(-nbytes // HUGE_PAGE_MIN_BYTES) * HUGE_PAGE_MIN_BYTES
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # THP turned off ("never"): ordinary pages
         region.madvise(advice)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer of a writable map warns on old torch only
-        return torch.frombuffer(region, dtype=dtype, count=numel)
+    return torch.frombuffer(region, dtype=dtype, count=numel)
 
 
 class BufferPool:
