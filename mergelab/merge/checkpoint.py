@@ -1171,8 +1171,10 @@ class CheckpointMergePlan:
 
 
 # With tensors merged whole, one per chunk worker (CheckpointMergePlan._merge_ahead), a tensor
-# holding more than 1/(WHOLE_SHARE · workers) of the model's entries is merged on every core.
-WHOLE_SHARE = 4
+# holding more than 1/(WHOLE_SHARE · workers) of the model's entries is merged on every core:
+# 16 puts a 1B Llama's embedding and output head (3.3% each) there, which merged whole kept one
+# core busy alone at the start and the end of the merge (docs/merge_performance.md).
+WHOLE_SHARE = 16
 # ... and while the writer wants tensor k, tensors up to k + MERGE_AHEAD · workers are merged or
 # queued: with tensors of different sizes (a layer's 4M-entry MLP matrices beside its 0.5M-entry
 # key and value projections), a window of one tensor per worker can leave a worker waiting while
