@@ -196,7 +196,8 @@ def test_dare_compiled_equals_torch(monkeypatch, method, params, dtype):
 
 
 # Every option set the two-expert bfloat16 loops are specialised for (_loops.c, two_loop_for):
-# both sign rules, every divisor, weights all positive or not, with and without DARE's drop.
+# both sign rules, every divisor, weights all positive or not or all 1 (the "plain" loops), with
+# and without DARE's drop.
 ELECTIONS = [
     (method, {"majority_sign": sign, "divide_by": divide, "weight": weight, **drop})
     for method, drop in [
@@ -206,7 +207,7 @@ ELECTIONS = [
     ]
     for sign in ("sum", "count")
     for divide in ("none", "count", "weight_sum")
-    for weight in ([1.0, 0.5], [0.0, 1.5])
+    for weight in ([1.0, 0.5], [0.0, 1.5], [1.0, 1.0])
 ]
 
 

@@ -96,6 +96,17 @@ INLINE float keep_value(uint32_t half, float limit)
 
 INLINE uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
+/* The largest of three bfloat16 magnitudes' bits, in 16-bit lanes (the NaN/Inf test of the
+ * two-expert loops: a vector of them holds twice the lanes of 32-bit ones). */
+INLINE uint16_t max3_magnitude16(uint16_t a, uint16_t b, uint16_t c)
+{
+    uint16_t x = (uint16_t)(a & 0x7FFFu), y = (uint16_t)(b & 0x7FFFu), z = (uint16_t)(c & 0x7FFFu);
+    uint16_t m = x > y ? x : y;
+    return m > z ? m : z;
+}
+
+INLINE uint16_t umax16(uint16_t a, uint16_t b) { return a > b ? a : b; }
+
 /* ---- tiles in either stored dtype ------------------------------------------------------ */
 
 /* Entries [start, start + count) of the array at addr (bfloat16 bits or float32), widened to
@@ -453,7 +464,7 @@ INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
                     const uint32_t *RESTRICT r0, const uint32_t *RESTRICT r1, const Two *c,
                     const int kind, const int band, const int dare, const int sum_divide,
                     const int count_votes, const int divide_by, const int all_positive,
-                    const int flips)
+                    const int flips, const int plain)
 {
     const float low0 = c->low0, low1 = c->low1, high0 = c->high0, high1 = c->high1;
     const float limit0 = c->limit0, limit1 = c->limit1, div0 = c->div0, div1 = c->div1;
@@ -462,10 +473,10 @@ INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
     const float vw0 = c->vw0, vw1 = c->vw1, mw0 = c->mw0, mw1 = c->mw1;
     const float dw0 = c->dw0, dw1 = c->dw1, f0 = c->f0, f1 = c->f1, lam = c->lam;
     const float min_w = c->min_w;
-    uint32_t most_in = 0, most_out = 0;
+    uint16_t most_in = 0, most_out = 0;
     for (int64_t j = 0; j < n; j++) {
-        uint32_t hb = b[j], h0 = e0[j], h1 = e1[j];
-        most_in = umax(most_in, umax(hb & 0x7FFFu, umax(h0 & 0x7FFFu, h1 & 0x7FFFu)));
+        uint16_t hb = b[j], h0 = e0[j], h1 = e1[j];
+        most_in = umax16(most_in, max3_magnitude16(hb, h0, h1));
         float base = bf16_to_f32(hb);
         float d0 = bf16_to_f32(h0) - base, d1 = bf16_to_f32(h1) - base;
         float x0 = band ? hardshrink(d0, low0) - hardshrink(d0, high0) : hardshrink(d0, low0);
@@ -482,23 +493,33 @@ INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
             if (sum_divide) v = v / total;
             result = v * lam_sum + base;
         } else {
-            float q0 = count_votes ? sign_of(x0) : x0, q1 = count_votes ? sign_of(x1) : x1;
-            float votes = fmaf(q1, vw1, q0 * vw0);
-            float elected = votes < 0.0f ? -1.0f : 1.0f;
-            float m0 = x0 * elected, m1 = x1 * elected;
+            /* x * elected, elected = +-1, is x with its sign bit flipped where elected is -1:
+             * the same bits for every x but NaN, whose sign no result keeps (a NaN is stored
+             * as 0xFFFF). Plain weights (all 1): x * 1 = x and fma(y, 1, x) = x + y. */
+            int negative;
+            if (count_votes && plain) { /* sign(x0) + sign(x1) < 0, counted in integers */
+                int32_t v = ((x0 > 0.0f) - (x0 < 0.0f)) + ((x1 > 0.0f) - (x1 < 0.0f));
+                negative = v < 0;
+            } else {
+                float q0 = count_votes ? sign_of(x0) : x0, q1 = count_votes ? sign_of(x1) : x1;
+                negative = (plain ? q0 + q1 : fmaf(q1, vw1, q0 * vw0)) < 0.0f;
+            }
+            const uint32_t flip = negative ? 0x80000000u : 0u;
+            float m0 = u2f(f2u(x0) ^ flip), m1 = u2f(f2u(x1) ^ flip);
             if (flips) {
                 m0 = m0 * f0;
                 m1 = m1 * f1;
             }
             m0 = relu(m0);
             m1 = relu(m1);
-            float sum = fmaf(m1, mw1, m0 * mw0) * elected;
-            float a0 = m0 > 0.0f ? 1.0f : 0.0f, a1 = m1 > 0.0f ? 1.0f : 0.0f;
+            float sum = u2f(f2u(plain ? m0 + m1 : fmaf(m1, mw1, m0 * mw0)) ^ flip);
             float q = sum;
             if (divide_by == DIVIDE_COUNT) {
-                float count = a0 + a1;
-                q = sum / (count < 1.0f ? 1.0f : count);
+                /* sum / max(a0 + a1, 1) with a0 + a1 in {0, 1, 2}: sum / 1 = sum, and sum / 2
+                 * is sum * 0.5 (the same real number, rounded once either way) */
+                q = (m0 > 0.0f) & (m1 > 0.0f) ? sum * 0.5f : sum;
             } else if (divide_by == DIVIDE_WEIGHT_SUM) {
+                float a0 = m0 > 0.0f ? 1.0f : 0.0f, a1 = m1 > 0.0f ? 1.0f : 0.0f;
                 float w = fmaf(a1, dw1, a0 * dw0);
                 if (all_positive)
                     w = w < min_w ? min_w : w;
@@ -509,7 +530,7 @@ INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
             result = fmaf(q, lam, base);
         }
         uint16_t h = f32_to_bf16(result);
-        most_out = umax(most_out, (uint32_t)h & 0x7FFFu);
+        most_out = umax16(most_out, (uint16_t)(h & 0x7FFFu));
         out[j] = h;
     }
     return (most_in >= 0x7F80u ? FOUND_IN_INPUT : 0) | (most_out >= 0x7F80u ? FOUND_IN_RESULT : 0);
@@ -518,31 +539,37 @@ INLINE int two_loop(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0,
 typedef int (*TwoLoop)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
                        const uint32_t *, const uint32_t *, const Two *);
 
-#define TWO(name, kind, band, dare, sum_divide, count_votes, divide_by, all_positive, flips)     \
+#define TWO(name, kind, band, dare, sum_divide, count_votes, divide_by, all_positive, flips,     \
+            plain)                                                                              \
     HOT static int name(const uint16_t *b, const uint16_t *e0, const uint16_t *e1,             \
                         uint16_t *out, int64_t n, const uint32_t *r0, const uint32_t *r1,       \
                         const Two *c)                                                           \
     {                                                                                           \
         return two_loop(b, e0, e1, out, n, r0, r1, c, kind, band, dare, sum_divide,             \
-                        count_votes, divide_by, all_positive, flips);                           \
+                        count_votes, divide_by, all_positive, flips, plain);                    \
     }
 /* the sums: linear parts of DARE-linear and breadcrumbs (trim or band, drop or not, / sum w) */
-TWO(sum_trim, KIND_SUM, 0, 0, 0, 0, 0, 0, 0)
-TWO(sum_trim_div, KIND_SUM, 0, 0, 1, 0, 0, 0, 0)
-TWO(sum_band, KIND_SUM, 1, 0, 0, 0, 0, 0, 0)
-TWO(sum_band_div, KIND_SUM, 1, 0, 1, 0, 0, 0, 0)
-TWO(sum_dare, KIND_SUM, 0, 1, 0, 0, 0, 0, 0)
-TWO(sum_dare_div, KIND_SUM, 0, 1, 1, 0, 0, 0, 0)
-/* the elections (TIES, DARE-TIES): sign rule x divisor, without sign flips */
+TWO(sum_trim, KIND_SUM, 0, 0, 0, 0, 0, 0, 0, 0)
+TWO(sum_trim_div, KIND_SUM, 0, 0, 1, 0, 0, 0, 0, 0)
+TWO(sum_band, KIND_SUM, 1, 0, 0, 0, 0, 0, 0, 0)
+TWO(sum_band_div, KIND_SUM, 1, 0, 1, 0, 0, 0, 0, 0)
+TWO(sum_dare, KIND_SUM, 0, 1, 0, 0, 0, 0, 0, 0)
+TWO(sum_dare_div, KIND_SUM, 0, 1, 1, 0, 0, 0, 0, 0)
+/* the elections (TIES, DARE-TIES): sign rule x divisor, without sign flips; with plain weights
+ * (all 1; the divisor by Sum w is then the count's, see two_loop_for) */
 #define ELECT(suffix, dare)                                                                     \
-    TWO(elect_sum_none##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_NONE, 0, 0)                   \
-    TWO(elect_sum_count##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_COUNT, 0, 0)                 \
-    TWO(elect_sum_weight##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 1, 0)           \
-    TWO(elect_sum_weight_any##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 0, 0)       \
-    TWO(elect_votes_none##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_NONE, 0, 0)                 \
-    TWO(elect_votes_count##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_COUNT, 0, 0)               \
-    TWO(elect_votes_weight##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 1, 0)         \
-    TWO(elect_votes_weight_any##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 0, 0)
+    TWO(elect_sum_none##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_NONE, 0, 0, 0)                \
+    TWO(elect_sum_count##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_COUNT, 0, 0, 0)              \
+    TWO(elect_sum_weight##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 1, 0, 0)        \
+    TWO(elect_sum_weight_any##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_WEIGHT_SUM, 0, 0, 0)    \
+    TWO(elect_votes_none##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_NONE, 0, 0, 0)              \
+    TWO(elect_votes_count##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_COUNT, 0, 0, 0)            \
+    TWO(elect_votes_weight##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 1, 0, 0)      \
+    TWO(elect_votes_weight_any##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_WEIGHT_SUM, 0, 0, 0)  \
+    TWO(elect_sum_none_plain##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_NONE, 0, 0, 1)          \
+    TWO(elect_sum_count_plain##suffix, KIND_ELECT, 0, dare, 0, 0, DIVIDE_COUNT, 0, 0, 1)        \
+    TWO(elect_votes_none_plain##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_NONE, 0, 0, 1)        \
+    TWO(elect_votes_count_plain##suffix, KIND_ELECT, 0, dare, 0, 1, DIVIDE_COUNT, 0, 0, 1)
 ELECT(, 0)
 ELECT(_dare, 1)
 
@@ -581,6 +608,20 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
     c->f0 = p0[P_FLIP], c->f1 = p1[P_FLIP];
     c->lam = g->scalars[S_LAMBDA], c->min_w = g->scalars[S_MIN_W];
     const int votes = f[F_VOTE_COUNT] != 0, positive = f[F_ALL_POSITIVE] != 0;
+    int64_t divide_by = f[F_DIVIDE_BY];
+    /* Sum w of the agreeing experts with every w = 1 (and min w = 1) is their count, at least 1 */
+    if (divide_by == DIVIDE_WEIGHT_SUM && f[F_DIVISOR_PLAIN] != 0 && positive &&
+        c->min_w == 1.0f)
+        divide_by = DIVIDE_COUNT;
+    const int plain = f[F_VOTE_PLAIN] != 0 && f[F_MERGE_PLAIN] != 0;
+    static const TwoLoop plain_table[2][2][2] = {
+        {{elect_sum_none_plain, elect_sum_count_plain},
+         {elect_votes_none_plain, elect_votes_count_plain}},
+        {{elect_sum_none_plain_dare, elect_sum_count_plain_dare},
+         {elect_votes_none_plain_dare, elect_votes_count_plain_dare}},
+    };
+    if (plain && divide_by != DIVIDE_WEIGHT_SUM)
+        return plain_table[dare][votes][divide_by == DIVIDE_COUNT];
     static const TwoLoop table[2][2][4] = {
         {{elect_sum_none, elect_sum_count, elect_sum_weight_any, elect_sum_weight},
          {elect_votes_none, elect_votes_count, elect_votes_weight_any, elect_votes_weight}},
@@ -590,7 +631,7 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
           elect_votes_weight_dare}},
     };
     int column;
-    switch (f[F_DIVIDE_BY]) {
+    switch (divide_by) {
     case DIVIDE_NONE: column = 0; break;
     case DIVIDE_COUNT: column = 1; break;
     case DIVIDE_WEIGHT_SUM: column = positive ? 3 : 2; break;
