@@ -3,6 +3,7 @@ synthetic 1B set, run by two revisions of the code in alternation, to tell a cha
 from the machine's noise (which moves single runs by a third here).
 
     python benchmarks/merge_ab.py --old 7f712a5 --variants ties breadcrumbs --repeats 3
+    python benchmarks/merge_ab.py --old 7f712a5 --variants dare_ties --threads 1
 
 ``--layers N`` takes the smaller set ``merge_speed.py --layers N`` made instead (where a fixed
 cost per process, such as start-up or exit, is a larger part of each run).
@@ -12,7 +13,8 @@ this script created); the new one is this working tree. Both are byte-compiled a
 compiled loops ready before the timed runs (built in place, or for revisions from before the C
 loops, compiled into numba's cache), then every round runs
 each variant with both, the order alternating from round to round, each in its own subprocess
-at the default thread count, after ``sync`` and with the inputs read through (``run_measured``).
+at the default thread count (``--threads N``: ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` set to N,
+as ``merge_speed.py --threads`` does), after ``sync`` and with the inputs read through (``run_measured``).
 The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``: this
 machine pages out file pages nobody maps once they look idle for a minute). The results
 (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both revisions'
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", required=True, help="git revision to compare against")
     parser.add_argument("--variants", nargs="+", default=["ties", "breadcrumbs"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="default: each run's own")
     add_set_arguments(parser, "benchmarks/results/merge_ab.json")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = set(shard_files(models))
         for tree in trees.values():
-            env = {**tool_env(None), "PYTHONPATH": str(tree)}
+            env = {**tool_env(args.threads), "PYTHONPATH": str(tree)}
             prepare(tree, env)
             files.update(tool_files(env, cwd=tree))
         held = Resident(sorted(files))  # see merge_speed.Resident
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, variant in enumerate(args.variants):
                 order = ["old", "new"] if (round_ + i) % 2 == 0 else ["new", "old"]
                 for name in order:
-                    env = {**tool_env(None), "PYTHONPATH": str(trees[name])}
+                    env = {**tool_env(args.threads), "PYTHONPATH": str(trees[name])}
                     cmd, out = mergelab_command(variant, folder, work)
                     shutil.rmtree(out, ignore_errors=True)
                     run = run_measured(cmd, env, cwd=str(trees[name]), warm=models)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "variants": args.variants,
             "repeats": args.repeats,
             "layers": args.layers,
-            "threads": "default",
+            "threads": args.threads if args.threads is not None else "default",
             "cpu_count": os.cpu_count(),
             "proactive_reclaim": proactive_reclaim(),
             "held_in_memory": held.summary(),
