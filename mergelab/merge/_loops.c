@@ -895,73 +895,40 @@ INLINE uint32_t direct_bits(const uint16_t *base, const uint16_t *expert, int64_
     return f2u(bf16_to_f32(expert[j]) - bf16_to_f32(base[j])) & 0x7FFFFFFFu;
 }
 
-/* A band pass over bfloat16 inputs may count its entries in vector lanes instead of one by one:
- * in a histogram band (not collected) of at most EXACT_BUCKETS top-16-bit buckets from bucket
- * `first`, an entry whose |tau| bits are exactly (first + t) << 16 (its low 16 bits zero: the
- * |tau| of bfloat16 inputs whose significand fits in bfloat16's, most of them) goes to bin
- * (t << 16) + 1, so it is counted into exact[t] and not flagged; only the others are visited. */
-#define EXACT_BUCKETS 4
-
-/* One entry of a band: whether it is in [lowest, highest], flagged (1 into *flag) and, with
- * `exact`, counted into c[t] instead where its bits are a bucket's lowest pattern. */
-INLINE int band_entry(float v, float lowest, float highest, uint32_t first, const int exact,
-                      uint8_t *flag, int32_t *c)
-{
-    int keep = (v >= lowest) & (v <= highest);
-    if (exact) {
-        uint32_t bits = f2u(v), t = (bits >> 16) - first;
-        int whole = keep & ((bits & 0xFFFFu) == 0);
-        c[0] += whole & (t == 0);
-        c[1] += whole & (t == 1);
-        c[2] += whole & (t == 2);
-        c[3] += whole & (t == 3);
-        *flag = (uint8_t)(keep & !whole);
-    } else {
-        *flag = (uint8_t)keep;
-    }
-    return keep;
-}
-
-/* band_tile straight from bfloat16 inputs (no widened copies); with `exact`, exact[t] gets the
- * entries counted in lanes (see EXACT_BUCKETS). */
+/* band_tile straight from bfloat16 inputs (no widened copies). */
 INLINE void band_direct(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
-                        float lowest, float highest, uint32_t first, const int exact,
-                        uint8_t *RESTRICT inside, int64_t *n_in, int64_t *n_above,
-                        int64_t *RESTRICT exact_counts)
+                        float lowest, float highest, uint8_t *RESTRICT inside, int64_t *n_in,
+                        int64_t *n_above)
 {
-    int32_t in_band = 0, above = 0, c[EXACT_BUCKETS] = {0, 0, 0, 0};
+    int32_t in_band = 0, above = 0;
     for (int64_t j = 0; j < n; j++) {
         float v = fabsf(bf16_to_f32(expert[j]) - bf16_to_f32(base[j]));
-        in_band += band_entry(v, lowest, highest, first, exact, &inside[j], c);
+        int keep = (v >= lowest) & (v <= highest);
+        in_band += keep;
         above += !(v <= highest);
+        inside[j] = (uint8_t)keep;
     }
     *n_in = in_band;
     *n_above = above;
-    for (int t = 0; t < EXACT_BUCKETS; t++) exact_counts[t] = c[t];
 }
 
-/* band_direct for two bands of the same expert at once (breadcrumbs' two edges): counts[0..1]
- * and exact_counts[0..3] for the first, counts[2..3] and exact_counts[4..7] for the second. */
+/* band_direct for two bands of the same expert at once (breadcrumbs' two edges). */
 INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
-                         float lowest, float highest, uint32_t first, const int exact,
-                         float lowest2, float highest2, uint32_t first2, const int exact2,
-                         uint8_t *RESTRICT inside, uint8_t *RESTRICT inside2, int64_t *counts,
-                         int64_t *RESTRICT exact_counts)
+                         float lowest, float highest, float lowest2, float highest2,
+                         uint8_t *RESTRICT inside, uint8_t *RESTRICT inside2, int64_t *counts)
 {
     int32_t in_band = 0, above = 0, in_band2 = 0, above2 = 0;
-    int32_t c[EXACT_BUCKETS] = {0, 0, 0, 0}, c2[EXACT_BUCKETS] = {0, 0, 0, 0};
     for (int64_t j = 0; j < n; j++) {
         float v = fabsf(bf16_to_f32(expert[j]) - bf16_to_f32(base[j]));
-        in_band += band_entry(v, lowest, highest, first, exact, &inside[j], c);
+        int keep = (v >= lowest) & (v <= highest), keep2 = (v >= lowest2) & (v <= highest2);
+        in_band += keep;
         above += !(v <= highest);
-        in_band2 += band_entry(v, lowest2, highest2, first2, exact2, &inside2[j], c2);
+        in_band2 += keep2;
         above2 += !(v <= highest2);
+        inside[j] = (uint8_t)keep;
+        inside2[j] = (uint8_t)keep2;
     }
     counts[0] = in_band, counts[1] = above, counts[2] = in_band2, counts[3] = above2;
-    for (int t = 0; t < EXACT_BUCKETS; t++) {
-        exact_counts[t] = c[t];
-        exact_counts[EXACT_BUCKETS + t] = c2[t];
-    }
 }
 
 /* The bits of |tau| from its float magnitude (the same bits: fabsf clears the sign). */
@@ -982,15 +949,6 @@ typedef struct {
     int64_t *filled;        /* [n_passes] */
 } Passes;
 
-/* Whether pass k is a histogram band whose entries band_direct may count in lanes: at most
- * EXACT_BUCKETS whole top-16-bit buckets, below the bit patterns of Inf and NaN. */
-INLINE int exact_band(const Passes *q, int64_t k)
-{
-    const int64_t low = q->lows[k], width = q->widths[k];
-    return !q->top_bits[k] && !q->collect[k] && ((low + 1) & 0xFFFF) == 0 && width % 65536 == 0 &&
-           width <= ((int64_t)EXACT_BUCKETS << 16) && low + width < (int64_t)F32_INF_BITS;
-}
-
 /* tau_abs_histograms: counts of the ops.KthLargestAbs passes over |tau_e| (float32 bits), one
  * per row of counts, for every step-th of the m entries (base first, then the experts). Pass
  * k: with top_bits[k] the top 16 bits (2^15 bins); else bits - lows[k] clamped to
@@ -1006,7 +964,6 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
     uint32_t bins[GROUPED];
     union { uint8_t bytes[GROUPED]; uint64_t words[GROUPED / 8]; } inside, inside2;
     int64_t paired[4] = {0, 0, 0, 0}, pending = -1; /* band counts of pass `pending`, flagged in inside2 */
-    int64_t paired_exact[2 * EXACT_BUCKETS] = {0}; /* the exact counts of both paired bands */
     int64_t *ends = calloc((size_t)(q->n_passes ? q->n_passes : 1) * 2, sizeof(int64_t));
     if (!ends) return -1;
     memset(inside.bytes, 0, sizeof inside.bytes);
@@ -1066,45 +1023,23 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
             /* Most entries fall outside the band: a vectorised loop counts the entries in and
              * above it and flags those in it (a byte each), and a second loop visits only the
              * flagged bytes, eight at a time. */
-            int64_t n_in = 0, n_above = 0, exact_counts[EXACT_BUCKETS] = {0, 0, 0, 0};
+            int64_t n_in = 0, n_above = 0;
             const float lowest = u2f((uint32_t)(low + 1)), top = u2f((uint32_t)highest);
             const int pair = direct && k + 1 < q->n_passes && q->experts[k + 1] == loaded &&
                              !q->top_bits[k + 1] &&
                              q->lows[k + 1] + q->widths[k + 1] < (int64_t)F32_INF_BITS;
-            const int exact = direct && exact_band(q, k);
-            const uint32_t first = (uint32_t)((low + 1) >> 16);
             if (pending == k) { /* counted with the pass before, of the same expert */
                 memcpy(inside.bytes, inside2.bytes, (size_t)length);
                 n_in = paired[2], n_above = paired[3];
-                memcpy(exact_counts, paired_exact + EXACT_BUCKETS, sizeof exact_counts);
                 pending = -1;
             } else if (pair) {
                 const int64_t low2 = q->lows[k + 1], high2 = low2 + q->widths[k + 1];
-                const float lowest2 = u2f((uint32_t)(low2 + 1)), top2 = u2f((uint32_t)high2);
-                const uint32_t first2 = (uint32_t)((low2 + 1) >> 16);
-                uint8_t *in1 = inside.bytes, *in2 = inside2.bytes;
-                /* the bands' options as constants, so each combination is its own loop */
-                if (exact && exact_band(q, k + 1))
-                    band_direct2(b16, e16, length, lowest, top, first, 1, lowest2, top2, first2,
-                                 1, in1, in2, paired, paired_exact);
-                else if (exact)
-                    band_direct2(b16, e16, length, lowest, top, first, 1, lowest2, top2, first2,
-                                 0, in1, in2, paired, paired_exact);
-                else if (exact_band(q, k + 1))
-                    band_direct2(b16, e16, length, lowest, top, first, 0, lowest2, top2, first2,
-                                 1, in1, in2, paired, paired_exact);
-                else
-                    band_direct2(b16, e16, length, lowest, top, first, 0, lowest2, top2, first2,
-                                 0, in1, in2, paired, paired_exact);
+                band_direct2(b16, e16, length, lowest, top, u2f((uint32_t)(low2 + 1)),
+                             u2f((uint32_t)high2), inside.bytes, inside2.bytes, paired);
                 n_in = paired[0], n_above = paired[1];
-                memcpy(exact_counts, paired_exact, sizeof exact_counts);
                 pending = k + 1;
-            } else if (direct && exact) {
-                band_direct(b16, e16, length, lowest, top, first, 1, inside.bytes, &n_in, &n_above,
-                            exact_counts);
             } else if (direct) {
-                band_direct(b16, e16, length, lowest, top, first, 0, inside.bytes, &n_in, &n_above,
-                            exact_counts);
+                band_direct(b16, e16, length, lowest, top, inside.bytes, &n_in, &n_above);
             } else {
                 if (measured != loaded) { /* |tau| once for all of this expert's band passes */
                     measured = loaded;
@@ -1128,8 +1063,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                     }
                 }
                 q->filled[k] = at;
-            } else if (n_in - (exact_counts[0] + exact_counts[1] + exact_counts[2] +
-                               exact_counts[3]) != 0) { /* some entries flagged */
+            } else if (n_in != 0) {
                 for (int64_t w = 0; w < GROUPED / 8; w++) {
                     uint64_t flagged = inside.words[w];
                     while (flagged) {
@@ -1140,8 +1074,6 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                     }
                 }
             }
-            if (exact) /* the entries counted in lanes: each bucket's lowest bit pattern */
-                for (int64_t t = 0; t < (width >> 16); t++) row[(t << 16) + 1] += (int32_t)exact_counts[t];
             ends[2 * k] += length - n_in - n_above;
             ends[2 * k + 1] += n_above;
         }
