@@ -396,6 +396,57 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
         assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
 
 
+def test_band_passes_alone_and_paired_count_what_torch_counts(monkeypatch):
+    """Histogram bands of bfloat16 inputs one, two, four and five buckets wide, alone and paired
+    with another band of the same expert (one loop for both), and a collected band, on |τ| whose
+    bit patterns end in 16 zero bits and on others: the same counts and kept values as
+    torch's."""
+    base, experts = inputs(2, torch.bfloat16, seed=12)
+    tau = [(e.float() - base.float()).abs().view(-1) for e in experts]
+    assert any(bool(((t.view(torch.int32) & 0xFFFF) != 0).any()) for t in tau)  # both kinds
+    middle = [int(t.median().view(torch.int32)) >> 16 for t in tau]
+
+    def band(expert: int, offset: int, buckets: int, mode: str = "band") -> ops.KthLargestAbs:
+        finder = ops.KthLargestAbs(1)
+        finder._mode, finder._bucket = mode, middle[expert] + offset
+        finder._width = buckets << 16
+        return finder
+
+    passes = [
+        (0, band(0, 0, 1)),  # alone
+        (1, band(1, -2, 5)),  # paired
+        (1, band(1, -1, 1)),
+        (1, band(1, -1, 2)),  # paired
+        (1, band(1, 1, 4)),
+        (1, band(1, 0, 2, "collect")),  # alone, collected
+    ]
+    counted = []
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        count = ops._tau_histograms(base, experts, torch.float32)(
+            [f for _, f in passes], [e for e, _ in passes]
+        )
+        per_chunk = [count(part) for part in ops.chunks(base.numel())]
+        if compiled:
+            counted.append(count.totals())
+        else:
+            totals = []
+            for j in range(len(passes)):
+                if j == len(passes) - 1:  # the collected band: its ends and its values
+                    ends = sum(c[j][0] for c in per_chunk)
+                    totals.append((ends, np.concatenate([c[j][1] for c in per_chunk])))
+                else:
+                    size = passes[j][1]._width + 2
+                    totals.append(sum(F.pad(c[j], (0, size - c[j].numel())) for c in per_chunk))
+            counted.append(totals)
+    (ends_a, values_a), (ends_b, values_b) = counted[0].pop(), counted[1].pop()
+    assert ends_a.tolist() == ends_b.tolist() and len(values_a) > 0
+    assert np.array_equal(np.sort(values_a), np.sort(values_b))
+    for a, b in zip(*counted):
+        assert a.long().sum() == base.numel() and int(a[1:-1].sum()) > 0
+        assert torch.equal(a.long(), b.long())
+
+
 @pytest.mark.parametrize("bucket", [0x0000, 0x3B20, 0x7F7F])
 def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
     """A band from the lowest bucket (0 and denormal |τ|), around the values, and one reaching
