@@ -45,8 +45,11 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return base, [(base.float() + n).bfloat16() for n in noise]
 
 
-def cases(base: torch.Tensor, experts: list[torch.Tensor], out: torch.Tensor) -> dict:
-    """name → a callable that does the step once over the whole tensor."""
+def cases(
+    base: torch.Tensor, experts: list[torch.Tensor], out: torch.Tensor
+) -> tuple[dict[str, Callable[[], object]], dict]:
+    """name → a callable that does the step once over the whole tensor; and what the thresholds
+    were, with the share of |τ| ending in 16 zero bits."""
     n = base.numel()
     ties_ranks = [[ops.kept_count(DENSITY, n)]] * 2
     crumbs_ranks = [ops.outlier_ranks(n, *BREADCRUMBS)] * 2
