@@ -14,7 +14,8 @@ compiled loops ready before the timed runs (built in place, or for revisions fro
 loops, compiled into numba's cache), then every round runs
 each variant with both, the order alternating from round to round, each in its own subprocess
 at the default thread count (``--threads N``: ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` set to N,
-as ``merge_speed.py --threads`` does), after ``sync`` and with the inputs read through (``run_measured``).
+as ``merge_speed.py --threads`` does), after ``sync`` and with the inputs read through
+(``run_measured``).
 The inputs and both trees' files stay mapped for the whole run (``merge_speed.Resident``: this
 machine pages out file pages nobody maps once they look idle for a minute). The results
 (``--results``, JSON) hold every run's wall and CPU seconds and peak RSS, both revisions'
