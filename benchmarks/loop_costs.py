@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from merge_speed import VARIANTS, _commit
@@ -140,11 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         "ns_per_entry_runs": runs,
         "thresholds": found,
     }
-    path = Path(args.results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output_file(path) as tmp:
+    with atomic_output_file(args.results) as tmp:  # makes the folder too
         tmp.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"results: {path}")
+    print(f"results: {args.results}")
     return 0
 
 
