@@ -28,7 +28,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 4
+#define LOOPS_VERSION 3
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1088,108 +1088,6 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
     return 0;
 }
 
-/* merge_band_chunk: merge_chunk of a two-expert bfloat16 election (no DARE) whose trims are
- * not known yet, in the same read of the inputs as the pass that finds them. Each expert's
- * exact threshold lies in a band of |tau| bit patterns lows[e] + 1 .. lows[e] + widths[e] (from
- * a sampled pass); params hold a trim that any threshold in the band agrees with outside it.
- * Per tile, band_direct counts expert e's entries below and above its band into ends[2e],
- * ends[2e + 1] and keeps the bit patterns inside it in values[e, filled[e]++] while there is
- * room (filled counts them all); the positions (first + j) where either expert's entry lies in
- * its band go to positions[filled[2]++] (2 * capacity of them, each once). Then the election
- * merges the tile, its inputs still in cache. Those positions are the only ones whose result
- * may change once the exact thresholds are known: the caller merges them again. Returns the
- * NaN/Inf flags, or -2 when these options or bands have no two-expert loop. */
-HOT static int merge_band_chunk_impl(const Merge *g, int64_t m, int64_t first, const int64_t *lows,
-                                 const int64_t *widths, int32_t *values, int64_t *positions,
-                                 int64_t capacity, int64_t *filled, int64_t *ends)
-{
-    Two c;
-    TwoLoop fast = two_loop_for(g, &c);
-    if (!fast || c.drop0 || c.drop1) return -2;
-    const uint16_t *b16 = (const uint16_t *)(intptr_t)g->addresses[0];
-    const uint16_t *e16[2] = {(const uint16_t *)(intptr_t)g->addresses[1],
-                              (const uint16_t *)(intptr_t)g->addresses[2]};
-    uint16_t *o16 = (uint16_t *)(intptr_t)g->out;
-    float lowest[2], top[2];
-    for (int e = 0; e < 2; e++) {
-        if (lows[e] < -1 || widths[e] < 1 || lows[e] + widths[e] >= (int64_t)F32_INF_BITS)
-            return -2;
-        lowest[e] = u2f((uint32_t)(lows[e] + 1));
-        top[e] = u2f((uint32_t)(lows[e] + widths[e]));
-    }
-    union { uint8_t bytes[GROUPED]; uint64_t words[GROUPED / 8]; } inside[2];
-    int found = 0;
-    for (int64_t t0 = 0; t0 < m; t0 += GROUPED) {
-        const int64_t length = m - t0 < GROUPED ? m - t0 : GROUPED;
-        int64_t any = 0;
-        for (int e = 0; e < 2; e++) {
-            int64_t n_in = 0, n_above = 0;
-            band_direct(b16 + t0, e16[e] + t0, length, lowest[e], top[e], inside[e].bytes, &n_in,
-                        &n_above);
-            for (int64_t j = length; j < GROUPED; j++) inside[e].bytes[j] = 0;
-            ends[2 * e] += length - n_in - n_above;
-            ends[2 * e + 1] += n_above;
-            any += n_in;
-            if (n_in == 0) continue;
-            int64_t at = filled[e];
-            for (int64_t w = 0; w < GROUPED / 8; w++) {
-                uint64_t flagged = inside[e].words[w];
-                while (flagged) {
-                    int64_t j = 8 * w + (__builtin_ctzll(flagged) >> 3);
-                    if (at < capacity)
-                        values[e * capacity + at] = (int32_t)direct_bits(b16 + t0, e16[e] + t0, j);
-                    at += 1;
-                    flagged &= flagged - 1;
-                }
-            }
-            filled[e] = at;
-        }
-        if (any != 0) {
-            int64_t at = filled[2];
-            for (int64_t w = 0; w < GROUPED / 8; w++) {
-                uint64_t flagged = inside[0].words[w] | inside[1].words[w];
-                while (flagged) {
-                    if (at < 2 * capacity)
-                        positions[at] = first + t0 + 8 * w + (__builtin_ctzll(flagged) >> 3);
-                    at += 1;
-                    flagged &= flagged - 1;
-                }
-            }
-            filled[2] = at;
-        }
-        found |= fast(b16 + t0, e16[0] + t0, e16[1] + t0, o16 + t0, length, NULL, NULL, &c);
-    }
-    return found;
-}
-
-/* merge_at: merge_chunk's two-expert bfloat16 loop (no DARE) at the n listed positions only
- * (any order, each once), their inputs gathered a tile at a time and the results scattered
- * back. Returns the NaN/Inf flags of those positions, or -2 without such a loop. */
-HOT static int merge_at_impl(const Merge *g, const int64_t *positions, int64_t n)
-{
-    Two c;
-    TwoLoop fast = two_loop_for(g, &c);
-    if (!fast || c.drop0 || c.drop1) return -2;
-    const uint16_t *b16 = (const uint16_t *)(intptr_t)g->addresses[0];
-    const uint16_t *e0 = (const uint16_t *)(intptr_t)g->addresses[1];
-    const uint16_t *e1 = (const uint16_t *)(intptr_t)g->addresses[2];
-    uint16_t *o16 = (uint16_t *)(intptr_t)g->out;
-    uint16_t b[TILE], x0[TILE], x1[TILE], o[TILE];
-    int found = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-        const int64_t length = n - t0 < TILE ? n - t0 : TILE;
-        const int64_t *at = positions + t0;
-        for (int64_t j = 0; j < length; j++) {
-            b[j] = b16[at[j]];
-            x0[j] = e0[at[j]];
-            x1[j] = e1[at[j]];
-        }
-        found |= fast(b, x0, x1, o, length, NULL, NULL, &c);
-        for (int64_t j = 0; j < length; j++) o16[at[j]] = o[j];
-    }
-    return found;
-}
-
 /* ops._locate: the bin holding the k-th largest item, and its rank inside it. */
 static void locate_from_top_impl(const int64_t *counts, int64_t n, int64_t k, int64_t *bin,
                                  int64_t *rank)
@@ -1440,103 +1338,6 @@ done:
     return result;
 }
 
-static PyObject *py_merge_band_chunk(PyObject *self, PyObject *args)
-{
-    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_lows, *o_widths, *o_values,
-        *o_positions, *o_filled, *o_ends;
-    long long m, first, out;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OLLLOOOOOOOOO", &o_addr, &m, &first, &out, &o_params, &o_scalars,
-                          &o_flags, &o_lows, &o_widths, &o_values, &o_positions, &o_filled,
-                          &o_ends))
-        return NULL;
-    Buf bufs[10];
-    memset(bufs, 0, sizeof bufs);
-    PyObject *result = NULL;
-    const int64_t *addresses, *flags, *lows, *widths;
-    const float *params, *scalars;
-    int32_t *values;
-    int64_t *positions, *filled, *ends;
-    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
-    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
-    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
-    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
-    if (!(lows = buffer_of(o_lows, &bufs[4], 8, 0, "lows"))) goto done;
-    if (!(widths = buffer_of(o_widths, &bufs[5], 8, 0, "widths"))) goto done;
-    if (!(values = buffer_of(o_values, &bufs[6], 4, 1, "values"))) goto done;
-    if (!(positions = buffer_of(o_positions, &bufs[7], 8, 1, "positions"))) goto done;
-    if (!(filled = buffer_of(o_filled, &bufs[8], 8, 1, "filled"))) goto done;
-    if (!(ends = buffer_of(o_ends, &bufs[9], 8, 1, "ends"))) goto done;
-    int64_t capacity = items(&bufs[6]) / 2;
-    if (items(&bufs[0]) != 3 || items(&bufs[1]) != 2 * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
-        items(&bufs[3]) < N_FLAGS || items(&bufs[4]) != 2 || items(&bufs[5]) != 2 ||
-        items(&bufs[6]) != 2 * capacity || items(&bufs[7]) != 2 * capacity ||
-        items(&bufs[8]) != 3 || items(&bufs[9]) != 4 || m < 0) {
-        PyErr_SetString(PyExc_ValueError, "merge_band_chunk: inconsistent argument sizes");
-        goto done;
-    }
-    Merge g = {addresses, 2, 1, 1, (int64_t)out, params, scalars, flags};
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    found = merge_band_chunk_impl(&g, m, first, lows, widths, values, positions, capacity, filled,
-                                  ends);
-    Py_END_ALLOW_THREADS
-    if (found == -2) {
-        PyErr_SetString(PyExc_ValueError,
-                        "merge_band_chunk: no two-expert election loop for these options or bands");
-        goto done;
-    }
-    result = PyLong_FromLong(found);
-done:
-    release(bufs, 10);
-    return result;
-}
-
-static PyObject *py_merge_at(PyObject *self, PyObject *args)
-{
-    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_positions;
-    long long m, out;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OLLOOOO", &o_addr, &m, &out, &o_params, &o_scalars, &o_flags,
-                          &o_positions))
-        return NULL;
-    Buf bufs[5];
-    memset(bufs, 0, sizeof bufs);
-    PyObject *result = NULL;
-    const int64_t *addresses, *flags, *positions;
-    const float *params, *scalars;
-    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
-    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
-    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
-    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
-    if (!(positions = buffer_of(o_positions, &bufs[4], 8, 0, "positions"))) goto done;
-    int64_t n = items(&bufs[4]);
-    if (items(&bufs[0]) != 3 || items(&bufs[1]) != 2 * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
-        items(&bufs[3]) < N_FLAGS) {
-        PyErr_SetString(PyExc_ValueError, "merge_at: inconsistent argument sizes");
-        goto done;
-    }
-    for (int64_t j = 0; j < n; j++) {
-        if (positions[j] < 0 || positions[j] >= m) {
-            PyErr_SetString(PyExc_ValueError, "merge_at: a position outside the tensor");
-            goto done;
-        }
-    }
-    Merge g = {addresses, 2, 1, 1, (int64_t)out, params, scalars, flags};
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    found = merge_at_impl(&g, positions, n);
-    Py_END_ALLOW_THREADS
-    if (found == -2) {
-        PyErr_SetString(PyExc_ValueError, "merge_at: no two-expert election loop for these options");
-        goto done;
-    }
-    result = PyLong_FromLong(found);
-done:
-    release(bufs, 5);
-    return result;
-}
-
 static PyObject *py_kth_largest_bits(PyObject *self, PyObject *args)
 {
     PyObject *o_values;
@@ -1719,11 +1520,6 @@ static PyMethodDef methods[] = {
     {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,
      "tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, "
      "collect, counts, values, filled)"},
-    {"merge_band_chunk", py_merge_band_chunk, METH_VARARGS,
-     "merge_band_chunk(addresses, m, first, out_address, params, scalars, flags, lows, widths, "
-     "values, positions, filled, ends) -> NaN/Inf flags"},
-    {"merge_at", py_merge_at, METH_VARARGS,
-     "merge_at(addresses, m, out_address, params, scalars, flags, positions) -> NaN/Inf flags"},
     {"kth_largest_bits", py_kth_largest_bits, METH_VARARGS, "kth_largest_bits(values, k) -> int"},
     {"locate_from_top", py_locate_from_top, METH_VARARGS,
      "locate_from_top(counts, k) -> (bin, rank)"},

@@ -75,7 +75,7 @@ RUN_HASH = 2654435761
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 4
+LOOPS_VERSION = 3
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
     "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,
@@ -345,121 +345,6 @@ class ChunkMerger:
             )
             lanes[block, i] = lane
         return states, lanes
-
-
-class BandMerger:
-    """Runs ``_loops.merge_band_chunk`` over the chunks of one tensor: a two-expert bfloat16
-    election (TIES without DARE) merged in the same read of the inputs as the collecting pass
-    of each expert's threshold (:meth:`ops.KthLargestAbs.band`). ``params`` hold a provisional
-    trim; the positions where an expert's |τ| lies in its band are the only ones whose result
-    the exact thresholds may change, and :meth:`totals` returns them with each band's counts.
-    Like :class:`PassCounts`, every worker thread keeps what it collects in arrays of its own
-    (``ops.COLLECT_MAX`` bit patterns per expert, twice that many positions)."""
-
-    def __init__(
-        self,
-        base: torch.Tensor,
-        experts: Sequence[torch.Tensor],
-        out: torch.Tensor,
-        params: np.ndarray,
-        scalars: np.ndarray,
-        flags: np.ndarray,
-        bands: Sequence[tuple[int, int]],
-    ) -> None:
-        from .ops import COLLECT_MAX
-
-        self.inputs = _Inputs(base, experts)
-        self.out = out.view(-1)
-        self.params, self.scalars, self.flags = params, scalars, flags
-        self.lows = np.array([low for low, _ in bands], dtype=np.int64)
-        self.widths = np.array([width for _, width in bands], dtype=np.int64)
-        self.capacity = COLLECT_MAX
-        self.per_thread: dict[int, tuple[np.ndarray, ...]] = {}
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def applies(
-        base: torch.Tensor,
-        experts: Sequence[torch.Tensor],
-        out: torch.Tensor,
-        params: np.ndarray,
-        scalars: np.ndarray,
-        flags: np.ndarray,
-        bands: Sequence[tuple[int, int]],
-    ) -> bool:
-        """Whether the loop has a two-expert election for these inputs, options and bands
-        (asked of the loop itself, on no entries)."""
-        tensors = [base, *experts, out]
-        if len(experts) != 2 or any(x.dtype != torch.bfloat16 for x in tensors):
-            return False
-        if not (usable(*tensors) and all(x.is_contiguous() for x in tensors)):
-            return False
-        merger = BandMerger(base, experts, out, params, scalars, flags, bands)
-        merger.capacity = 0
-        try:
-            merger(slice(0, 0))
-        except ValueError:
-            return False
-        return True
-
-    def __call__(self, part: slice) -> int:
-        mine = self.per_thread.get(threading.get_ident())
-        if mine is None:
-            mine = (
-                np.empty((2, self.capacity), dtype=np.int32),
-                np.empty(2 * self.capacity, dtype=np.int64),
-                np.zeros(3, dtype=np.int64),
-                np.zeros(4, dtype=np.int64),
-            )
-            with self.lock:
-                self.per_thread[threading.get_ident()] = mine
-        values, positions, filled, ends = mine
-        return loops().merge_band_chunk(
-            np.array(self.inputs.addresses(part), dtype=np.int64),
-            part.stop - part.start,
-            part.start,
-            self.out[part].data_ptr(),
-            self.params,
-            self.scalars,
-            self.flags,
-            self.lows,
-            self.widths,
-            values,
-            positions,
-            filled,
-            ends,
-        )
-
-    def merge_at(self, positions: np.ndarray, params: np.ndarray) -> int:
-        """Merge the tensor again at ``positions`` (each once, any order) with ``params`` (the
-        exact trims); returns their NaN/Inf flags."""
-        return loops().merge_at(
-            np.array(self.inputs.addresses(slice(0, 0)), dtype=np.int64),
-            self.out.numel(),
-            self.out.data_ptr(),
-            params,
-            self.scalars,
-            self.flags,
-            positions,
-        )
-
-    def totals(self) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], np.ndarray | None]:
-        """Per expert, what :meth:`ops.KthLargestAbs.add` takes for its collecting pass (counts
-        below and above the band, the bit patterns inside, ``None`` if a thread met more than it
-        could keep); and the positions where any expert's |τ| lay in its band, each once
-        (``None`` when a thread met more than it could keep)."""
-        threads = list(self.per_thread.values())
-        per_expert = []
-        for e in range(2):
-            ends = sum((t[3][2 * e : 2 * e + 2] for t in threads), np.zeros(2, dtype=np.int64))
-            values = None
-            if all(t[2][e] <= self.capacity for t in threads):
-                values = np.concatenate([t[0][e, : t[2][e]] for t in threads])
-            per_expert.append((ends, values))
-        positions = None
-        if all(t[2][2] <= 2 * self.capacity for t in threads):
-            positions = np.concatenate([t[1][: t[2][2]] for t in threads])
-        return per_expert, positions
 
 
 def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, found: int) -> int:

@@ -420,66 +420,6 @@ def _trim_elect_merge(
     return out.view(base.shape)
 
 
-def _ties_in_one_pass(
-    base: torch.Tensor,
-    experts: list[torch.Tensor],
-    ranks: list[list[int]],
-    weight: list[float],
-    ctx: TensorContext,
-    options: dict[str, Any],
-) -> torch.Tensor | None:
-    """Per-tensor TIES of two bfloat16 experts into a bfloat16 output in one read of the inputs
-    after the sampled pass, where :func:`_trim_elect_merge` needs a pass to find the thresholds
-    and another to merge. The sample gives each expert a band of |τ| that holds its threshold;
-    the merge runs with a trim that agrees with every threshold in the band outside it, while
-    the same loop counts and collects the band (``kernels.BandMerger``). The exact thresholds
-    then come from the collected values, and only the positions where some |τ_i| lay in its band
-    are merged again, with them: the same bits as the two passes. ``None`` where this does not
-    apply (other dtypes or options, small tensors, thresholds the engine computed ahead);
-    if the sample misled, the thresholds' remaining passes run and the tensor is merged again."""
-    ahead = ctx.stats.get(_TAU_KTH)
-    if ahead is not None and ahead[0] == ranks:
-        return None
-    dtype = _compute_dtype(ctx, base)
-    if ctx.out is None or len(experts) != 2 or any(len(r) != 1 for r in ranks):
-        return None
-    if ops.sample_stride(base.numel()) == 1 or base.numel() >= 2**31:
-        return None
-    out = _output(ctx, base, dtype)
-    plan = _compiled_elect_plan(dtype, base, experts, out, weight, options)
-    if plan is None or out.dtype != torch.bfloat16 or base.dtype != torch.bfloat16:
-        return None
-    params, scalars, flags = plan
-    finders = ops.tau_first_pass(base, experts, [r[0] for r in ranks], dtype)
-    bands = [f.band() for f in finders]
-    if any(b is None for b in bands):
-        thresholds = ops.tau_last_passes(base, experts, finders, dtype)
-        return _trim_elect_merge(base, experts, thresholds, weight, ctx, **options)
-    # λ of the band's lowest pattern: above the band kept, at or below its low edge dropped
-    params[:, kernels.P_LOW] = [ops.bits_to_float(low + 1) for low, _ in bands]
-    if not kernels.BandMerger.applies(base, experts, out, params, scalars, flags, bands):
-        thresholds = ops.tau_last_passes(base, experts, finders, dtype)
-        return _trim_elect_merge(base, experts, thresholds, weight, ctx, **options)
-    merger = kernels.BandMerger(base, experts, out, params, scalars, flags, bands)
-    found = 0
-    for chunk_found in ops.for_chunks(out.numel(), merger):
-        found |= chunk_found
-    collected, positions = merger.totals()
-    for finder, counts in zip(finders, collected):
-        finder.add(counts, 0)
-        finder.end_pass()
-    if positions is None or any(f.wants_pass() for f in finders):  # the sample misled
-        thresholds = ops.tau_last_passes(base, experts, finders, dtype)
-        return _trim_elect_merge(base, experts, thresholds, weight, ctx, **options)
-    exact = params.copy()
-    exact[:, kernels.P_LOW] = [kernels.trim_below(f.value()) for f in finders]
-    found |= merger.merge_at(positions, exact)
-    if found & kernels.FOUND_IN_RESULT and ops.all_finite(out):
-        found &= ~kernels.FOUND_IN_RESULT  # a provisional result the exact one replaced
-    ctx.checks = LoopChecks.of(found, [base, *experts], out)
-    return out.view(base.shape)
-
-
 def elect_merge(
     base: torch.Tensor, stack: torch.Tensor, weight: list[float], **options: Any
 ) -> torch.Tensor:
@@ -546,15 +486,6 @@ def ties(
         thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
     else:  # the same exact selection, over this tensor only
         ranks = _ties_ranks(base.numel(), {"trim_scope": trim_scope, "density": density})
-        options = {
-            "lambda_": lambda_,
-            "majority_sign": majority_sign,
-            "weighted_sign": weighted_sign,
-            "divide_by": divide_by,
-        }
-        merged = _ties_in_one_pass(base, experts, ranks, weight, ctx, options)
-        if merged is not None:
-            return merged
         found = _tau_kth(base, experts, ranks, ctx)
         thresholds = [values[0] if values else 0.0 for values in found]
     return _trim_elect_merge(

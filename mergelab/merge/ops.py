@@ -284,8 +284,7 @@ def kept_count(density: float, numel: int) -> int:
 # --- exact k-th largest |x| by radix histograms ------------------------------------------------
 
 
-def bits_to_float(bits: int) -> float:
-    """The float32 whose bit pattern is ``bits``."""
+def _bits_to_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
@@ -457,15 +456,6 @@ class KthLargestAbs:
             return (self._bucket << 16) - 1, width, self._mode == "collect"
         return None
 
-    def band(self) -> tuple[int, int] | None:
-        """A collecting pass's band as (low, width): the bit patterns low + 1 … low + width,
-        which hold the k-th largest unless the sample misled; ``None`` for any other pass. A
-        caller that counts that pass itself gives ``add`` the pair (counts below and above the
-        band, the bit patterns inside it)."""
-        if self._mode != "collect":
-            return None
-        return (self._bucket << 16) - 1, self._width
-
     def histogram_(self, x: torch.Tensor) -> Any:
         """This pass's counts for the float32 contiguous chunk ``x`` (overwritten); for a
         collecting pass the pair (counts below and above the band, the bit patterns inside)."""
@@ -526,12 +516,12 @@ class KthLargestAbs:
             self._switch("low", _LOW_BUCKETS + 2)
         elif self._mode == "low":
             low, _ = _locate(self._counts[1:-1], self._rank)
-            self._finish(bits_to_float((self._bucket << 16) | low))
+            self._finish(_bits_to_float((self._bucket << 16) | low))
         elif self._mode == "collect":
             above = int(self._ends[1])
             found = self._collected
             if found is not None and above < self._k <= above + self._n_collected:
-                self._finish(bits_to_float(_kth_largest_bits(found, self._k - above)))
+                self._finish(_bits_to_float(_kth_largest_bits(found, self._k - above)))
             else:  # the sample misled us, or the band held too many values: two exact passes
                 self._switch("high", _HIGH_BUCKETS)
         elif self._mode == "band":
@@ -539,7 +529,7 @@ class KthLargestAbs:
             inside = self._counts[1:-1]
             if above < self._k <= above + int(inside.sum()):
                 offset, _ = _locate(inside, self._k - above)
-                self._finish(bits_to_float((self._bucket << 16) + offset))
+                self._finish(_bits_to_float((self._bucket << 16) + offset))
             else:  # the sample misled us (or the values changed): two exact passes
                 self._switch("high", _HIGH_BUCKETS)
 
@@ -689,34 +679,22 @@ def _find_many(
     ``ranks[g]``; ``histograms(finders)`` returns the per-chunk counting function of group
     members ``finders`` (group index known to it by position). The groups share their first
     pass (the k only matters after it)."""
-    groups = _first_pass(numel, ranks, histograms)
-    _last_passes(numel, groups, histograms)
-    return [[f.value() for f in group] for group in groups]
-
-
-def _run_pass(
-    numel: int,
-    active: list[tuple[int, KthLargestAbs]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> None:
-    """One pass of the ``active`` (group, finder) pairs over the tensor, on every core."""
-    count = histograms([f for _, f in active], [g for g, _ in active])
-    finders = [f for _, f in active]
-    size = histogram_chunk(numel)
-    _add_chunk_counts(for_chunks(numel, count, size), numel, size, finders)
-    _add_totals(count, finders)
-
-
-def _first_pass(
-    numel: int,
-    ranks: list[list[int]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> list[list[KthLargestAbs]]:
-    """:func:`_find_many`'s finders after their shared (sampled) first pass, ``end_pass(k)``
-    called: one group per entry of ``ranks``."""
     stride = sample_stride(numel)
     groups = [[KthLargestAbs(stride) for _ in ks] for ks in ranks]
-    _run_pass(numel, [(g, group[0]) for g, group in enumerate(groups) if group], histograms)
+    firsts = [g[0] for g in groups if g]
+    order = [i for i, g in enumerate(groups) if g]
+    size = histogram_chunk(numel)
+
+    def run(active: list[tuple[int, KthLargestAbs]]) -> None:
+        count = histograms_for(active)
+        finders = [f for _, f in active]
+        _add_chunk_counts(for_chunks(numel, count, size), numel, size, finders)
+        _add_totals(count, finders)
+
+    def histograms_for(active: list[tuple[int, KthLargestAbs]]) -> Callable[[slice], list]:
+        return histograms([f for _, f in active], [g for g, _ in active])
+
+    run([(g, f) for g, f in zip(order, firsts)])
     for group, ks in zip(groups, ranks):
         if not group:
             continue
@@ -725,22 +703,14 @@ def _first_pass(
             if finder is not group[0]:  # the same values: the same first pass
                 finder.count, finder._counts = count, counts.copy()  # noqa: SLF001
             finder.end_pass(k)
-    return groups
-
-
-def _last_passes(
-    numel: int,
-    groups: list[list[KthLargestAbs]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> None:
-    """The passes after the first, until every finder of ``groups`` is done."""
     while True:
         active = [(g, f) for g, group in enumerate(groups) for f in group if f.wants_pass()]
         if not active:
             break
-        _run_pass(numel, active, histograms)
+        run(active)
         for _, finder in active:
             finder.end_pass()
+    return [[f.value() for f in group] for group in groups]
 
 
 def _tau_histograms(
@@ -846,29 +816,6 @@ def tau_kth_largest_abs(
     full-size task vector, on every core. The ranks of one expert share a (sampled) first pass
     (:class:`KthLargestAbs`)."""
     return _find_many(base.numel(), ranks, _tau_histograms(base, experts, dtype))
-
-
-def tau_first_pass(
-    base: torch.Tensor, experts: list[torch.Tensor], ks: list[int], dtype: torch.dtype | None = None
-) -> list[KthLargestAbs]:
-    """For expert i: a :class:`KthLargestAbs` of |τ_i| for rank ``ks[i]`` after its first pass
-    (:func:`tau_kth_largest_abs`'s, sampled for large tensors); :func:`tau_last_passes` finishes
-    it. Between the two, a caller may do a collecting pass itself (``KthLargestAbs.band``)."""
-    groups = _first_pass(base.numel(), [[k] for k in ks], _tau_histograms(base, experts, dtype))
-    return [group[0] for group in groups]
-
-
-def tau_last_passes(
-    base: torch.Tensor,
-    experts: list[torch.Tensor],
-    finders: list[KthLargestAbs],
-    dtype: torch.dtype | None = None,
-) -> list[float]:
-    """The k-th largest |τ_i| of :func:`tau_first_pass`'s finders, after the passes they still
-    need."""
-    groups = [[f] for f in finders]
-    _last_passes(base.numel(), groups, _tau_histograms(base, experts, dtype))
-    return [f.value() for f in finders]
 
 
 def global_magnitude_thresholds(
@@ -1089,7 +1036,7 @@ def threshold_trim_(tau: torch.Tensor, threshold: float) -> torch.Tensor:
             as_float32 = torch.tensor(threshold, dtype=torch.float32)
             below = float(as_float32)
             if below >= threshold:
-                below = bits_to_float(int(as_float32.view(torch.int32)) - 1)
+                below = _bits_to_float(int(as_float32.view(torch.int32)) - 1)
             torch.hardshrink(tau, below, out=tau)
         else:
             tau.masked_fill_(tau.abs().float() < threshold, 0)
