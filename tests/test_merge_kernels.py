@@ -396,11 +396,57 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
         assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
 
 
-def test_band_passes_alone_and_paired_count_what_torch_counts(monkeypatch):
+@contextlib.contextmanager
+def band_masks(on: bool):
+    """The compiled band passes with their AVX2 bit masks on (where the CPU has AVX2) or off
+    (a byte per entry), restored after."""
+    before = kernels.loops().band_masks(on)
+    try:
+        yield
+    finally:
+        kernels.loops().band_masks(before)
+
+
+@pytest.mark.parametrize("masks", [True, False], ids=["bit-masks", "byte-flags"])
+def test_band_passes_alone_and_paired_count_what_torch_counts(monkeypatch, masks):
     """Histogram bands of bfloat16 inputs one, two, four and five buckets wide, alone and paired
     with another band of the same expert (one loop for both), and a collected band, on |τ| whose
     bit patterns end in 16 zero bits and on others: the same counts and kept values as
-    torch's."""
+    torch's, whether the lone bands' entries are flagged in bit masks or bytes."""
+    if not kernels.available():
+        pytest.skip("the compiled loops are not built")
+    with band_masks(masks):
+        check_band_passes(monkeypatch)
+
+
+def test_band_masks_flag_what_bytes_flag():
+    """A band pass's bit masks (AVX2) and byte flags: the same counts and collected values on
+    lengths that end inside a vector, a 64-entry word and a tile, with NaN and Inf entries
+    (counted above every band) and |τ| on the band's edges."""
+    if not kernels.available():
+        pytest.skip("the compiled loops are not built")
+    for numel in (ROW, 15 * ROW, 16 * ROW, 61 * ROW):  # 67, 1005, 1072, 4087 entries
+        base, (expert,) = inputs(1, torch.float32, seed=numel, numel=numel)
+        base, expert = base.view(-1), expert.view(-1)
+        expert[:: max(1, numel // 5)] = float("nan")
+        expert[1 :: max(1, numel // 3)] = float("inf")
+        base, expert = base.bfloat16(), expert.bfloat16()
+        tau = (expert.float() - base.float()).abs()
+        finite = tau[tau.isfinite()]
+        edge = int(finite.median().view(torch.int32)) if finite.numel() else 0x3B000000
+        passes = [(0, 1, (edge - 1, 1 << 16, True)), (0, 1, (edge - 1 - (1 << 16), 1 << 17, False))]
+        counted = []
+        for on in (True, False):
+            with band_masks(on):
+                counted.append(kernels.TauHistograms(base, [expert]).count(slice(0, numel), passes))
+        (ends_a, values_a), (ends_b, values_b) = counted[0][0], counted[1][0]
+        assert ends_a.tolist() == ends_b.tolist()
+        assert np.array_equal(np.sort(values_a), np.sort(values_b)) and len(values_a) > 0
+        assert torch.equal(counted[0][1], counted[1][1])
+        assert int(counted[0][1].sum()) == numel and int(counted[0][1][-1]) > 0  # NaN, Inf above
+
+
+def check_band_passes(monkeypatch):
     base, experts = inputs(2, torch.bfloat16, seed=12)
     tau = [(e.float() - base.float()).abs().view(-1) for e in experts]
     assert any(bool(((t.view(torch.int32) & 0xFFFF) != 0).any()) for t in tau)  # both kinds

@@ -931,6 +931,63 @@ INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT
     counts[0] = in_band, counts[1] = above, counts[2] = in_band2, counts[3] = above2;
 }
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_BAND_MASKS 1
+/* Whether band_direct_masks runs (the CPU has AVX2; py_band_masks turns it off for tests). */
+static int band_masks = 0;
+
+/* band_direct with one bit per entry (bit j % 64 of words[j / 64]) instead of a byte, from
+ * AVX2's movemask: the same float32 |tau| and the same comparisons, a quarter of the words to
+ * scan. words must hold GROUPED / 64 words; n <= GROUPED. */
+__attribute__((target("avx2"))) static void
+band_direct_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                  float lowest, float highest, uint64_t *RESTRICT words, int64_t *n_in,
+                  int64_t *n_above)
+{
+    const __m256 lo = _mm256_set1_ps(lowest), hi = _mm256_set1_ps(highest);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256i in_band = _mm256_setzero_si256(), above = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        uint64_t word = 0;
+        for (int q = 0; q < 8; q++) {
+            __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(base + j + 8 * q)));
+            __m256i e = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(expert + j + 8 * q)));
+            __m256 v = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 16)),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+            v = _mm256_and_ps(v, magnitude);
+            __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ),
+                                        _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
+            in_band = _mm256_sub_epi32(in_band, _mm256_castps_si256(keep));
+            above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_cmp_ps(v, hi, _CMP_NLE_UQ)));
+            word |= (uint64_t)(uint32_t)_mm256_movemask_ps(keep) << (8 * q);
+        }
+        words[j / 64] = word;
+    }
+    int32_t lanes_in[8], lanes_above[8];
+    _mm256_storeu_si256((__m256i *)lanes_in, in_band);
+    _mm256_storeu_si256((__m256i *)lanes_above, above);
+    int64_t total_in = 0, total_above = 0;
+    for (int l = 0; l < 8; l++) total_in += lanes_in[l], total_above += lanes_above[l];
+    if (j < n) { /* the last, partial word */
+        uint64_t word = 0;
+        for (int64_t i = j; i < n; i++) {
+            float v = fabsf(bf16_to_f32(expert[i]) - bf16_to_f32(base[i]));
+            int keep = (v >= lowest) & (v <= highest);
+            total_in += keep;
+            total_above += !(v <= highest);
+            word |= (uint64_t)keep << (i - j);
+        }
+        words[j / 64] = word;
+        j += 64;
+    }
+    for (; j < GROUPED; j += 64) words[j / 64] = 0;
+    *n_in = total_in;
+    *n_above = total_above;
+}
+#endif
+
 /* The bits of |tau| from its float magnitude (the same bits: fabsf clears the sign). */
 INLINE uint32_t magnitude_bits(const float *magnitudes, int64_t j) { return f2u(magnitudes[j]); }
 
@@ -1024,6 +1081,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
              * above it and flags those in it (a byte each), and a second loop visits only the
              * flagged bytes, eight at a time. */
             int64_t n_in = 0, n_above = 0;
+            int per_bit = 0; /* inside.words: a bit per entry (else a byte) */
             const float lowest = u2f((uint32_t)(low + 1)), top = u2f((uint32_t)highest);
             const int pair = direct && k + 1 < q->n_passes && q->experts[k + 1] == loaded &&
                              !q->top_bits[k + 1] &&
@@ -1039,6 +1097,13 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                 n_in = paired[0], n_above = paired[1];
                 pending = k + 1;
             } else if (direct) {
+#ifdef HAVE_BAND_MASKS
+                if (band_masks) {
+                    band_direct_masks(b16, e16, length, lowest, top, inside.words, &n_in,
+                                      &n_above);
+                    per_bit = 1;
+                } else
+#endif
                 band_direct(b16, e16, length, lowest, top, inside.bytes, &n_in, &n_above);
             } else {
                 if (measured != loaded) { /* |tau| once for all of this expert's band passes */
@@ -1047,14 +1112,18 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                 }
                 band_tile(magnitudes, length, lowest, top, inside.bytes, &n_in, &n_above);
             }
-            for (int64_t j = length; j < GROUPED; j++) inside.bytes[j] = 0;
+            if (!per_bit)
+                for (int64_t j = length; j < GROUPED; j++) inside.bytes[j] = 0;
+            /* each flagged entry, by the lowest set bit of its word */
+            const int shift = per_bit ? 0 : 3;
+            const int64_t n_words = GROUPED / (per_bit ? 64 : 8), per_word = 64 >> shift;
             if (n_in != 0 && q->collect[k]) {
                 int32_t *kept = q->values + k * q->capacity;
                 int64_t at = q->filled[k];
-                for (int64_t w = 0; w < GROUPED / 8; w++) {
+                for (int64_t w = 0; w < n_words; w++) {
                     uint64_t flagged = inside.words[w];
-                    while (flagged) { /* each flagged byte, by its lowest set bit */
-                        int64_t j = 8 * w + (__builtin_ctzll(flagged) >> 3);
+                    while (flagged) {
+                        int64_t j = per_word * w + (__builtin_ctzll(flagged) >> shift);
                         if (at < q->capacity)
                             kept[at] = (int32_t)(direct ? direct_bits(b16, e16, j)
                                                         : magnitude_bits(magnitudes, j));
@@ -1064,10 +1133,10 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                 }
                 q->filled[k] = at;
             } else if (n_in != 0) {
-                for (int64_t w = 0; w < GROUPED / 8; w++) {
+                for (int64_t w = 0; w < n_words; w++) {
                     uint64_t flagged = inside.words[w];
                     while (flagged) {
-                        int64_t j = 8 * w + (__builtin_ctzll(flagged) >> 3);
+                        int64_t j = per_word * w + (__builtin_ctzll(flagged) >> shift);
                         uint32_t bits = direct ? direct_bits(b16, e16, j) : magnitude_bits(magnitudes, j);
                         row[(int64_t)bits - low] += 1;
                         flagged &= flagged - 1;
@@ -1338,6 +1407,24 @@ done:
     return result;
 }
 
+/* band_masks(on) -> whether the AVX2 bit masks ran before: turns them off (or back on where
+ * the CPU has AVX2), for the tests of both ways. */
+static PyObject *py_band_masks(PyObject *self, PyObject *args)
+{
+    int on;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_BAND_MASKS
+    int before = band_masks;
+    __builtin_cpu_init();
+    band_masks = on && __builtin_cpu_supports("avx2");
+    return PyBool_FromLong(before);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *py_kth_largest_bits(PyObject *self, PyObject *args)
 {
     PyObject *o_values;
@@ -1520,6 +1607,8 @@ static PyMethodDef methods[] = {
     {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,
      "tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, "
      "collect, counts, values, filled)"},
+    {"band_masks", py_band_masks, METH_VARARGS,
+     "band_masks(on) -> whether the AVX2 band masks were on"},
     {"kth_largest_bits", py_kth_largest_bits, METH_VARARGS, "kth_largest_bits(values, k) -> int"},
     {"locate_from_top", py_locate_from_top, METH_VARARGS,
      "locate_from_top(counts, k) -> (bin, rank)"},
@@ -1537,6 +1626,10 @@ PyMODINIT_FUNC PyInit__loops(void)
 {
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
+#ifdef HAVE_BAND_MASKS
+    __builtin_cpu_init();
+    band_masks = __builtin_cpu_supports("avx2");
+#endif
 #ifdef HAVE_MAPPING
     if (PyType_Ready(&MappingType) < 0 || PyModule_AddObjectRef(mod, "Mapping",
                                                                  (PyObject *)&MappingType) < 0) {
