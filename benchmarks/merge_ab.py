@@ -8,6 +8,12 @@ from the machine's noise (which moves single runs by a third here).
 ``--layers N`` takes the smaller set ``merge_speed.py --layers N`` made instead (where a fixed
 cost per process, such as start-up or exit, is a larger part of each run).
 
+``--perf`` runs every merge under ``perf record`` (sampling at PERF_HZ, every thread) and keeps
+each run's samples per shared object and per symbol of the compiled loops, and in the summary
+the median new ÷ old ratio of the loops' samples: CPU time spent in each loop, which moves far
+less from run to run than wall time does. perf's own work then adds a little to the wall and CPU
+times of both revisions alike.
+
 The old revision is checked out into a temporary git worktree (removed at the end: only what
 this script created); the new one is this working tree. Both are byte-compiled and get their
 compiled loops ready before the timed runs (built in place, or for revisions from before the C
@@ -74,12 +80,41 @@ def prepare(tree: Path, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
 
 
+PERF_HZ = 997
+LOOPS_DSO = "_loops."  # the compiled loops' shared object (its name starts with this)
+
+
+def perf_samples(data: Path) -> dict:
+    """Samples of a ``perf record`` file per shared object (``dso``) and, for the compiled loops,
+    per symbol (``loops``), and in all (``total``)."""
+    report = subprocess.run(
+        ["perf", "report", "-i", str(data), "--stdio", "-n", "--sort", "dso,sym"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    total, by_dso, loops = 0, {}, {}
+    for line in report.splitlines():
+        fields = line.split()
+        if line.startswith("#") or len(fields) < 5 or not fields[0].endswith("%"):
+            continue
+        n, dso, symbol = int(fields[1]), fields[2], " ".join(fields[4:])
+        total += n
+        by_dso[dso] = by_dso.get(dso, 0) + n
+        if dso.startswith(LOOPS_DSO):
+            loops[symbol] = loops.get(symbol, 0) + n
+    return {"hz": PERF_HZ, "total": total, "dso": by_dso, "loops": loops}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="git revision to compare against")
     parser.add_argument("--variants", nargs="+", default=["ties", "breadcrumbs"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="default: each run's own")
+    parser.add_argument(
+        "--perf", action="store_true", help="sample each run with perf record (see above)"
+    )
     add_set_arguments(parser, "benchmarks/results/merge_ab.json")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -108,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     env = {**tool_env(args.threads), "PYTHONPATH": str(trees[name])}
                     cmd, out = mergelab_command(variant, folder, work)
                     shutil.rmtree(out, ignore_errors=True)
+                    data = scratch / "perf.data"
+                    if args.perf:
+                        cmd = ["perf", "record", "-q", "-F", str(PERF_HZ), "-o", str(data), *cmd]
                     run = run_measured(cmd, env, cwd=str(trees[name]), warm=models)
                     wall, cpu = run.wall, run.cpu
                     shutil.rmtree(out, ignore_errors=True)
@@ -121,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                             "waits_s": run.waits,
                         }
                     )
+                    if args.perf:
+                        runs[variant][name][-1]["perf"] = perf_samples(data)
+                        data.unlink()
                     print(
                         f"round {round_ + 1} {variant:18s} {name}  {wall:6.1f} s  cpu {cpu:5.1f} s"
                         f"  load {load_average()}",
@@ -139,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             "median_new_over_old": round(statistics.median(ratios), 3),
             "median_cpu_new_over_old": round(statistics.median(cpu_ratios), 3),
         }
+        if args.perf:
+            summary[variant].update(perf_summary(by))
         print(f"{variant:18s} " + "  ".join(f"{k} {v}" for k, v in summary[variant].items()))
     record = {
         "config": {
@@ -149,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "layers": args.layers,
             "threads": args.threads if args.threads is not None else "default",
+            "perf_hz": PERF_HZ if args.perf else None,
             "cpu_count": os.cpu_count(),
             "proactive_reclaim": proactive_reclaim(),
             "held_in_memory": held.summary(),
@@ -160,6 +204,32 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
     print(f"results: {args.results}")
     return 0
+
+
+def perf_summary(by: dict[str, list[dict]]) -> dict:
+    """Per revision, the median CPU seconds in the compiled loops and in all (perf samples ÷
+    PERF_HZ), and per loop symbol; the median new ÷ old ratio of the loops' samples (rounds
+    paired)."""
+
+    def loops(run: dict) -> int:
+        return sum(run["perf"]["loops"].values())
+
+    out: dict = {
+        "median_loops_new_over_old": round(
+            statistics.median(loops(n) / loops(o) for o, n in zip(by["old"], by["new"])), 3
+        )
+    }
+    for name, runs in by.items():
+        symbols = sorted({s for r in runs for s in r["perf"]["loops"]})
+        out[f"{name}_cpu_s"] = {
+            "all": round(statistics.median(r["perf"]["total"] for r in runs) / PERF_HZ, 2),
+            "loops": round(statistics.median(loops(r) for r in runs) / PERF_HZ, 2),
+            **{
+                s: round(statistics.median(r["perf"]["loops"].get(s, 0) for r in runs) / PERF_HZ, 2)
+                for s in symbols
+            },
+        }
+    return out
 
 
 if __name__ == "__main__":

@@ -420,9 +420,10 @@ def test_band_passes_alone_and_paired_count_what_torch_counts(monkeypatch, masks
 
 
 def test_band_masks_flag_what_bytes_flag():
-    """A band pass's bit masks (AVX2) and byte flags: the same counts and collected values on
-    lengths that end inside a vector, a 64-entry word and a tile, with NaN and Inf entries
-    (counted above every band) and |τ| on the band's edges."""
+    """A band pass's bit masks (AVX2) and byte flags, alone and paired with another band of the
+    same expert: the same counts and collected values on lengths that end inside a vector, a
+    64-entry word and a tile, with NaN and Inf entries (counted above every band) and |τ| on
+    the band's edges."""
     if not kernels.available():
         pytest.skip("the compiled loops are not built")
     for numel in (ROW, 15 * ROW, 16 * ROW, 61 * ROW):  # 67, 1005, 1072, 4087 entries
@@ -434,16 +435,23 @@ def test_band_masks_flag_what_bytes_flag():
         tau = (expert.float() - base.float()).abs()
         finite = tau[tau.isfinite()]
         edge = int(finite.median().view(torch.int32)) if finite.numel() else 0x3B000000
-        passes = [(0, 1, (edge - 1, 1 << 16, True)), (0, 1, (edge - 1 - (1 << 16), 1 << 17, False))]
-        counted = []
-        for on in (True, False):
-            with band_masks(on):
-                counted.append(kernels.TauHistograms(base, [expert]).count(slice(0, numel), passes))
-        (ends_a, values_a), (ends_b, values_b) = counted[0][0], counted[1][0]
-        assert ends_a.tolist() == ends_b.tolist()
-        assert np.array_equal(np.sort(values_a), np.sort(values_b)) and len(values_a) > 0
-        assert torch.equal(counted[0][1], counted[1][1])
-        assert int(counted[0][1].sum()) == numel and int(counted[0][1][-1]) > 0  # NaN, Inf above
+        collected = (0, 1, (edge - 1, 1 << 16, True))
+        counted = (0, 1, (edge - 1 - (1 << 16), 1 << 17, False))
+        for passes in ([collected, counted], [collected], [counted]):  # paired, then alone
+            both = []
+            for on in (True, False):
+                with band_masks(on):
+                    histograms = kernels.TauHistograms(base, [expert])
+                    both.append(histograms.count(slice(0, numel), passes))
+            for (_, _, (_, _, collect)), a, b in zip(passes, *both):
+                if collect:
+                    (ends_a, values_a), (ends_b, values_b) = a, b
+                    assert ends_a.tolist() == ends_b.tolist()
+                    assert np.array_equal(np.sort(values_a), np.sort(values_b))
+                    assert len(values_a) > 0
+                else:
+                    assert torch.equal(a, b)
+                    assert int(a.sum()) == numel and int(a[-1]) > 0  # NaN and Inf above
 
 
 def check_band_passes(monkeypatch):

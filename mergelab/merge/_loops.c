@@ -937,20 +937,25 @@ INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT
 /* Whether band_direct_masks runs (the CPU has AVX2; py_band_masks turns it off for tests). */
 static int band_masks = 0;
 
-/* band_direct with one bit per entry (bit j % 64 of words[j / 64]) instead of a byte, from
- * AVX2's movemask: the same float32 |tau| and the same comparisons, a quarter of the words to
- * scan. words must hold GROUPED / 64 words; n <= GROUPED. */
-__attribute__((target("avx2"))) static void
-band_direct_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
-                  float lowest, float highest, uint64_t *RESTRICT words, int64_t *n_in,
-                  int64_t *n_above)
+/* band_direct (and band_direct2: a second band of the same expert into words2, when
+ * `two`) with one bit per entry (bit j % 64 of words[j / 64]) instead of a byte, from AVX2's
+ * movemask: the same float32 |tau| and the same comparisons, a quarter of the words to scan.
+ * The word arrays hold GROUPED / 64 words, all written; n <= GROUPED. counts: in and above the
+ * band, then in and above the second. */
+__attribute__((target("avx2"))) static inline void
+band_masks_avx2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                float lowest, float highest, float lowest2, float highest2,
+                uint64_t *RESTRICT words, uint64_t *RESTRICT words2, int64_t *counts,
+                const int two)
 {
     const __m256 lo = _mm256_set1_ps(lowest), hi = _mm256_set1_ps(highest);
+    const __m256 lo2 = _mm256_set1_ps(lowest2), hi2 = _mm256_set1_ps(highest2);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256i in_band = _mm256_setzero_si256(), above = _mm256_setzero_si256();
+    __m256i in_band2 = _mm256_setzero_si256(), above2 = _mm256_setzero_si256();
     int64_t j = 0;
     for (; j + 64 <= n; j += 64) {
-        uint64_t word = 0;
+        uint64_t word = 0, word2 = 0;
         for (int q = 0; q < 8; q++) {
             __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(base + j + 8 * q)));
             __m256i e = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(expert + j + 8 * q)));
@@ -962,29 +967,66 @@ band_direct_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert
             in_band = _mm256_sub_epi32(in_band, _mm256_castps_si256(keep));
             above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_cmp_ps(v, hi, _CMP_NLE_UQ)));
             word |= (uint64_t)(uint32_t)_mm256_movemask_ps(keep) << (8 * q);
+            if (two) {
+                __m256 keep2 = _mm256_and_ps(_mm256_cmp_ps(v, lo2, _CMP_GE_OQ),
+                                             _mm256_cmp_ps(v, hi2, _CMP_LE_OQ));
+                in_band2 = _mm256_sub_epi32(in_band2, _mm256_castps_si256(keep2));
+                above2 = _mm256_sub_epi32(above2,
+                                          _mm256_castps_si256(_mm256_cmp_ps(v, hi2, _CMP_NLE_UQ)));
+                word2 |= (uint64_t)(uint32_t)_mm256_movemask_ps(keep2) << (8 * q);
+            }
         }
         words[j / 64] = word;
+        if (two) words2[j / 64] = word2;
     }
-    int32_t lanes_in[8], lanes_above[8];
-    _mm256_storeu_si256((__m256i *)lanes_in, in_band);
-    _mm256_storeu_si256((__m256i *)lanes_above, above);
-    int64_t total_in = 0, total_above = 0;
-    for (int l = 0; l < 8; l++) total_in += lanes_in[l], total_above += lanes_above[l];
+    int32_t lanes[4][8];
+    _mm256_storeu_si256((__m256i *)lanes[0], in_band);
+    _mm256_storeu_si256((__m256i *)lanes[1], above);
+    _mm256_storeu_si256((__m256i *)lanes[2], in_band2);
+    _mm256_storeu_si256((__m256i *)lanes[3], above2);
+    int64_t total[4] = {0, 0, 0, 0};
+    for (int r = 0; r < 4; r++)
+        for (int l = 0; l < 8; l++) total[r] += lanes[r][l];
     if (j < n) { /* the last, partial word */
-        uint64_t word = 0;
+        uint64_t word = 0, word2 = 0;
         for (int64_t i = j; i < n; i++) {
             float v = fabsf(bf16_to_f32(expert[i]) - bf16_to_f32(base[i]));
-            int keep = (v >= lowest) & (v <= highest);
-            total_in += keep;
-            total_above += !(v <= highest);
+            int keep = (v >= lowest) & (v <= highest), keep2 = (v >= lowest2) & (v <= highest2);
+            total[0] += keep;
+            total[1] += !(v <= highest);
+            total[2] += keep2;
+            total[3] += !(v <= highest2);
             word |= (uint64_t)keep << (i - j);
+            word2 |= (uint64_t)keep2 << (i - j);
         }
         words[j / 64] = word;
+        if (two) words2[j / 64] = word2;
         j += 64;
     }
-    for (; j < GROUPED; j += 64) words[j / 64] = 0;
-    *n_in = total_in;
-    *n_above = total_above;
+    for (; j < GROUPED; j += 64) {
+        words[j / 64] = 0;
+        if (two) words2[j / 64] = 0;
+    }
+    for (int r = 0; r < (two ? 4 : 2); r++) counts[r] = total[r];
+}
+
+__attribute__((target("avx2"))) static void
+band_direct_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                  float lowest, float highest, uint64_t *RESTRICT words, int64_t *n_in,
+                  int64_t *n_above)
+{
+    int64_t counts[2];
+    band_masks_avx2(base, expert, n, lowest, highest, 0.0f, 0.0f, words, NULL, counts, 0);
+    *n_in = counts[0];
+    *n_above = counts[1];
+}
+
+__attribute__((target("avx2"))) static void
+band_direct2_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, int64_t n,
+                   float lowest, float highest, float lowest2, float highest2,
+                   uint64_t *RESTRICT words, uint64_t *RESTRICT words2, int64_t *counts)
+{
+    band_masks_avx2(base, expert, n, lowest, highest, lowest2, highest2, words, words2, counts, 1);
 }
 #endif
 
@@ -1021,6 +1063,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
     uint32_t bins[GROUPED];
     union { uint8_t bytes[GROUPED]; uint64_t words[GROUPED / 8]; } inside, inside2;
     int64_t paired[4] = {0, 0, 0, 0}, pending = -1; /* band counts of pass `pending`, flagged in inside2 */
+    int pending_bits = 0; /* inside2 holds bit masks */
     int64_t *ends = calloc((size_t)(q->n_passes ? q->n_passes : 1) * 2, sizeof(int64_t));
     if (!ends) return -1;
     memset(inside.bytes, 0, sizeof inside.bytes);
@@ -1087,13 +1130,23 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                              !q->top_bits[k + 1] &&
                              q->lows[k + 1] + q->widths[k + 1] < (int64_t)F32_INF_BITS;
             if (pending == k) { /* counted with the pass before, of the same expert */
-                memcpy(inside.bytes, inside2.bytes, (size_t)length);
+                per_bit = pending_bits;
+                memcpy(inside.bytes, inside2.bytes, per_bit ? GROUPED / 8 : (size_t)length);
                 n_in = paired[2], n_above = paired[3];
                 pending = -1;
             } else if (pair) {
                 const int64_t low2 = q->lows[k + 1], high2 = low2 + q->widths[k + 1];
-                band_direct2(b16, e16, length, lowest, top, u2f((uint32_t)(low2 + 1)),
-                             u2f((uint32_t)high2), inside.bytes, inside2.bytes, paired);
+                const float lowest2 = u2f((uint32_t)(low2 + 1)), top2 = u2f((uint32_t)high2);
+#ifdef HAVE_BAND_MASKS
+                if (band_masks) {
+                    band_direct2_masks(b16, e16, length, lowest, top, lowest2, top2, inside.words,
+                                       inside2.words, paired);
+                    per_bit = 1;
+                } else
+#endif
+                band_direct2(b16, e16, length, lowest, top, lowest2, top2, inside.bytes,
+                             inside2.bytes, paired);
+                pending_bits = per_bit;
                 n_in = paired[0], n_above = paired[1];
                 pending = k + 1;
             } else if (direct) {
