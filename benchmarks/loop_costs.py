@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from merge_speed import VARIANTS, _commit
+from merge_speed import VARIANTS, _commit, require_this_tree
 
 from mergelab.merge import TensorContext, get_merge_method, kernels, ops
 from mergelab.outputs import atomic_output_file
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--results", default="benchmarks/results/loop_costs.json")
     args = parser.parse_args(argv)
+    require_this_tree()
     if not kernels.active():
         raise SystemExit("the compiled loops are not built (pip install -e .): nothing to time")
     load_before = list(os.getloadavg())

@@ -497,6 +497,21 @@ def mergekit_command(
     return [*cmd, "--random-seed", "0", "--no-write-model-card", "--no-copy-tokenizer"], out
 
 
+def require_this_tree() -> None:
+    """Stop unless the ``mergelab`` this process imported is this checkout's: an in-process
+    benchmark times the code it imports, and a virtual environment with an editable install of
+    another clone would otherwise supply that clone's code (and compiled loops) unnoticed."""
+    import mergelab
+
+    root = Path(__file__).resolve().parent.parent
+    where = Path(mergelab.__file__).resolve().parent
+    if not where.is_relative_to(root):
+        raise SystemExit(
+            f"mergelab is imported from {where}, not from this checkout ({root}): "
+            f"run with PYTHONPATH={root}, or pip install -e . here"
+        )
+
+
 def _commit() -> str | None:
     """The checked-out commit, with "+changes" when mergelab's files differ from it."""
     root = Path(__file__).resolve().parent.parent

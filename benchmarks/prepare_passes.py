@@ -33,6 +33,7 @@ from merge_speed import (
     add_set_arguments,
     load_average,
     mergelab_command,
+    require_this_tree,
     run_measured,
     synthetic_set,
     tool_env,
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     add_set_arguments(parser, "benchmarks/results/prepare_passes.json")
     args = parser.parse_args(argv)
+    require_this_tree()
     folder, work, models = synthetic_set(parser, args)
     held = Resident(shard_files(models))  # see merge_speed.Resident
     print(f"held in memory: {held.summary()}")

@@ -34,6 +34,7 @@ import sys
 from collections import Counter
 
 import torch
+from merge_speed import require_this_tree
 
 from mergelab.merge import kernels, ops
 from mergelab.outputs import atomic_output_file
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the sparsest sample the last variant may read (ops.SAMPLE_STRIDE_MAX)",
     )
     args = parser.parse_args(argv)
+    require_this_tree()
     ops.SAMPLE_STRIDE_MAX = args.max_stride
     kernels.enabled = False  # the torch path: its sample can be placed by variant
     rows = []

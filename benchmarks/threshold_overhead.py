@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from merge_speed import require_this_tree
 
 from mergelab.merge import kernels, ops
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--results", default="benchmarks/results/threshold_overhead.json")
     args = parser.parse_args(argv)
+    require_this_tree()
     torch.set_num_threads(1)
     if not kernels.active():
         raise SystemExit("the compiled loops are not active (not built, or turned off)")
