@@ -28,7 +28,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 3
+#define LOOPS_VERSION 4
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1121,8 +1121,8 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                 continue;
             }
             /* Most entries fall outside the band: a vectorised loop counts the entries in and
-             * above it and flags those in it (a byte each), and a second loop visits only the
-             * flagged bytes, eight at a time. */
+             * above it and flags those in it (a bit each with AVX2, else a byte each), and a
+             * second loop visits only the flagged ones, a 64-bit word of flags at a time. */
             int64_t n_in = 0, n_above = 0;
             int per_bit = 0; /* inside.words: a bit per entry (else a byte) */
             const float lowest = u2f((uint32_t)(low + 1)), top = u2f((uint32_t)highest);

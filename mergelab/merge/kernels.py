@@ -17,7 +17,9 @@ same worker threads and chunk boundaries) run compiled loops that release the GI
 * ``_loops.sum_chunk`` — linear's and task arithmetic's weighted sum (``methods._combine``), per
   position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
 * ``_loops.tau_abs_histograms`` — the radix-histogram passes of :class:`ops.KthLargestAbs` over
-  |τ_i| for one chunk, straight from the stored inputs, the base read once for every expert.
+  |τ_i| for one chunk, straight from the stored inputs, the base read once for every expert; a
+  band pass flags the entries in its band with a bit each where the CPU has AVX2
+  (``_loops.band_masks(False)`` switches to a byte each, as elsewhere, for the tests).
 
 Every float32 operation is the one torch performs, in the same order: ``add_(x, alpha=w)`` is a
 fused multiply-add in torch's vectorised kernels, so it is ``fmaf`` there, and the compiler may
@@ -75,7 +77,7 @@ RUN_HASH = 2654435761
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 3
+LOOPS_VERSION = 4
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
     "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,
