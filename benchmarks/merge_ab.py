@@ -214,10 +214,11 @@ def perf_summary(by: dict[str, list[dict]]) -> dict:
     def loops(run: dict) -> int:
         return sum(run["perf"]["loops"].values())
 
-    out: dict = {
-        "median_loops_new_over_old": round(
-            statistics.median(loops(n) / loops(o) for o, n in zip(by["old"], by["new"])), 3
-        )
+    pairs = [(loops(o), loops(n)) for o, n in zip(by["old"], by["new"])]
+    out: dict = {  # None where the old revision's runs spent no samples in compiled loops
+        "median_loops_new_over_old": round(statistics.median(n / o for o, n in pairs), 3)
+        if all(o for o, _ in pairs)
+        else None
     }
     for name, runs in by.items():
         symbols = sorted({s for r in runs for s in r["perf"]["loops"]})
