@@ -65,6 +65,25 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert bool(same.all()), f"{int((~same).sum())} entries differ, first at {(~same).nonzero()[0]}"
 
 
+@contextlib.contextmanager
+def switched(name: str, on: bool):
+    """One of the compiled loops' AVX2 switches (band_masks, vector_loops) on, where the CPU has
+    AVX2, or off, restored after; nothing to switch without the compiled loops."""
+    if not kernels.available():
+        yield
+        return
+    before = getattr(kernels.loops(), name)(on)
+    try:
+        yield
+    finally:
+        getattr(kernels.loops(), name)(before)
+
+
+# The two-expert bfloat16 loops run in AVX2 vectors (_loops.c, two_avx2) or one position at a
+# time (two_loop), per `vector_loops`; the tests of those loops run both ways.
+VECTORS = pytest.mark.parametrize("vectors", [True, False], ids=["vectors", "scalar"])
+
+
 TIES = [
     {"density": 0.2, "trim_scope": "tensor"},
     {"density": [0.2, 0.5], "trim_scope": "tensor", "majority_sign": "count"},
@@ -90,11 +109,13 @@ TIES = [
 ]
 
 
+@VECTORS
 @pytest.mark.parametrize("params", TIES, ids=range(len(TIES)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_ties_compiled_equals_torch(monkeypatch, params, dtype):
+def test_ties_compiled_equals_torch(monkeypatch, params, dtype, vectors):
     base, experts = inputs(2, dtype)
-    stored = both_paths(monkeypatch, "ties", base, experts, params, out_dtype=dtype)
+    with switched("vector_loops", vectors):
+        stored = both_paths(monkeypatch, "ties", base, experts, params, out_dtype=dtype)
     assert_same_bits(*stored)
     in_memory = both_paths(monkeypatch, "ties", base.float(), [e.float() for e in experts], params)
     assert_same_bits(*in_memory)
@@ -185,11 +206,13 @@ DARE = [
 ]
 
 
+@VECTORS
 @pytest.mark.parametrize("method,params", DARE, ids=range(len(DARE)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dare_compiled_equals_torch(monkeypatch, method, params, dtype):
+def test_dare_compiled_equals_torch(monkeypatch, method, params, dtype, vectors):
     base, experts = inputs(2, dtype, seed=3)
-    stored = both_paths(monkeypatch, method, base, experts, params, out_dtype=dtype)
+    with switched("vector_loops", vectors):
+        stored = both_paths(monkeypatch, method, base, experts, params, out_dtype=dtype)
     assert_same_bits(*stored)
     in_memory = both_paths(monkeypatch, method, base.float(), [e.float() for e in experts], params)
     assert_same_bits(*in_memory)
@@ -211,10 +234,98 @@ ELECTIONS = [
 ]
 
 
+@VECTORS
 @pytest.mark.parametrize("method,params", ELECTIONS, ids=range(len(ELECTIONS)))
-def test_every_two_expert_election_loop_equals_torch(monkeypatch, method, params):
+def test_every_two_expert_election_loop_equals_torch(monkeypatch, method, params, vectors):
     base, experts = inputs(2, torch.bfloat16, seed=12)
-    assert_same_bits(*both_paths(monkeypatch, method, base, experts, params, torch.bfloat16))
+    with switched("vector_loops", vectors):
+        got = both_paths(monkeypatch, method, base, experts, params, torch.bfloat16)
+    assert_same_bits(*got)
+
+
+def test_vector_loops_equal_the_scalar_ones_at_every_length_and_value():
+    """The AVX2 two-expert loops against two_loop, position by position, for every option set
+    they cover (the sums with trim, band or drop, the plain elections with either sign rule and
+    divisor, DARE's): lengths that end inside and at the end of a 16-entry step, NaN, ±Inf,
+    ±0.0, experts exactly opposite (a tied vote) and sums past bfloat16's range. The output's
+    bits and what the loop reported (ctx.checks) must be the same."""
+    if not kernels.available():
+        pytest.skip("the compiled loops are not built")
+    plain = {"weight": [1.0, 1.0]}
+    options = [
+        ("dare_ties", {"density": [0.3, 0.6], "majority_sign": sign, "divide_by": d, **plain})
+        for sign in ("sum", "count")
+        for d in ("none", "count")
+    ]
+    options += [
+        (
+            "ties",
+            {
+                "density": 1.0,
+                "trim_scope": "tensor",
+                "majority_sign": sign,
+                "divide_by": d,
+                **plain,
+            },
+        )
+        for sign in ("sum", "count")
+        for d in ("none", "count")
+    ]
+    options += [
+        ("dare_linear", {"density": 0.4}),
+        ("dare_linear", {"density": 0.4, "normalize": True}),
+        ("breadcrumbs", {"density": 0.9, "gamma": 0.1, "weight": [0.7, 1.2]}),
+        ("breadcrumbs", {"density": 0.9, "gamma": 0.1, "normalize": True}),
+    ]
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38])
+    for numel in (1, 15, 16, 17, 40, 67, 513):
+        g = torch.Generator().manual_seed(numel)
+        base = 0.02 * torch.randn(numel, generator=g)
+        e0 = base + 0.002 * torch.randn(numel, generator=g)
+        e1 = base + 0.002 * torch.randn(numel, generator=g)
+        opposite = torch.rand(numel, generator=g) < 0.2  # tau_1 = -tau_0 exactly
+        base[opposite] = 0.0
+        e1[opposite] = -e0[opposite]
+        for t in (base, e0, e1):
+            where = torch.rand(numel, generator=g) < 0.1
+            t[where] = special[torch.randint(len(special), (int(where.sum()),), generator=g)]
+        tensors = [t.bfloat16() for t in (base, e0, e1)]
+        for method, params in options:
+            got = []
+            for on in (True, False):
+                ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
+                ctx.dtype = torch.float32
+                ctx.out = torch.empty(numel, dtype=torch.bfloat16)
+                with contextlib.suppress(MergeInputError), switched("vector_loops", on):
+                    get_merge_method(method)(tensors[0], tensors[1:], ctx=ctx, **params)
+                checks = ctx.checks
+                got.append(
+                    (
+                        ctx.out,
+                        None if checks is None else (checks.inputs_finite, checks.result_finite),
+                    )
+                )
+            assert_same_bits(got[0][0], got[1][0])
+            assert got[0][1] == got[1][1], (method, params, numel)
+    # one +Inf or NaN among negative entries (their sign bits set) is still seen, wherever it is
+    method, params = options[0]
+    for where in (0, 9, 16, 31, 36):
+        for which in range(3):
+            for bad in (float("inf"), float("nan")):
+                tensors = [-(0.02 + 0.01 * torch.rand(40)) for _ in range(3)]
+                tensors[which][where] = bad
+                for on in (True, False):
+                    ctx = TensorContext("t", seed=1, dtype=torch.float32)
+                    ctx.out = torch.empty(40, dtype=torch.bfloat16)
+                    with contextlib.suppress(MergeInputError), switched("vector_loops", on):
+                        m = get_merge_method(method)
+                        m(
+                            tensors[0].bfloat16(),
+                            [t.bfloat16() for t in tensors[1:]],
+                            ctx=ctx,
+                            **params,
+                        )
+                    assert ctx.checks is not None and ctx.checks.inputs_finite is False
 
 
 BREADCRUMBS = [
@@ -224,11 +335,14 @@ BREADCRUMBS = [
 ]
 
 
+@VECTORS
 @pytest.mark.parametrize("params", BREADCRUMBS, ids=range(len(BREADCRUMBS)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_breadcrumbs_compiled_equals_torch(monkeypatch, params, dtype):
+def test_breadcrumbs_compiled_equals_torch(monkeypatch, params, dtype, vectors):
     base, experts = inputs(2, dtype, seed=4)
-    assert_same_bits(*both_paths(monkeypatch, "breadcrumbs", base, experts, params, dtype))
+    with switched("vector_loops", vectors):
+        got = both_paths(monkeypatch, "breadcrumbs", base, experts, params, dtype)
+    assert_same_bits(*got)
     in_memory = [base.float(), [e.float() for e in experts]]
     assert_same_bits(*both_paths(monkeypatch, "breadcrumbs", *in_memory, params))
 
@@ -267,9 +381,10 @@ def test_sums_any_number_of_experts_and_other_dtypes(monkeypatch, n_experts):
             assert_same_bits(*got)
 
 
+@VECTORS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare_ties", "breadcrumbs"])
-def test_loops_report_nonfinite_inputs_and_results(method, dtype):
+def test_loops_report_nonfinite_inputs_and_results(method, dtype, vectors):
     """What the loops saw (ctx.checks): NaN/Inf in any input, and a result that overflows to Inf
     (inputs finite), each found wherever it sits."""
     params = {"ties": TIES[0], "dare_ties": DARE[3][1], "breadcrumbs": BREADCRUMBS[0]}
@@ -279,7 +394,8 @@ def test_loops_report_nonfinite_inputs_and_results(method, dtype):
     def checks(b, e, out_dtype=dtype):
         ctx = TensorContext("t", seed=1, dtype=torch.float32)
         ctx.out = torch.empty(b.shape, dtype=out_dtype)
-        with contextlib.suppress(MergeInputError):  # a non-finite result is refused, after
+        # a non-finite result is refused, after
+        with contextlib.suppress(MergeInputError), switched("vector_loops", vectors):
             m(b, e, ctx=ctx, **params.get(method, {}))
         assert ctx.checks is not None and ctx.checks.covers_inputs([b, *e])
         assert ctx.checks.covers_result(ctx.out)
@@ -287,10 +403,14 @@ def test_loops_report_nonfinite_inputs_and_results(method, dtype):
 
     assert checks(base, experts) == (True, True)
     for which in range(3):
-        for bad in (float("nan"), float("inf")):
+        for bad, where in (
+            (float("nan"), NUMEL - 3),
+            (float("inf"), NUMEL - 3),
+            (-float("inf"), 21),
+        ):
             b, e = base.clone(), [x.clone() for x in experts]
             target = b if which == 0 else e[which - 1]
-            target.view(-1)[NUMEL - 3] = bad
+            target.view(-1)[where] = bad
             assert checks(b, e)[0] is False
     if method == "task_arithmetic":  # finite inputs, a result beyond float16's range
         e = [x.clone() for x in experts]
@@ -396,18 +516,10 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
         assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
 
 
-@contextlib.contextmanager
 def band_masks(on: bool):
     """The compiled band passes with their AVX2 bit masks on (where the CPU has AVX2) or off
     (a byte per entry), restored after; nothing to switch without the compiled loops."""
-    if not kernels.available():
-        yield
-        return
-    before = kernels.loops().band_masks(on)
-    try:
-        yield
-    finally:
-        kernels.loops().band_masks(before)
+    return switched("band_masks", on)
 
 
 @pytest.mark.parametrize("masks", [True, False], ids=["bit-masks", "byte-flags"])

@@ -9,7 +9,11 @@
  * instruction, -fno-trapping-math lets the vectoriser evaluate both sides of a select (no result
  * changes: nothing here reads the floating-point exception flags). The hot loops are compiled
  * for three x86-64 levels (AVX-512, AVX2, baseline) and the CPU picks one when the module loads
- * (GCC's target_clones); elsewhere they are compiled once for the target.
+ * (GCC's target_clones); elsewhere they are compiled once for the target. Two kinds of loop are
+ * also written by hand in AVX2 intrinsics, chosen when the module loads where the CPU has them
+ * and switchable for the tests: the threshold search's band passes (band_masks) and the
+ * two-expert bfloat16 sums and plain elections (two_avx2, vector_loops; GCC's own vectors of
+ * these work at bfloat16's sixteen lanes and spill registers to the stack).
  *
  * Layouts (set by kernels.py, checked where cheap):
  *   inputs: addresses (int64) of flat bfloat16 (uint16 bits) or float32 arrays;
@@ -28,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 4
+#define LOOPS_VERSION 5
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -573,6 +577,182 @@ TWO(sum_dare_div, KIND_SUM, 0, 1, 1, 0, 0, 0, 0, 0)
 ELECT(, 0)
 ELECT(_dare, 1)
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_VECTOR_LOOPS 1
+/* Whether two_loop_for picks two_avx2's loops where it has one (the CPU has AVX2 and FMA;
+ * py_vector_loops turns them off for the tests of both ways). */
+static int vector_loops = 0;
+
+/* A bfloat16 tile's eight float32 values (bits << 16) from eight 16-bit lanes. */
+__attribute__((target("avx2"))) static inline __m256 widen8(__m128i h)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* hardshrink(d, low): +0.0 where |d| <= low (ordered: NaN is kept), else d. */
+__attribute__((target("avx2"))) static inline __m256 hardshrink8(__m256 d, __m256 low)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return _mm256_andnot_ps(_mm256_cmp_ps(_mm256_and_ps(d, magnitude), low, _CMP_LE_OQ), d);
+}
+
+/* DARE's x * keep_value(r, limit) / divisor, where the expert drops (drop: all ones), else x. */
+__attribute__((target("avx2"))) static inline __m256
+drop8(__m256 x, const uint32_t *r, __m256 limit, __m256 divisor, __m256 drop)
+{
+    __m256i u = _mm256_loadu_si256((const __m256i *)r);
+    u = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFF)),
+                        _mm256_set1_epi32(0x3F800000));
+    __m256 k = _mm256_mul_ps(_mm256_sub_ps(_mm256_castsi256_ps(u), limit),
+                             _mm256_set1_ps(-16777216.0f));
+    k = _mm256_max_ps(_mm256_setzero_ps(), k); /* k < 0 ? 0 : k (keeps -0.0, as relu) */
+    k = _mm256_min_ps(_mm256_set1_ps(1.0f), k); /* k > 1 ? 1 : k */
+    return _mm256_blendv_ps(x, _mm256_div_ps(_mm256_mul_ps(x, k), divisor), drop);
+}
+
+/* f32_to_bf16 of eight values, each in the low half of a 32-bit lane. */
+__attribute__((target("avx2"))) static inline __m256i round8(__m256 v)
+{
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                     _mm256_set1_epi32((int)F32_INF_BITS));
+    return _mm256_or_si256(_mm256_srli_epi32(rounded, 16), _mm256_srli_epi32(nan, 16));
+}
+
+/* two_loop's election with plain weights (all 1) for eight positions: the same operations,
+ * in vectors. x * 1 and the weights' multiplications are left out, as two_loop leaves them;
+ * relu(m) is max(0, m) with 0 first (a -0.0 or a NaN m is returned as it is, as relu does). */
+__attribute__((target("avx2,fma"))) static inline __m256
+elect8(__m256 base, __m256 x0, __m256 x1, __m256 lam, const int count_votes,
+       const int divide_count)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 negative;
+    if (count_votes) { /* sign(x0) + sign(x1) < 0 in integers: a true compare is -1 */
+        __m256i s0 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_cmp_ps(x0, zero, _CMP_LT_OQ)),
+                                      _mm256_castps_si256(_mm256_cmp_ps(x0, zero, _CMP_GT_OQ)));
+        __m256i s1 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_cmp_ps(x1, zero, _CMP_LT_OQ)),
+                                      _mm256_castps_si256(_mm256_cmp_ps(x1, zero, _CMP_GT_OQ)));
+        negative = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_setzero_si256(), _mm256_add_epi32(s0, s1)));
+    } else {
+        negative = _mm256_cmp_ps(_mm256_add_ps(x0, x1), zero, _CMP_LT_OQ);
+    }
+    const __m256 flip = _mm256_and_ps(negative, _mm256_set1_ps(-0.0f));
+    __m256 m0 = _mm256_max_ps(zero, _mm256_xor_ps(x0, flip));
+    __m256 m1 = _mm256_max_ps(zero, _mm256_xor_ps(x1, flip));
+    __m256 q = _mm256_xor_ps(_mm256_add_ps(m0, m1), flip);
+    if (divide_count) {
+        __m256 both = _mm256_and_ps(_mm256_cmp_ps(m0, zero, _CMP_GT_OQ),
+                                    _mm256_cmp_ps(m1, zero, _CMP_GT_OQ));
+        q = _mm256_blendv_ps(q, _mm256_mul_ps(q, _mm256_set1_ps(0.5f)), both);
+    }
+    return _mm256_fmadd_ps(q, lam, base);
+}
+
+/* two_loop in vectors, sixteen positions a step, for the sums (trim or band, drop or not, / sum w)
+ * and the plain elections (TIES and DARE-TIES with weights all 1, either sign rule, no divisor
+ * or the count); the last n % 16 positions run two_loop itself. */
+__attribute__((target("avx2,fma"))) static inline int
+two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t *RESTRICT e1,
+         uint16_t *RESTRICT out, int64_t n, const uint32_t *RESTRICT r0,
+         const uint32_t *RESTRICT r1, const Two *c, const int kind, const int band,
+         const int dare, const int sum_divide, const int count_votes, const int divide_count)
+{
+    const __m256 low0 = _mm256_set1_ps(c->low0), low1 = _mm256_set1_ps(c->low1);
+    const __m256 high0 = _mm256_set1_ps(c->high0), high1 = _mm256_set1_ps(c->high1);
+    const __m256 limit0 = _mm256_set1_ps(c->limit0), limit1 = _mm256_set1_ps(c->limit1);
+    const __m256 div0 = _mm256_set1_ps(c->div0), div1 = _mm256_set1_ps(c->div1);
+    const __m256 drop0 = _mm256_castsi256_ps(_mm256_set1_epi32(c->drop0 ? -1 : 0));
+    const __m256 drop1 = _mm256_castsi256_ps(_mm256_set1_epi32(c->drop1 ? -1 : 0));
+    const __m256 sw0 = _mm256_set1_ps(c->sw0), sw1 = _mm256_set1_ps(c->sw1);
+    const __m256 total = _mm256_set1_ps(c->total), lam_sum = _mm256_set1_ps(c->lam_sum);
+    const __m256 lam = _mm256_set1_ps(c->lam);
+    const __m256i magnitude16 = _mm256_set1_epi16(0x7FFF);
+    __m256i most_in = _mm256_setzero_si256(), most_out = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(b + j));
+        __m256i h0 = _mm256_loadu_si256((const __m256i *)(e0 + j));
+        __m256i h1 = _mm256_loadu_si256((const __m256i *)(e1 + j));
+        __m256i largest = _mm256_max_epu16(_mm256_and_si256(hb, magnitude16),
+                                           _mm256_and_si256(h0, magnitude16));
+        largest = _mm256_max_epu16(largest, _mm256_and_si256(h1, magnitude16));
+        most_in = _mm256_max_epu16(most_in, largest);
+        __m256i rounded[2];
+        for (int half = 0; half < 2; half++) {
+            __m128i lb = half ? _mm256_extracti128_si256(hb, 1) : _mm256_castsi256_si128(hb);
+            __m128i l0 = half ? _mm256_extracti128_si256(h0, 1) : _mm256_castsi256_si128(h0);
+            __m128i l1 = half ? _mm256_extracti128_si256(h1, 1) : _mm256_castsi256_si128(h1);
+            __m256 base = widen8(lb);
+            __m256 d0 = _mm256_sub_ps(widen8(l0), base), d1 = _mm256_sub_ps(widen8(l1), base);
+            __m256 x0 = hardshrink8(d0, low0), x1 = hardshrink8(d1, low1);
+            if (band) {
+                x0 = _mm256_sub_ps(x0, hardshrink8(d0, high0));
+                x1 = _mm256_sub_ps(x1, hardshrink8(d1, high1));
+            }
+            if (dare) {
+                x0 = drop8(x0, r0 + j + 8 * half, limit0, div0, drop0);
+                x1 = drop8(x1, r1 + j + 8 * half, limit1, div1, drop1);
+            }
+            __m256 result;
+            if (kind == KIND_SUM) { /* fma(x1, w1, x0 * w0) (/ sum w), then * lam + base */
+                __m256 v = _mm256_fmadd_ps(x1, sw1, _mm256_mul_ps(x0, sw0));
+                if (sum_divide) v = _mm256_div_ps(v, total);
+                result = _mm256_add_ps(_mm256_mul_ps(v, lam_sum), base);
+            } else {
+                result = elect8(base, x0, x1, lam, count_votes, divide_count);
+            }
+            rounded[half] = round8(result);
+        }
+        /* packus works within 128-bit lanes: the quarters come out 0 2 1 3 */
+        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded[0], rounded[1]),
+                                             _MM_SHUFFLE(3, 1, 2, 0));
+        most_out = _mm256_max_epu16(most_out, _mm256_and_si256(h, magnitude16));
+        _mm256_storeu_si256((__m256i *)(out + j), h);
+    }
+    uint16_t lanes[2][16], most_i = 0, most_o = 0;
+    _mm256_storeu_si256((__m256i *)lanes[0], most_in);
+    _mm256_storeu_si256((__m256i *)lanes[1], most_out);
+    for (int l = 0; l < 16; l++) {
+        most_i = umax16(most_i, lanes[0][l]);
+        most_o = umax16(most_o, lanes[1][l]);
+    }
+    int found = (most_i >= 0x7F80u ? FOUND_IN_INPUT : 0) | (most_o >= 0x7F80u ? FOUND_IN_RESULT : 0);
+    if (j < n)
+        found |= two_loop(b + j, e0 + j, e1 + j, out + j, n - j, dare ? r0 + j : r0,
+                          dare ? r1 + j : r1, c, kind, band, dare, sum_divide, count_votes,
+                          divide_count ? DIVIDE_COUNT : DIVIDE_NONE, 0, 0, kind == KIND_ELECT);
+    return found;
+}
+
+#define TWO_AVX2(name, kind, band, dare, sum_divide, count_votes, divide_count)               \
+    __attribute__((target("avx2,fma"))) static int name(                                        \
+        const uint16_t *b, const uint16_t *e0, const uint16_t *e1, uint16_t *out, int64_t n,   \
+        const uint32_t *r0, const uint32_t *r1, const Two *c)                                  \
+    {                                                                                           \
+        return two_avx2(b, e0, e1, out, n, r0, r1, c, kind, band, dare, sum_divide,             \
+                        count_votes, divide_count);                                             \
+    }
+TWO_AVX2(sum_trim_avx2, KIND_SUM, 0, 0, 0, 0, 0)
+TWO_AVX2(sum_trim_div_avx2, KIND_SUM, 0, 0, 1, 0, 0)
+TWO_AVX2(sum_band_avx2, KIND_SUM, 1, 0, 0, 0, 0)
+TWO_AVX2(sum_band_div_avx2, KIND_SUM, 1, 0, 1, 0, 0)
+TWO_AVX2(sum_dare_avx2, KIND_SUM, 0, 1, 0, 0, 0)
+TWO_AVX2(sum_dare_div_avx2, KIND_SUM, 0, 1, 1, 0, 0)
+TWO_AVX2(elect_sum_none_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 0)
+TWO_AVX2(elect_sum_count_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 1)
+TWO_AVX2(elect_votes_none_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 0)
+TWO_AVX2(elect_votes_count_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 1)
+TWO_AVX2(elect_sum_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 0)
+TWO_AVX2(elect_sum_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 1)
+TWO_AVX2(elect_votes_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 0)
+TWO_AVX2(elect_votes_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 1)
+#endif
+
 /* The specialised loop for these options (two bfloat16 experts, bfloat16 output), with c
  * filled in, or NULL: then merge_tile runs. */
 static TwoLoop two_loop_for(const Merge *g, Two *c)
@@ -597,6 +777,13 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         c->sw0 = p0[P_SUM_W], c->sw1 = p1[P_SUM_W], c->total = g->scalars[S_TOTAL];
         c->lam_sum = f[F_SCALE] != 0 ? g->scalars[S_LAMBDA] : 1.0f;
         const int divide = f[F_SUM_DIVIDE] != 0;
+#ifdef HAVE_VECTOR_LOOPS
+        if (vector_loops) {
+            if (band) return divide ? sum_band_div_avx2 : sum_band_avx2;
+            if (dare) return divide ? sum_dare_div_avx2 : sum_dare_avx2;
+            return divide ? sum_trim_div_avx2 : sum_trim_avx2;
+        }
+#endif
         if (band) return divide ? sum_band_div : sum_band;
         if (dare) return divide ? sum_dare_div : sum_dare;
         return divide ? sum_trim_div : sum_trim;
@@ -620,6 +807,16 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         {{elect_sum_none_plain_dare, elect_sum_count_plain_dare},
          {elect_votes_none_plain_dare, elect_votes_count_plain_dare}},
     };
+#ifdef HAVE_VECTOR_LOOPS
+    static const TwoLoop vector_table[2][2][2] = {
+        {{elect_sum_none_plain_avx2, elect_sum_count_plain_avx2},
+         {elect_votes_none_plain_avx2, elect_votes_count_plain_avx2}},
+        {{elect_sum_none_plain_dare_avx2, elect_sum_count_plain_dare_avx2},
+         {elect_votes_none_plain_dare_avx2, elect_votes_count_plain_dare_avx2}},
+    };
+    if (plain && divide_by != DIVIDE_WEIGHT_SUM && vector_loops)
+        return vector_table[dare][votes][divide_by == DIVIDE_COUNT];
+#endif
     if (plain && divide_by != DIVIDE_WEIGHT_SUM)
         return plain_table[dare][votes][divide_by == DIVIDE_COUNT];
     static const TwoLoop table[2][2][4] = {
@@ -1460,6 +1657,24 @@ done:
     return result;
 }
 
+/* vector_loops(on) -> whether two_avx2's loops (AVX2) ran before: turns them off (or back on
+ * where the CPU has AVX2 and FMA), for the tests of both ways. */
+static PyObject *py_vector_loops(PyObject *self, PyObject *args)
+{
+    int on;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_VECTOR_LOOPS
+    int before = vector_loops;
+    __builtin_cpu_init();
+    vector_loops = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return PyBool_FromLong(before);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* band_masks(on) -> whether the AVX2 bit masks ran before: turns them off (or back on where
  * the CPU has AVX2), for the tests of both ways. */
 static PyObject *py_band_masks(PyObject *self, PyObject *args)
@@ -1662,6 +1877,8 @@ static PyMethodDef methods[] = {
      "collect, counts, values, filled)"},
     {"band_masks", py_band_masks, METH_VARARGS,
      "band_masks(on) -> whether the AVX2 band masks were on"},
+    {"vector_loops", py_vector_loops, METH_VARARGS,
+     "vector_loops(on) -> whether the AVX2 two-expert loops were on"},
     {"kth_largest_bits", py_kth_largest_bits, METH_VARARGS, "kth_largest_bits(values, k) -> int"},
     {"locate_from_top", py_locate_from_top, METH_VARARGS,
      "locate_from_top(counts, k) -> (bin, rank)"},
@@ -1682,6 +1899,10 @@ PyMODINIT_FUNC PyInit__loops(void)
 #ifdef HAVE_BAND_MASKS
     __builtin_cpu_init();
     band_masks = __builtin_cpu_supports("avx2");
+#endif
+#ifdef HAVE_VECTOR_LOOPS
+    __builtin_cpu_init();
+    vector_loops = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
 #ifdef HAVE_MAPPING
     if (PyType_Ready(&MappingType) < 0 || PyModule_AddObjectRef(mod, "Mapping",
