@@ -11,8 +11,10 @@ cost per process, such as start-up or exit, is a larger part of each run).
 ``--perf`` runs every merge under ``perf record`` (sampling at PERF_HZ, every thread) and keeps
 each run's samples per shared object and per symbol of the compiled loops, and in the summary
 the median new ÷ old ratio of the loops' samples: CPU time spent in each loop, which moves far
-less from run to run than wall time does. perf's own work then adds a little to the wall and CPU
-times of both revisions alike.
+less from run to run than wall time does. perf's own work then adds a little to the CPU times of
+both revisions alike, and under ``perf record`` a run's wall time comes out in steps of about a
+second (``perf record -- sleep 0.3`` takes 1.1 s here, ``sleep 1.2`` 2.1 s): with ``--perf`` the
+summary's wall-time ratio is None, and a change's effect on wall time needs a run without it.
 
 The old revision is checked out into a temporary git worktree (removed at the end: only what
 this script created); the new one is this working tree. Both are byte-compiled and get their
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[variant] = {
             "old_best_s": min(r["s"] for r in by["old"]),
             "new_best_s": min(r["s"] for r in by["new"]),
-            "median_new_over_old": round(statistics.median(ratios), 3),
+            # perf record's wall times are in steps of about a second (see above)
+            "median_new_over_old": None if args.perf else round(statistics.median(ratios), 3),
             "median_cpu_new_over_old": round(statistics.median(cpu_ratios), 3),
         }
         if args.perf:
