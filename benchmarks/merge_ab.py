@@ -13,8 +13,9 @@ each run's samples per shared object and per symbol of the compiled loops, and i
 the median new ÷ old ratio of the loops' samples: CPU time spent in each loop, which moves far
 less from run to run than wall time does. perf's own work then adds a little to the CPU times of
 both revisions alike, and under ``perf record`` a run's wall time comes out in steps of about a
-second (``perf record -- sleep 0.3`` takes 1.1 s here, ``sleep 1.2`` 2.1 s): with ``--perf`` the
-summary's wall-time ratio is None, and a change's effect on wall time needs a run without it.
+second (every wall time in ``results/merge_ab_vector_loops_perf.log`` is 3.1, 4.1 or 5.1 s): with
+``--perf`` the summary's wall-time ratio is None, and a change's effect on wall time needs a run
+without it.
 
 The old revision is checked out into a temporary git worktree (removed at the end: only what
 this script created); the new one is this working tree. Both are byte-compiled and get their

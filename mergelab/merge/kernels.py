@@ -26,7 +26,9 @@ fused multiply-add in torch's vectorised kernels, so it is ``fmaf`` there, and t
 not fuse anything else (``-ffp-contract=off``); ``relu``, ``sign``, ``hardshrink`` and ``clamp``
 keep torch's treatment of −0.0. The general loops work on tiles of :data:`TILE` positions (the
 task vectors of a tile stay in L1); two bfloat16 experts into a bfloat16 output, the common case,
-run one loop per position for each set of options, with the options as compile-time constants.
+run one loop per position for each set of options, with the options as compile-time constants;
+where the CPU has AVX2 and FMA, the sums and the plain-weight elections among them run versions
+written in vector intrinsics (``_loops.vector_loops(False)`` switches back, for the tests).
 DARE's masks are the same as the torch path's: the SFC64 stream NumPy would produce for each block
 and expert (state taken from ``numpy.random.SFC64``, then generated there), so no generator
 changes. A DARE chunk is several blocks (:func:`dare_chunk`), and the loop advances the streams
