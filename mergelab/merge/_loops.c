@@ -63,6 +63,12 @@ enum { DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM };
 #define RESTRICT
 #endif
 
+/* The hand-vectorised AVX2 loops, where they exist (GCC on x86-64): whether two_loop_for picks
+ * two_avx2's loops (the CPU has AVX2 and FMA) and whether the band passes run band_masks_avx2
+ * (AVX2). Set when the module loads; vector_loops(on) and band_masks(on) turn them off and back
+ * on, for the tests of both ways. */
+static int vector_loops = 0, band_masks = 0;
+
 /* ---- scalar pieces, each torch's operation ---------------------------------------------- */
 
 INLINE float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -580,9 +586,6 @@ ELECT(_dare, 1)
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #include <immintrin.h>
 #define HAVE_VECTOR_LOOPS 1
-/* Whether two_loop_for picks two_avx2's loops where it has one (the CPU has AVX2 and FMA;
- * py_vector_loops turns them off for the tests of both ways). */
-static int vector_loops = 0;
 
 /* A bfloat16 tile's eight float32 values (bits << 16) from eight 16-bit lanes. */
 __attribute__((target("avx2"))) static inline __m256 widen8(__m128i h)
@@ -1131,8 +1134,6 @@ INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #include <immintrin.h>
 #define HAVE_BAND_MASKS 1
-/* Whether band_direct_masks runs (the CPU has AVX2; py_band_masks turns it off for tests). */
-static int band_masks = 0;
 
 /* band_direct (and band_direct2: a second band of the same expert into words2, when
  * `two`) with one bit per entry (bit j % 64 of words[j / 64]) instead of a byte, from AVX2's
@@ -1657,40 +1658,40 @@ done:
     return result;
 }
 
-/* vector_loops(on) -> whether two_avx2's loops (AVX2) ran before: turns them off (or back on
- * where the CPU has AVX2 and FMA), for the tests of both ways. */
-static PyObject *py_vector_loops(PyObject *self, PyObject *args)
+/* Whether the CPU has AVX2 (and FMA, where fma) and this build has loops that use them. */
+static int cpu_has_avx2(int fma)
 {
-    int on;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_VECTOR_LOOPS
-    int before = vector_loops;
+#if defined(HAVE_VECTOR_LOOPS) && defined(HAVE_BAND_MASKS)
     __builtin_cpu_init();
-    vector_loops = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return PyBool_FromLong(before);
+    return __builtin_cpu_supports("avx2") && (!fma || __builtin_cpu_supports("fma"));
 #else
-    (void)on;
-    Py_RETURN_FALSE;
+    (void)fma;
+    return 0;
 #endif
 }
 
-/* band_masks(on) -> whether the AVX2 bit masks ran before: turns them off (or back on where
- * the CPU has AVX2), for the tests of both ways. */
-static PyObject *py_band_masks(PyObject *self, PyObject *args)
+/* switch(on) -> whether it was on: sets *flag to on where the CPU allows it. */
+static PyObject *set_switch(PyObject *args, int *flag, int allowed)
 {
     int on;
-    (void)self;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_BAND_MASKS
-    int before = band_masks;
-    __builtin_cpu_init();
-    band_masks = on && __builtin_cpu_supports("avx2");
+    int before = *flag;
+    *flag = on && allowed;
     return PyBool_FromLong(before);
-#else
-    (void)on;
-    Py_RETURN_FALSE;
-#endif
+}
+
+/* vector_loops(on) -> whether two_avx2's loops ran before (see vector_loops). */
+static PyObject *py_vector_loops(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return set_switch(args, &vector_loops, cpu_has_avx2(1));
+}
+
+/* band_masks(on) -> whether the AVX2 bit masks ran before (see band_masks). */
+static PyObject *py_band_masks(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return set_switch(args, &band_masks, cpu_has_avx2(0));
 }
 
 static PyObject *py_kth_largest_bits(PyObject *self, PyObject *args)
@@ -1896,14 +1897,8 @@ PyMODINIT_FUNC PyInit__loops(void)
 {
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
-#ifdef HAVE_BAND_MASKS
-    __builtin_cpu_init();
-    band_masks = __builtin_cpu_supports("avx2");
-#endif
-#ifdef HAVE_VECTOR_LOOPS
-    __builtin_cpu_init();
-    vector_loops = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
+    band_masks = cpu_has_avx2(0);
+    vector_loops = cpu_has_avx2(1);
 #ifdef HAVE_MAPPING
     if (PyType_Ready(&MappingType) < 0 || PyModule_AddObjectRef(mod, "Mapping",
                                                                  (PyObject *)&MappingType) < 0) {
