@@ -63,6 +63,11 @@ enum { DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM };
 #define RESTRICT
 #endif
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_LOOPS 1 /* the hand-vectorised loops below are built */
+#endif
+
 /* The hand-vectorised AVX2 loops, where they exist (GCC on x86-64): whether two_loop_for picks
  * two_avx2's loops (the CPU has AVX2 and FMA) and whether the band passes run band_masks_avx2
  * (AVX2). Set when the module loads; vector_loops(on) and band_masks(on) turn them off and back
@@ -583,9 +588,7 @@ TWO(sum_dare_div, KIND_SUM, 0, 1, 1, 0, 0, 0, 0, 0)
 ELECT(, 0)
 ELECT(_dare, 1)
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include <immintrin.h>
-#define HAVE_VECTOR_LOOPS 1
+#ifdef HAVE_AVX2_LOOPS
 
 /* A bfloat16 tile's eight float32 values (bits << 16) from eight 16-bit lanes. */
 __attribute__((target("avx2"))) static inline __m256 widen8(__m128i h)
@@ -780,7 +783,7 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         c->sw0 = p0[P_SUM_W], c->sw1 = p1[P_SUM_W], c->total = g->scalars[S_TOTAL];
         c->lam_sum = f[F_SCALE] != 0 ? g->scalars[S_LAMBDA] : 1.0f;
         const int divide = f[F_SUM_DIVIDE] != 0;
-#ifdef HAVE_VECTOR_LOOPS
+#ifdef HAVE_AVX2_LOOPS
         if (vector_loops) {
             if (band) return divide ? sum_band_div_avx2 : sum_band_avx2;
             if (dare) return divide ? sum_dare_div_avx2 : sum_dare_avx2;
@@ -810,7 +813,7 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         {{elect_sum_none_plain_dare, elect_sum_count_plain_dare},
          {elect_votes_none_plain_dare, elect_votes_count_plain_dare}},
     };
-#ifdef HAVE_VECTOR_LOOPS
+#ifdef HAVE_AVX2_LOOPS
     static const TwoLoop vector_table[2][2][2] = {
         {{elect_sum_none_plain_avx2, elect_sum_count_plain_avx2},
          {elect_votes_none_plain_avx2, elect_votes_count_plain_avx2}},
@@ -1131,9 +1134,7 @@ INLINE void band_direct2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT
     counts[0] = in_band, counts[1] = above, counts[2] = in_band2, counts[3] = above2;
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include <immintrin.h>
-#define HAVE_BAND_MASKS 1
+#ifdef HAVE_AVX2_LOOPS
 
 /* band_direct (and band_direct2: a second band of the same expert into words2, when
  * `two`) with one bit per entry (bit j % 64 of words[j / 64]) instead of a byte, from AVX2's
@@ -1155,10 +1156,8 @@ band_masks_avx2(const uint16_t *RESTRICT base, const uint16_t *RESTRICT expert, 
     for (; j + 64 <= n; j += 64) {
         uint64_t word = 0, word2 = 0;
         for (int q = 0; q < 8; q++) {
-            __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(base + j + 8 * q)));
-            __m256i e = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(expert + j + 8 * q)));
-            __m256 v = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 16)),
-                                     _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+            __m256 v = _mm256_sub_ps(widen8(_mm_loadu_si128((const __m128i *)(expert + j + 8 * q))),
+                                     widen8(_mm_loadu_si128((const __m128i *)(base + j + 8 * q))));
             v = _mm256_and_ps(v, magnitude);
             __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ),
                                         _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
@@ -1335,7 +1334,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
             } else if (pair) {
                 const int64_t low2 = q->lows[k + 1], high2 = low2 + q->widths[k + 1];
                 const float lowest2 = u2f((uint32_t)(low2 + 1)), top2 = u2f((uint32_t)high2);
-#ifdef HAVE_BAND_MASKS
+#ifdef HAVE_AVX2_LOOPS
                 if (band_masks) {
                     band_direct2_masks(b16, e16, length, lowest, top, lowest2, top2, inside.words,
                                        inside2.words, paired);
@@ -1348,7 +1347,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
                 n_in = paired[0], n_above = paired[1];
                 pending = k + 1;
             } else if (direct) {
-#ifdef HAVE_BAND_MASKS
+#ifdef HAVE_AVX2_LOOPS
                 if (band_masks) {
                     band_direct_masks(b16, e16, length, lowest, top, inside.words, &n_in,
                                       &n_above);
@@ -1661,7 +1660,7 @@ done:
 /* Whether the CPU has AVX2 (and FMA, where fma) and this build has loops that use them. */
 static int cpu_has_avx2(int fma)
 {
-#if defined(HAVE_VECTOR_LOOPS) && defined(HAVE_BAND_MASKS)
+#ifdef HAVE_AVX2_LOOPS
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && (!fma || __builtin_cpu_supports("fma"));
 #else
