@@ -277,6 +277,16 @@ def test_vector_loops_equal_the_scalar_ones_at_every_length_and_value():
         ("breadcrumbs", {"density": 0.9, "gamma": 0.1, "weight": [0.7, 1.2]}),
         ("breadcrumbs", {"density": 0.9, "gamma": 0.1, "normalize": True}),
     ]
+
+    def merged(method, params, tensors, vectors):
+        """The bfloat16 output and what the loop reported (None: nothing reached it)."""
+        ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7, dtype=torch.float32)
+        ctx.out = torch.empty(tensors[0].shape, dtype=torch.bfloat16)
+        with contextlib.suppress(MergeInputError), switched("vector_loops", vectors):
+            get_merge_method(method)(tensors[0], tensors[1:], ctx=ctx, **params)
+        checks = ctx.checks
+        return ctx.out, None if checks is None else (checks.inputs_finite, checks.result_finite)
+
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38])
     for numel in (1, 15, 16, 17, 40, 67, 513):
         g = torch.Generator().manual_seed(numel)
@@ -291,20 +301,7 @@ def test_vector_loops_equal_the_scalar_ones_at_every_length_and_value():
             t[where] = special[torch.randint(len(special), (int(where.sum()),), generator=g)]
         tensors = [t.bfloat16() for t in (base, e0, e1)]
         for method, params in options:
-            got = []
-            for on in (True, False):
-                ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
-                ctx.dtype = torch.float32
-                ctx.out = torch.empty(numel, dtype=torch.bfloat16)
-                with contextlib.suppress(MergeInputError), switched("vector_loops", on):
-                    get_merge_method(method)(tensors[0], tensors[1:], ctx=ctx, **params)
-                checks = ctx.checks
-                got.append(
-                    (
-                        ctx.out,
-                        None if checks is None else (checks.inputs_finite, checks.result_finite),
-                    )
-                )
+            got = [merged(method, params, tensors, on) for on in (True, False)]
             assert_same_bits(got[0][0], got[1][0])
             assert got[0][1] == got[1][1], (method, params, numel)
     # one +Inf or NaN among negative entries (their sign bits set) is still seen, wherever it is
@@ -314,18 +311,10 @@ def test_vector_loops_equal_the_scalar_ones_at_every_length_and_value():
             for bad in (float("inf"), float("nan")):
                 tensors = [-(0.02 + 0.01 * torch.rand(40)) for _ in range(3)]
                 tensors[which][where] = bad
+                tensors = [t.bfloat16() for t in tensors]
                 for on in (True, False):
-                    ctx = TensorContext("t", seed=1, dtype=torch.float32)
-                    ctx.out = torch.empty(40, dtype=torch.bfloat16)
-                    with contextlib.suppress(MergeInputError), switched("vector_loops", on):
-                        m = get_merge_method(method)
-                        m(
-                            tensors[0].bfloat16(),
-                            [t.bfloat16() for t in tensors[1:]],
-                            ctx=ctx,
-                            **params,
-                        )
-                    assert ctx.checks is not None and ctx.checks.inputs_finite is False
+                    _, checks = merged(method, params, tensors, on)
+                    assert checks is not None and checks[0] is False
 
 
 BREADCRUMBS = [
@@ -516,19 +505,13 @@ def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
         assert torch.equal(F.pad(a, (0, size - a.numel())), F.pad(b, (0, size - b.numel())))
 
 
-def band_masks(on: bool):
-    """The compiled band passes with their AVX2 bit masks on (where the CPU has AVX2) or off
-    (a byte per entry), restored after; nothing to switch without the compiled loops."""
-    return switched("band_masks", on)
-
-
 @pytest.mark.parametrize("masks", [True, False], ids=["bit-masks", "byte-flags"])
 def test_band_passes_alone_and_paired_count_what_torch_counts(monkeypatch, masks):
     """Histogram bands of bfloat16 inputs one, two, four and five buckets wide, alone and paired
     with another band of the same expert (one loop for both), and a collected band, on |τ| whose
     bit patterns end in 16 zero bits and on others: the same counts and kept values as
     torch's, whether the bands' entries are flagged in bit masks or bytes."""
-    with band_masks(masks):
+    with switched("band_masks", masks):
         check_band_passes(monkeypatch)
 
 
@@ -553,7 +536,7 @@ def test_band_masks_flag_what_bytes_flag():
         for passes in ([collected, counted], [collected], [counted]):  # paired, then alone
             both = []
             for on in (True, False):
-                with band_masks(on):
+                with switched("band_masks", on):
                     histograms = kernels.TauHistograms(base, [expert])
                     both.append(histograms.count(slice(0, numel), passes))
             for (_, _, (_, _, collect)), a, b in zip(passes, *both):
