@@ -83,10 +83,7 @@ def cases(
     steps["breadcrumbs thresholds"] = lambda: ops.tau_kth_largest_abs(
         base, experts, crumbs_ranks, torch.float32
     )
-    found = {
-        "ties": ops.tau_kth_largest_abs(base, experts, ties_ranks, torch.float32),
-        "breadcrumbs": ops.tau_kth_largest_abs(base, experts, crumbs_ranks, torch.float32),
-    }
+    found = {"ties": steps["ties thresholds"](), "breadcrumbs": steps["breadcrumbs thresholds"]()}
     for i, e in enumerate(experts):  # |τ| bit patterns that are a top-16-bit bucket's lowest
         bits = (e.float() - base.float()).abs().view(torch.int32)
         found[f"expert_{i}_tau_low_16_bits_zero_share"] = float(
