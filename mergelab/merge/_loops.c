@@ -782,17 +782,17 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
     if (f[F_KIND] == KIND_SUM) {
         c->sw0 = p0[P_SUM_W], c->sw1 = p1[P_SUM_W], c->total = g->scalars[S_TOTAL];
         c->lam_sum = f[F_SCALE] != 0 ? g->scalars[S_LAMBDA] : 1.0f;
-        const int divide = f[F_SUM_DIVIDE] != 0;
+        /* [trim, band, drop][divide by sum w] */
+        static const TwoLoop sums[3][2] = {
+            {sum_trim, sum_trim_div}, {sum_band, sum_band_div}, {sum_dare, sum_dare_div}};
+        const TwoLoop(*table)[2] = sums;
 #ifdef HAVE_AVX2_LOOPS
-        if (vector_loops) {
-            if (band) return divide ? sum_band_div_avx2 : sum_band_avx2;
-            if (dare) return divide ? sum_dare_div_avx2 : sum_dare_avx2;
-            return divide ? sum_trim_div_avx2 : sum_trim_avx2;
-        }
+        static const TwoLoop vector_sums[3][2] = {{sum_trim_avx2, sum_trim_div_avx2},
+                                                  {sum_band_avx2, sum_band_div_avx2},
+                                                  {sum_dare_avx2, sum_dare_div_avx2}};
+        if (vector_loops) table = vector_sums;
 #endif
-        if (band) return divide ? sum_band_div : sum_band;
-        if (dare) return divide ? sum_dare_div : sum_dare;
-        return divide ? sum_trim_div : sum_trim;
+        return table[band ? 1 : dare ? 2 : 0][f[F_SUM_DIVIDE] != 0];
     }
     if (band || f[F_ANY_FLIP] != 0) return NULL;
     two_weights(g, P_VOTE_W, f[F_VOTE_PLAIN] != 0, &c->vw0, &c->vw1);
@@ -807,12 +807,14 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         c->min_w == 1.0f)
         divide_by = DIVIDE_COUNT;
     const int plain = f[F_VOTE_PLAIN] != 0 && f[F_MERGE_PLAIN] != 0;
+    /* [drop][sign rule: sum, votes][divisor: none, count] */
     static const TwoLoop plain_table[2][2][2] = {
         {{elect_sum_none_plain, elect_sum_count_plain},
          {elect_votes_none_plain, elect_votes_count_plain}},
         {{elect_sum_none_plain_dare, elect_sum_count_plain_dare},
          {elect_votes_none_plain_dare, elect_votes_count_plain_dare}},
     };
+    const TwoLoop(*plains)[2][2] = plain_table;
 #ifdef HAVE_AVX2_LOOPS
     static const TwoLoop vector_table[2][2][2] = {
         {{elect_sum_none_plain_avx2, elect_sum_count_plain_avx2},
@@ -820,11 +822,10 @@ static TwoLoop two_loop_for(const Merge *g, Two *c)
         {{elect_sum_none_plain_dare_avx2, elect_sum_count_plain_dare_avx2},
          {elect_votes_none_plain_dare_avx2, elect_votes_count_plain_dare_avx2}},
     };
-    if (plain && divide_by != DIVIDE_WEIGHT_SUM && vector_loops)
-        return vector_table[dare][votes][divide_by == DIVIDE_COUNT];
+    if (vector_loops) plains = vector_table;
 #endif
     if (plain && divide_by != DIVIDE_WEIGHT_SUM)
-        return plain_table[dare][votes][divide_by == DIVIDE_COUNT];
+        return plains[dare][votes][divide_by == DIVIDE_COUNT];
     static const TwoLoop table[2][2][4] = {
         {{elect_sum_none, elect_sum_count, elect_sum_weight_any, elect_sum_weight},
          {elect_votes_none, elect_votes_count, elect_votes_weight_any, elect_votes_weight}},
