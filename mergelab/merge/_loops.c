@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 6
+#define LOOPS_VERSION 5
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -469,38 +469,7 @@ typedef struct {
     int drop0, drop1;
     float sw0, sw1, total, lam_sum;   /* the sum: weights, sum w, lam (1 without scaling) */
     float vw0, vw1, mw0, mw1, dw0, dw1, f0, f1, lam, min_w; /* the election (1 where plain) */
-    struct TileBands *bands; /* merge_chunk_banded's bands of this tile, or NULL */
 } Two;
-
-/* Bands of |tau| a two-expert loop may count while it merges a tile of at most GROUPED
- * positions (merge_chunk_banded): band p is expert[p]'s |tau| in [lowest[p], highest[p]]
- * (floats; highest below Inf). A loop that counts them (two_avx2) appends the position in the
- * tile and the |tau| bit pattern of each entry inside band p to where[p] and bits[p] (kept[p]
- * of them), adds the entries above it to above[p], for the first n - n % 16 positions (the
- * caller counts the rest), and sets done; the others leave everything as it was. Each row has
- * room for 8 more than GROUPED: the loop stores 8 lanes at a time. */
-#define MAX_TILE_BANDS 4
-typedef struct TileBands {
-    int n, done;
-    int expert[MAX_TILE_BANDS];
-    float lowest[MAX_TILE_BANDS], highest[MAX_TILE_BANDS];
-    int64_t kept[MAX_TILE_BANDS], above[MAX_TILE_BANDS];
-    int32_t where[MAX_TILE_BANDS][GROUPED + 8], bits[MAX_TILE_BANDS][GROUPED + 8];
-} TileBands;
-
-/* For each 8-bit mask, the lanes whose bit is set, in order (then zeros): a permutation that
- * packs them to the front (AVX2 has no compress instruction). Filled when the module loads. */
-static int32_t packed_lanes[256][8];
-
-static void fill_packed_lanes(void)
-{
-    for (int mask = 0; mask < 256; mask++) {
-        int at = 0;
-        for (int lane = 0; lane < 8; lane++)
-            if (mask >> lane & 1) packed_lanes[mask][at++] = lane;
-        while (at < 8) packed_lanes[mask][at++] = 0;
-    }
-}
 
 /* What merge_tile computes for two bfloat16 experts into a bfloat16 output, with the options
  * as compile-time constants (each wrapper below is one set): the same operations in the same
@@ -693,12 +662,11 @@ elect8(__m256 base, __m256 x0, __m256 x1, __m256 lam, const int count_votes,
 /* two_loop in vectors, sixteen positions a step, for the sums (trim or band, drop or not, / sum w)
  * and the plain elections (TIES and DARE-TIES with weights all 1, either sign rule, no divisor
  * or the count); the last n % 16 positions run two_loop itself. */
-__attribute__((target("avx2,fma,popcnt"), always_inline)) static inline int
+__attribute__((target("avx2,fma"))) static inline int
 two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t *RESTRICT e1,
          uint16_t *RESTRICT out, int64_t n, const uint32_t *RESTRICT r0,
          const uint32_t *RESTRICT r1, const Two *c, const int kind, const int band,
-         const int dare, const int sum_divide, const int count_votes, const int divide_count,
-         const int counted)
+         const int dare, const int sum_divide, const int count_votes, const int divide_count)
 {
     const __m256 low0 = _mm256_set1_ps(c->low0), low1 = _mm256_set1_ps(c->low1);
     const __m256 high0 = _mm256_set1_ps(c->high0), high1 = _mm256_set1_ps(c->high1);
@@ -710,19 +678,7 @@ two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t
     const __m256 total = _mm256_set1_ps(c->total), lam_sum = _mm256_set1_ps(c->lam_sum);
     const __m256 lam = _mm256_set1_ps(c->lam);
     const __m256i magnitude16 = _mm256_set1_epi16(0x7FFF);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256i most_in = _mm256_setzero_si256(), most_out = _mm256_setzero_si256();
-    /* counted: 2 bands, of experts 0 and 1 (TIES), or 4, two of each (breadcrumbs' edges) */
-    TileBands *bands = counted ? c->bands : NULL;
-    const int n_bands = counted;
-    __m256 band_low[MAX_TILE_BANDS], band_high[MAX_TILE_BANDS];
-    int64_t kept[MAX_TILE_BANDS] = {0, 0, 0, 0};
-    for (int p = 0; p < n_bands; p++) {
-        band_low[p] = _mm256_set1_ps(bands->lowest[p]);
-        band_high[p] = _mm256_set1_ps(bands->highest[p]);
-    }
-    __m256i above[MAX_TILE_BANDS];
-    for (int p = 0; p < MAX_TILE_BANDS; p++) above[p] = _mm256_setzero_si256();
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         __m256i hb = _mm256_loadu_si256((const __m256i *)(b + j));
@@ -739,24 +695,6 @@ two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t
             __m128i l1 = half ? _mm256_extracti128_si256(h1, 1) : _mm256_castsi256_si128(h1);
             __m256 base = widen8(lb);
             __m256 d0 = _mm256_sub_ps(widen8(l0), base), d1 = _mm256_sub_ps(widen8(l1), base);
-            for (int p = 0; p < n_bands; p++) { /* the bands counted on the way */
-                const __m256 v = _mm256_and_ps((n_bands == 2 ? p : p >> 1) ? d1 : d0, magnitude);
-                const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, band_low[p], _CMP_GE_OQ),
-                                                    _mm256_cmp_ps(v, band_high[p], _CMP_LE_OQ));
-                above[p] = _mm256_sub_epi32(
-                    above[p], _mm256_castps_si256(_mm256_cmp_ps(v, band_high[p], _CMP_NLE_UQ)));
-                /* the lanes inside packed to the front, all 8 stored (no branch: rare ones
-                 * would be mispredicted), the count moved on by those inside */
-                const int mask = _mm256_movemask_ps(inside);
-                const __m256i order = _mm256_loadu_si256((const __m256i *)packed_lanes[mask]);
-                const __m256i at = _mm256_add_epi32(_mm256_set1_epi32((int)(j + 8 * half)),
-                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-                _mm256_storeu_si256((__m256i *)(bands->where[p] + kept[p]),
-                                    _mm256_permutevar8x32_epi32(at, order));
-                _mm256_storeu_si256((__m256i *)(bands->bits[p] + kept[p]),
-                                    _mm256_permutevar8x32_epi32(_mm256_castps_si256(v), order));
-                kept[p] += __builtin_popcount((unsigned)mask);
-            }
             __m256 x0 = hardshrink8(d0, low0), x1 = hardshrink8(d1, low1);
             if (band) {
                 x0 = _mm256_sub_ps(x0, hardshrink8(d0, high0));
@@ -790,15 +728,6 @@ two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t
         most_o = umax16(most_o, lanes[1][l]);
     }
     int found = (most_i >= 0x7F80u ? FOUND_IN_INPUT : 0) | (most_o >= 0x7F80u ? FOUND_IN_RESULT : 0);
-    if (bands) {
-        for (int p = 0; p < n_bands; p++) {
-            int32_t counts[8];
-            bands->kept[p] = kept[p];
-            _mm256_storeu_si256((__m256i *)counts, above[p]);
-            for (int l = 0; l < 8; l++) bands->above[p] += counts[l];
-        }
-        bands->done = 1;
-    }
     if (j < n)
         found |= two_loop(b + j, e0 + j, e1 + j, out + j, n - j, dare ? r0 + j : r0,
                           dare ? r1 + j : r1, c, kind, band, dare, sum_divide, count_votes,
@@ -806,40 +735,33 @@ two_avx2(const uint16_t *RESTRICT b, const uint16_t *RESTRICT e0, const uint16_t
     return found;
 }
 
-#define TWO_AVX2(name, kind, band, dare, sum_divide, count_votes, divide_count, counted)      \
-    __attribute__((target("avx2,fma,popcnt"))) static int name(                                 \
+#define TWO_AVX2(name, kind, band, dare, sum_divide, count_votes, divide_count)               \
+    __attribute__((target("avx2,fma"))) static int name(                                        \
         const uint16_t *b, const uint16_t *e0, const uint16_t *e1, uint16_t *out, int64_t n,   \
         const uint32_t *r0, const uint32_t *r1, const Two *c)                                  \
     {                                                                                           \
         return two_avx2(b, e0, e1, out, n, r0, r1, c, kind, band, dare, sum_divide,             \
-                        count_votes, divide_count, counted);                                    \
+                        count_votes, divide_count);                                             \
     }
-TWO_AVX2(sum_trim_avx2, KIND_SUM, 0, 0, 0, 0, 0, 0)
-TWO_AVX2(sum_trim_div_avx2, KIND_SUM, 0, 0, 1, 0, 0, 0)
-TWO_AVX2(sum_band_avx2, KIND_SUM, 1, 0, 0, 0, 0, 0)
-TWO_AVX2(sum_band_div_avx2, KIND_SUM, 1, 0, 1, 0, 0, 0)
-TWO_AVX2(sum_dare_avx2, KIND_SUM, 0, 1, 0, 0, 0, 0)
-TWO_AVX2(sum_dare_div_avx2, KIND_SUM, 0, 1, 1, 0, 0, 0)
-TWO_AVX2(elect_sum_none_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 0, 0)
-TWO_AVX2(elect_sum_count_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 1, 0)
-TWO_AVX2(elect_votes_none_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 0, 0)
-TWO_AVX2(elect_votes_count_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 1, 0)
-TWO_AVX2(elect_sum_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 0, 0)
-TWO_AVX2(elect_sum_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 1, 0)
-TWO_AVX2(elect_votes_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 0, 0)
-TWO_AVX2(elect_votes_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 1, 0)
-/* the same, counting merge_chunk_banded's bands (TileBands) on the way */
-TWO_AVX2(sum_band_counted_avx2, KIND_SUM, 1, 0, 0, 0, 0, 4)
-TWO_AVX2(sum_band_div_counted_avx2, KIND_SUM, 1, 0, 1, 0, 0, 4)
-TWO_AVX2(elect_sum_none_plain_counted_avx2, KIND_ELECT, 0, 0, 0, 0, 0, 2)
-TWO_AVX2(elect_sum_count_plain_counted_avx2, KIND_ELECT, 0, 0, 0, 0, 1, 2)
-TWO_AVX2(elect_votes_none_plain_counted_avx2, KIND_ELECT, 0, 0, 0, 1, 0, 2)
-TWO_AVX2(elect_votes_count_plain_counted_avx2, KIND_ELECT, 0, 0, 0, 1, 1, 2)
+TWO_AVX2(sum_trim_avx2, KIND_SUM, 0, 0, 0, 0, 0)
+TWO_AVX2(sum_trim_div_avx2, KIND_SUM, 0, 0, 1, 0, 0)
+TWO_AVX2(sum_band_avx2, KIND_SUM, 1, 0, 0, 0, 0)
+TWO_AVX2(sum_band_div_avx2, KIND_SUM, 1, 0, 1, 0, 0)
+TWO_AVX2(sum_dare_avx2, KIND_SUM, 0, 1, 0, 0, 0)
+TWO_AVX2(sum_dare_div_avx2, KIND_SUM, 0, 1, 1, 0, 0)
+TWO_AVX2(elect_sum_none_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 0)
+TWO_AVX2(elect_sum_count_plain_avx2, KIND_ELECT, 0, 0, 0, 0, 1)
+TWO_AVX2(elect_votes_none_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 0)
+TWO_AVX2(elect_votes_count_plain_avx2, KIND_ELECT, 0, 0, 0, 1, 1)
+TWO_AVX2(elect_sum_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 0)
+TWO_AVX2(elect_sum_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 0, 1)
+TWO_AVX2(elect_votes_none_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 0)
+TWO_AVX2(elect_votes_count_plain_dare_avx2, KIND_ELECT, 0, 1, 0, 1, 1)
 #endif
 
 /* The specialised loop for these options (two bfloat16 experts, bfloat16 output), with c
  * filled in, or NULL: then merge_tile runs. */
-static TwoLoop two_loop_for(const Merge *g, Two *c, const int counted)
+static TwoLoop two_loop_for(const Merge *g, Two *c)
 {
     if (!g->bf16_in || !g->bf16_out || g->n != 2) return NULL;
     const int64_t *f = g->flags;
@@ -869,8 +791,6 @@ static TwoLoop two_loop_for(const Merge *g, Two *c, const int counted)
                                                   {sum_band_avx2, sum_band_div_avx2},
                                                   {sum_dare_avx2, sum_dare_div_avx2}};
         if (vector_loops) table = vector_sums;
-        if (vector_loops && counted == 4 && band)
-            return f[F_SUM_DIVIDE] != 0 ? sum_band_div_counted_avx2 : sum_band_counted_avx2;
 #endif
         return table[band ? 1 : dare ? 2 : 0][f[F_SUM_DIVIDE] != 0];
     }
@@ -902,13 +822,7 @@ static TwoLoop two_loop_for(const Merge *g, Two *c, const int counted)
         {{elect_sum_none_plain_dare_avx2, elect_sum_count_plain_dare_avx2},
          {elect_votes_none_plain_dare_avx2, elect_votes_count_plain_dare_avx2}},
     };
-    static const TwoLoop counted_table[2][2] = {
-        {elect_sum_none_plain_counted_avx2, elect_sum_count_plain_counted_avx2},
-        {elect_votes_none_plain_counted_avx2, elect_votes_count_plain_counted_avx2},
-    };
     if (vector_loops) plains = vector_table;
-    if (vector_loops && counted == 2 && !dare && plain && divide_by != DIVIDE_WEIGHT_SUM)
-        return counted_table[votes][divide_by == DIVIDE_COUNT];
 #endif
     if (plain && divide_by != DIVIDE_WEIGHT_SUM)
         return plains[dare][votes][divide_by == DIVIDE_COUNT];
@@ -952,7 +866,7 @@ static int merge_chunk_impl(const Merge *g, int64_t m, const uint64_t *states, i
         goto done;
     }
     Two c;
-    TwoLoop fast = two_loop_for(g, &c, 0);
+    TwoLoop fast = two_loop_for(g, &c);
     const uint16_t *b16 = (const uint16_t *)(intptr_t)g->addresses[0];
     const uint16_t *e0 = NULL, *e1 = NULL;
     uint16_t *o16 = (uint16_t *)(intptr_t)g->out;
@@ -1314,205 +1228,6 @@ band_direct2_masks(const uint16_t *RESTRICT base, const uint16_t *RESTRICT exper
 }
 #endif
 
-/* ---- a merge that also counts the band passes (one read of the inputs for both) ---------- */
-
-/* The bands of merge_chunk_banded: band p holds the |tau| bit patterns lows[p] + 1 ..
- * highs[p] of expert experts[p] (highs[p] < F32_INF_BITS). The entries above it are added to
- * above[p]; each entry inside it reserves a slot of rows p of positions and bits (capacity
- * each) by adding 1 to filled[p], and is written there while filled[p] <= capacity. The adds
- * are atomic: chunks of one tensor on several threads share the arrays (their order of
- * entries is then the threads' order; what is computed from them does not depend on it). */
-typedef struct {
-    int64_t n;
-    const int64_t *experts, *lows, *highs;
-    int64_t start; /* the chunk's first entry in the tensor (positions are the tensor's) */
-    int64_t *above, *filled, *positions;
-    int32_t *bits;
-    int64_t capacity;
-} Bands;
-
-static void keep_band(const Bands *q, int64_t p, const uint64_t *words, int per_bit, int64_t n_in,
-                      int64_t n_above, const uint16_t *b, const uint16_t *e, int64_t t0);
-
-/* Band p over the tile of n entries from t0 (n <= GROUPED), of bfloat16 inputs. */
-static void count_band(const Bands *q, int64_t p, const uint16_t *base, const uint16_t *expert,
-                       int64_t t0, int64_t n)
-{
-    union { uint8_t bytes[GROUPED]; uint64_t words[GROUPED / 8]; } inside;
-    const float lowest = u2f((uint32_t)(q->lows[p] + 1)), top = u2f((uint32_t)q->highs[p]);
-    const uint16_t *b = base + t0, *e = expert + t0;
-    int64_t n_in = 0, n_above = 0;
-    int per_bit = 0;
-#ifdef HAVE_AVX2_LOOPS
-    if (band_masks) {
-        band_direct_masks(b, e, n, lowest, top, inside.words, &n_in, &n_above);
-        per_bit = 1;
-    } else
-#endif
-    {
-        band_direct(b, e, n, lowest, top, inside.bytes, &n_in, &n_above);
-        for (int64_t j = n; j < GROUPED; j++) inside.bytes[j] = 0;
-    }
-    keep_band(q, p, inside.words, per_bit, n_in, n_above, b, e, t0);
-}
-
-/* Band p's counts of a tile from flags (a bit per entry where per_bit, else a byte): n_above
- * added, the n_in flagged entries written (see Bands). */
-static void keep_band(const Bands *q, int64_t p, const uint64_t *words, int per_bit, int64_t n_in,
-                      int64_t n_above, const uint16_t *b, const uint16_t *e, int64_t t0)
-{
-    if (n_above) __atomic_fetch_add(&q->above[p], n_above, __ATOMIC_RELAXED);
-    if (!n_in) return;
-    int64_t at = __atomic_fetch_add(&q->filled[p], n_in, __ATOMIC_RELAXED);
-    if (at + n_in > q->capacity) return; /* too many: the caller sees filled > capacity */
-    int64_t *positions = q->positions + p * q->capacity + at;
-    int32_t *bits = q->bits + p * q->capacity + at;
-    const int shift = per_bit ? 0 : 3;
-    const int64_t n_words = GROUPED / (per_bit ? 64 : 8), per_word = 64 >> shift;
-    for (int64_t w = 0; w < n_words; w++) {
-        uint64_t flagged = words[w];
-        while (flagged) {
-            int64_t j = per_word * w + (__builtin_ctzll(flagged) >> shift);
-            *positions++ = q->start + t0 + j;
-            *bits++ = (int32_t)direct_bits(b, e, j);
-            flagged &= flagged - 1;
-        }
-    }
-}
-
-/* Band p of a tile the merge loop counted (TileBands), its last n % 16 entries counted here,
- * into the shared arrays (see Bands). */
-static void record_band(const Bands *q, int64_t p, TileBands *tile, const uint16_t *base,
-                        const uint16_t *expert, int64_t t0, int64_t n)
-{
-    const uint16_t *b = base + t0, *e = expert + t0;
-    const float lowest = tile->lowest[p], highest = tile->highest[p];
-    int64_t n_above = tile->above[p], n_in = tile->kept[p];
-    for (int64_t j = n - n % 16; j < n; j++) {
-        float v = fabsf(bf16_to_f32(e[j]) - bf16_to_f32(b[j]));
-        if ((v >= lowest) & (v <= highest)) {
-            tile->where[p][n_in] = (int32_t)j;
-            tile->bits[p][n_in++] = (int32_t)f2u(v);
-        }
-        n_above += !(v <= highest);
-    }
-    if (n_above) __atomic_fetch_add(&q->above[p], n_above, __ATOMIC_RELAXED);
-    if (!n_in) return;
-    int64_t at = __atomic_fetch_add(&q->filled[p], n_in, __ATOMIC_RELAXED);
-    if (at + n_in > q->capacity) return; /* too many: the caller sees filled > capacity */
-    int64_t *positions = q->positions + p * q->capacity + at;
-    for (int64_t i = 0; i < n_in; i++) positions[i] = q->start + t0 + tile->where[p][i];
-    memcpy(q->bits + p * q->capacity + at, tile->bits[p], sizeof(int32_t) * (size_t)n_in);
-}
-
-/* merge_chunk without DARE for bfloat16 inputs, counting the bands (Bands) of the same tiles
- * while they are in cache: a tile of GROUPED entries merged, then its band passes. */
-static int merge_chunk_banded_impl(const Merge *g, int64_t m, const Bands *q)
-{
-    int found = 0;
-    TileBands *tile = NULL;
-    float *tau = malloc(sizeof(float) * TILE * (size_t)g->n);
-    float *work = malloc(sizeof(float) * TILE * 8);
-    const uint32_t **bits = malloc(sizeof(uint32_t *) * (size_t)g->n);
-    if (!tau || !work || !bits) {
-        found = -1;
-        goto done;
-    }
-    for (int i = 0; i < g->n; i++) bits[i] = NULL;
-    Two c;
-    /* the loops that count bands take two, of experts 0 and 1, or four, two of each */
-    const int layout = (q->n == 2 && q->experts[0] == 0 && q->experts[1] == 1) ||
-                       (q->n == 4 && q->experts[0] == 0 && q->experts[1] == 0 &&
-                        q->experts[2] == 1 && q->experts[3] == 1);
-    TwoLoop fast = two_loop_for(g, &c, layout ? (int)q->n : 0);
-    const uint16_t *b16 = (const uint16_t *)(intptr_t)g->addresses[0];
-    uint16_t *o16 = (uint16_t *)(intptr_t)g->out;
-    if (fast && q->n <= MAX_TILE_BANDS) { /* the loop may count them: two experts, so 0 or 1 */
-        tile = malloc(sizeof *tile);
-        if (!tile) {
-            found = -1;
-            goto done;
-        }
-        tile->n = (int)q->n;
-        for (int p = 0; p < tile->n; p++) {
-            tile->expert[p] = (int)q->experts[p];
-            tile->lowest[p] = u2f((uint32_t)(q->lows[p] + 1));
-            tile->highest[p] = u2f((uint32_t)q->highs[p]);
-        }
-        c.bands = tile;
-    }
-    for (int64_t t0 = 0; t0 < m; t0 += GROUPED) {
-        const int64_t n = m - t0 < GROUPED ? m - t0 : GROUPED;
-        if (tile) {
-            tile->done = 0;
-            for (int p = 0; p < tile->n; p++) tile->kept[p] = tile->above[p] = 0;
-        }
-        if (fast) {
-            found |= fast(b16 + t0, (const uint16_t *)(intptr_t)g->addresses[1] + t0,
-                          (const uint16_t *)(intptr_t)g->addresses[2] + t0, o16 + t0, n, NULL,
-                          NULL, &c);
-        } else {
-            for (int64_t s = t0; s < t0 + n; s += TILE)
-                merge_tile(g, s, t0 + n - s < TILE ? t0 + n - s : TILE, bits, tau, work, &found);
-        }
-        for (int64_t p = 0; p < q->n; p++) {
-            const uint16_t *e16 = (const uint16_t *)(intptr_t)g->addresses[1 + q->experts[p]];
-            if (tile && tile->done)
-                record_band(q, p, tile, b16, e16, t0, n);
-            else
-                count_band(q, p, b16, e16, t0, n);
-        }
-    }
-done:
-    free(tau);
-    free(work);
-    free(bits);
-    free(tile);
-    return found;
-}
-
-/* merge_chunk (without DARE) of bfloat16 inputs at the given positions only, each result
- * stored at its position: the inputs gathered GROUPED at a time into contiguous tiles, merged
- * as merge_chunk merges, scattered back (the same operations per position, so the same bits). */
-static int merge_at_impl(const Merge *g, const int64_t *positions, int64_t count)
-{
-    int found = 0;
-    const size_t out_size = g->bf16_out ? 2 : 4;
-    uint16_t *in = malloc(sizeof(uint16_t) * GROUPED * (size_t)(g->n + 1));
-    int64_t *addresses = malloc(sizeof(int64_t) * (size_t)(g->n + 1));
-    char *out = malloc(out_size * GROUPED);
-    if (!in || !addresses || !out) {
-        found = -1;
-        goto done;
-    }
-    for (int i = 0; i <= g->n; i++) addresses[i] = (int64_t)(intptr_t)(in + (size_t)i * GROUPED);
-    Merge tile = *g;
-    tile.addresses = addresses;
-    tile.out = (int64_t)(intptr_t)out;
-    char *dst = (char *)(intptr_t)g->out;
-    for (int64_t t0 = 0; t0 < count; t0 += GROUPED) {
-        const int64_t n = count - t0 < GROUPED ? count - t0 : GROUPED;
-        for (int i = 0; i <= g->n; i++) {
-            const uint16_t *src = (const uint16_t *)(intptr_t)g->addresses[i];
-            uint16_t *row = in + (size_t)i * GROUPED;
-            for (int64_t j = 0; j < n; j++) row[j] = src[positions[t0 + j]];
-        }
-        int f = merge_chunk_impl(&tile, n, NULL, 0, NULL, 0, 0);
-        if (f < 0) {
-            found = -1;
-            goto done;
-        }
-        found |= f;
-        for (int64_t j = 0; j < n; j++)
-            memcpy(dst + out_size * (size_t)positions[t0 + j], out + out_size * (size_t)j, out_size);
-    }
-done:
-    free(in);
-    free(addresses);
-    free(out);
-    return found;
-}
-
 /* The bits of |tau| from its float magnitude (the same bits: fabsf clears the sign). */
 INLINE uint32_t magnitude_bits(const float *magnitudes, int64_t j) { return f2u(magnitudes[j]); }
 
@@ -1711,9 +1426,7 @@ static void locate_from_top_impl(const int64_t *counts, int64_t n, int64_t k, in
 }
 
 /* ops._kth_largest_bits for non-negative int32 bit patterns (1 <= k <= n): the same two radix
- * steps (top 16 bits, then the low 16 inside that bucket), the second in two of 8 bits (whose
- * counts fit on the stack: 2^16 of them took a fresh, zeroed mapping from malloc every call).
- * Returns -1 on a failed allocation. */
+ * steps (top 16 bits, then the low 16 inside that bucket). Returns -1 on a failed allocation. */
 static int64_t kth_largest_bits_impl(const int32_t *values, int64_t n, int64_t k)
 {
     int32_t lo = values[0], hi = values[0];
@@ -1723,23 +1436,21 @@ static int64_t kth_largest_bits_impl(const int32_t *values, int64_t n, int64_t k
     }
     int64_t first = lo >> 16, last = hi >> 16;
     int64_t *buckets = calloc((size_t)(last - first + 1), sizeof(int64_t));
-    if (!buckets) return -1;
+    int64_t *lows = calloc((size_t)1 << 16, sizeof(int64_t));
+    if (!buckets || !lows) {
+        free(buckets);
+        free(lows);
+        return -1;
+    }
     for (int64_t i = 0; i < n; i++) buckets[(values[i] >> 16) - first] += 1;
-    int64_t bucket, rank, middle, low, unused;
+    int64_t bucket, rank, low, unused;
     locate_from_top_impl(buckets, last - first + 1, k, &bucket, &rank);
+    for (int64_t i = 0; i < n; i++)
+        if ((values[i] >> 16) - first == bucket) lows[values[i] & 0xFFFF] += 1;
+    locate_from_top_impl(lows, (int64_t)1 << 16, rank, &low, &unused);
     free(buckets);
-    const int32_t top = (int32_t)((first + bucket) << 16);
-    int64_t counts[256];
-    memset(counts, 0, sizeof counts);
-    for (int64_t i = 0; i < n; i++)
-        if ((values[i] & ~0xFFFF) == top) counts[values[i] >> 8 & 0xFF] += 1;
-    locate_from_top_impl(counts, 256, rank, &middle, &rank);
-    memset(counts, 0, sizeof counts);
-    const int32_t upper = top | (int32_t)(middle << 8);
-    for (int64_t i = 0; i < n; i++)
-        if ((values[i] & ~0xFF) == upper) counts[values[i] & 0xFF] += 1;
-    locate_from_top_impl(counts, 256, rank, &low, &unused);
-    return upper | low;
+    free(lows);
+    return ((first + bucket) << 16) | low;
 }
 
 /* No NaN or Inf among the m entries at addr (bfloat16 bits or float32). */
@@ -1844,128 +1555,6 @@ static PyObject *py_merge_chunk(PyObject *self, PyObject *args)
     result = PyLong_FromLong(found);
 done:
     release(bufs, 6);
-    return result;
-}
-
-static PyObject *py_merge_chunk_banded(PyObject *self, PyObject *args)
-{
-    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_experts, *o_lows, *o_highs, *o_above,
-        *o_filled, *o_positions, *o_bits;
-    int bf16_out;
-    long long m, out, start;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OLLpOOOLOOOOOOO", &o_addr, &m, &out, &bf16_out, &o_params,
-                          &o_scalars, &o_flags, &start, &o_experts, &o_lows, &o_highs, &o_above,
-                          &o_filled, &o_positions, &o_bits))
-        return NULL;
-    Buf bufs[11];
-    memset(bufs, 0, sizeof bufs);
-    PyObject *result = NULL;
-    const int64_t *addresses, *flags, *experts, *lows, *highs;
-    const float *params, *scalars;
-    int64_t *above, *filled, *positions;
-    int32_t *bits;
-    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
-    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
-    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
-    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
-    if (!(experts = buffer_of(o_experts, &bufs[4], 8, 0, "experts"))) goto done;
-    if (!(lows = buffer_of(o_lows, &bufs[5], 8, 0, "lows"))) goto done;
-    if (!(highs = buffer_of(o_highs, &bufs[6], 8, 0, "highs"))) goto done;
-    if (!(above = buffer_of(o_above, &bufs[7], 8, 1, "above"))) goto done;
-    if (!(filled = buffer_of(o_filled, &bufs[8], 8, 1, "filled"))) goto done;
-    if (!(positions = buffer_of(o_positions, &bufs[9], 8, 1, "positions"))) goto done;
-    if (!(bits = buffer_of(o_bits, &bufs[10], 4, 1, "bits"))) goto done;
-    int n = (int)items(&bufs[0]) - 1;
-    int64_t n_bands = items(&bufs[4]);
-    if (n < 1 || items(&bufs[1]) != (Py_ssize_t)n * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
-        items(&bufs[3]) < N_FLAGS || items(&bufs[5]) != n_bands || items(&bufs[6]) != n_bands ||
-        items(&bufs[7]) != n_bands || items(&bufs[8]) != n_bands ||
-        (n_bands && (dim(&bufs[9], 0) != n_bands || dim(&bufs[10], 0) != n_bands ||
-                     dim(&bufs[9], 1) != dim(&bufs[10], 1)))) {
-        PyErr_SetString(PyExc_ValueError, "merge_chunk_banded: inconsistent argument sizes");
-        goto done;
-    }
-    for (int i = 0; i < n; i++) {
-        if (params[i * N_PARAMS + P_DARE_LIMIT] != 0.0f) {
-            PyErr_SetString(PyExc_ValueError, "merge_chunk_banded: DARE draws its masks by block (merge_chunk)");
-            goto done;
-        }
-    }
-    for (int64_t p = 0; p < n_bands; p++) {
-        if (experts[p] < 0 || experts[p] >= n || lows[p] < -1 || highs[p] <= lows[p] ||
-            highs[p] >= (int64_t)F32_INF_BITS) {
-            PyErr_SetString(PyExc_ValueError, "merge_chunk_banded: a band out of range");
-            goto done;
-        }
-    }
-    Merge g = {addresses, n, 1, bf16_out, (int64_t)out, params, scalars, flags};
-    Bands q = {n_bands, experts, lows, highs, (int64_t)start, above, filled, positions, bits,
-               n_bands ? dim(&bufs[9], 1) : 0};
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    found = merge_chunk_banded_impl(&g, m, &q);
-    Py_END_ALLOW_THREADS
-    if (found < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = PyLong_FromLong(found);
-done:
-    release(bufs, 11);
-    return result;
-}
-
-static PyObject *py_merge_at(PyObject *self, PyObject *args)
-{
-    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_positions;
-    int bf16_out;
-    long long out, m;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OLLpOOOO", &o_addr, &m, &out, &bf16_out, &o_params, &o_scalars,
-                          &o_flags, &o_positions))
-        return NULL;
-    Buf bufs[5];
-    memset(bufs, 0, sizeof bufs);
-    PyObject *result = NULL;
-    const int64_t *addresses, *flags, *positions;
-    const float *params, *scalars;
-    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
-    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
-    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
-    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
-    if (!(positions = buffer_of(o_positions, &bufs[4], 8, 0, "positions"))) goto done;
-    int n = (int)items(&bufs[0]) - 1;
-    if (n < 1 || items(&bufs[1]) != (Py_ssize_t)n * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
-        items(&bufs[3]) < N_FLAGS) {
-        PyErr_SetString(PyExc_ValueError, "merge_at: inconsistent argument sizes");
-        goto done;
-    }
-    for (int i = 0; i < n; i++) {
-        if (params[i * N_PARAMS + P_DARE_LIMIT] != 0.0f) {
-            PyErr_SetString(PyExc_ValueError, "merge_at: DARE draws its masks by block (merge_chunk)");
-            goto done;
-        }
-    }
-    int64_t count = items(&bufs[4]);
-    for (int64_t j = 0; j < count; j++) {
-        if (positions[j] < 0 || positions[j] >= m) {
-            PyErr_SetString(PyExc_ValueError, "merge_at: a position outside the tensor");
-            goto done;
-        }
-    }
-    Merge g = {addresses, n, 1, bf16_out, (int64_t)out, params, scalars, flags};
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    found = merge_at_impl(&g, positions, count);
-    Py_END_ALLOW_THREADS
-    if (found < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = PyLong_FromLong(found);
-done:
-    release(bufs, 5);
     return result;
 }
 
@@ -2281,12 +1870,6 @@ static PyMethodDef methods[] = {
     {"merge_chunk", py_merge_chunk, METH_VARARGS,
      "merge_chunk(addresses, bf16_in, m, out_address, bf16_out, params, scalars, flags, states, "
      "lanes, block) -> NaN/Inf flags"},
-    {"merge_chunk_banded", py_merge_chunk_banded, METH_VARARGS,
-     "merge_chunk_banded(addresses, m, out_address, bf16_out, params, scalars, flags, start, "
-     "experts, lows, highs, above, filled, positions, bits) -> NaN/Inf flags"},
-    {"merge_at", py_merge_at, METH_VARARGS,
-     "merge_at(addresses, m, out_address, bf16_out, params, scalars, flags, positions) -> "
-     "NaN/Inf flags"},
     {"sum_chunk", py_sum_chunk, METH_VARARGS,
      "sum_chunk(addresses, has_base, bf16_in, m, out_address, bf16_out, weights, scalars, "
      "flags) -> NaN/Inf flags"},
@@ -2314,7 +1897,6 @@ PyMODINIT_FUNC PyInit__loops(void)
 {
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
-    fill_packed_lanes();
     band_masks = cpu_has_avx2(0);
     vector_loops = cpu_has_avx2(1);
 #ifdef HAVE_MAPPING

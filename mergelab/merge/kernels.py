@@ -79,7 +79,7 @@ RUN_HASH = 2654435761
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 6
+LOOPS_VERSION = 5
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
     "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,

@@ -21,10 +21,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from . import kernels, one_read, ops
+from . import kernels, ops
 from .ops import DareRescale, DivideBy, MajoritySign
 from .registry import Interval, LoopChecks, TensorContext, merge_method
 
@@ -485,54 +484,21 @@ def ties(
                 "or use trim_scope='tensor'"
             )
         thresholds = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
-    options = {
-        "lambda_": lambda_,
-        "majority_sign": majority_sign,
-        "weighted_sign": weighted_sign,
-        "divide_by": divide_by,
-    }
-    if trim_scope != "model":  # the same exact selection, over this tensor only
+    else:  # the same exact selection, over this tensor only
         ranks = _ties_ranks(base.numel(), {"trim_scope": trim_scope, "density": density})
-        merged = _in_one_read(base, experts, ranks, ctx, weight, options, _fill_trims)
-        if merged is not None:
-            return merged
         found = _tau_kth(base, experts, ranks, ctx)
         thresholds = [values[0] if values else 0.0 for values in found]
-    return _trim_elect_merge(base, experts, thresholds, weight, ctx, **options)
-
-
-def _fill_trims(params: np.ndarray, values: list[list[float]]) -> None:
-    """TIES' per-expert trims from each expert's threshold (none: density 1 keeps all)."""
-    params[:, kernels.P_LOW] = [kernels.trim_below(v[0] if v else 0.0) for v in values]
-
-
-def _in_one_read(
-    base: torch.Tensor,
-    experts: list[torch.Tensor],
-    ranks: list[list[int]],
-    ctx: TensorContext,
-    weight: list[float],
-    options: dict[str, Any] | None,
-    fill: one_read.Fill,
-    plan: tuple | None = None,
-    upper: list[list[bool]] | None = None,
-) -> torch.Tensor | None:
-    """The merge with per-tensor thresholds found in its own read of the inputs (``one_read``):
-    the elect merge of ``options``, or ``plan``; ``None`` where that does not apply (the
-    thresholds were computed ahead, or other dtypes: then the separate passes)."""
-    ahead = ctx.stats.get(_TAU_KTH)
-    if (ahead is not None and ahead[0] == ranks) or _compute_dtype(ctx, base) != torch.float32:
-        return None
-    out = _output(ctx, base, torch.float32)
-    if not one_read.applies(base, experts, out):
-        return None
-    if plan is None:
-        plan = _known_elect_plan(weight, options)
-        if plan is None:
-            return None
-    _, found = one_read.merge(base, experts, ranks, out, plan, fill, upper)
-    ctx.checks = LoopChecks.of(found, [base, *experts], out)
-    return out.view(base.shape)
+    return _trim_elect_merge(
+        base,
+        experts,
+        thresholds,
+        weight,
+        ctx,
+        lambda_=lambda_,
+        majority_sign=majority_sign,
+        weighted_sign=weighted_sign,
+        divide_by=divide_by,
+    )
 
 
 def _whole(
@@ -733,28 +699,19 @@ def breadcrumbs(
     ranks = [ops.outlier_ranks(base.numel(), d, g) for d, g in zip(density, gamma)]
     dtype = _compute_dtype(ctx, base)
     wanted = _breadcrumbs_ranks(base.numel(), {"density": density, "gamma": gamma})
-    plan = kernels.sum_plan(weight, lambda_=lambda_, normalize=normalize)
-    plan[2][kernels.F_BAND] = 1
-
-    def fill(params: np.ndarray, found: list[list[float]]) -> None:
+    found = _tau_kth(base, experts, wanted, ctx)  # the ranks its ahead hook computes
+    flat_base = base.reshape(-1)
+    flat_experts = [e.reshape(-1) for e in experts]
+    out = _output(ctx, base, dtype)
+    if dtype == torch.float32 and kernels.usable(base, *experts, out):  # one compiled pass
+        params, scalars, flags = kernels.sum_plan(weight, lambda_=lambda_, normalize=normalize)
+        flags[kernels.F_BAND] = 1
         for i, (r, band) in enumerate(zip(ranks, found)):
             if r is None:  # keeps nothing
                 params[i, kernels.P_LOW] = math.inf
             elif r:  # τ − hardshrink(τ, largest), trimmed below the smallest kept
                 params[i, kernels.P_LOW] = kernels.trim_below(band[0])
                 params[i, kernels.P_HIGH] = band[1]
-
-    upper = [[False, True] if r else [] for r in wanted]  # [smallest kept, largest kept]
-    merged = _in_one_read(base, experts, wanted, ctx, weight, None, fill, plan, upper)
-    if merged is not None:
-        return merged
-    found = _tau_kth(base, experts, wanted, ctx)  # the ranks its ahead hook computes
-    flat_base = base.reshape(-1)
-    flat_experts = [e.reshape(-1) for e in experts]
-    out = _output(ctx, base, dtype)
-    if dtype == torch.float32 and kernels.usable(base, *experts, out):  # one compiled pass
-        params, scalars, flags = plan
-        fill(params, found)
         merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags)
         _run_loop(merger, [base, *experts], out, ctx)
         return out.view(base.shape)

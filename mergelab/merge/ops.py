@@ -54,7 +54,6 @@ R = TypeVar("R")
 _HIGH_BUCKETS = 1 << 15  # |x| has sign bit 0, so the top 16 bits of its float32 pattern are < 2¹⁵
 _LOW_BUCKETS = 1 << 16
 _INT32_MAX = (1 << 31) - 1
-_F32_INF_BITS = 0x7F800000  # float32 bit patterns from here up are Inf and NaN
 # Entries per chunk in the elementwise loops: 1 MiB of float32, so temporaries stay in the
 # (shared) L3 cache, and big enough that the worker threads rarely wait for each other's Python
 # (the GIL) between ops: 2¹⁶ was ~2× slower on two workers here.
@@ -417,7 +416,6 @@ class KthLargestAbs:
         self._bucket = 0  # "low": the top-16-bit bucket; "band": the band's lowest bucket
         self._rank = 0
         self._width = 0  # "band": bins in the band; "collect": bit patterns in it
-        self.expected_inside = 0.0  # "band"/"collect": how many values the sample puts in it
         self._value: float | None = None
         # "collect": the counts below and above the band, and the values inside it (None once
         # there were more than COLLECT_MAX)
@@ -457,30 +455,6 @@ class KthLargestAbs:
             width = _LOW_BUCKETS if self._mode == "low" else self._width
             return (self._bucket << 16) - 1, width, self._mode == "collect"
         return None
-
-    @property
-    def wanted(self) -> int:
-        """The rank (1-based) of the value to find, known after the first pass."""
-        return self._k
-
-    def band(self) -> tuple[int, int] | None:
-        """The next pass's band as the |x| bit patterns ``low + 1`` … ``highest``: where it is
-        one pass over a band ("band" or "collect") below Inf/NaN's patterns; else ``None``."""
-        if self._mode not in ("band", "collect"):
-            return None
-        low = (self._bucket << 16) - 1
-        highest = low + self._width
-        return (low, highest) if highest < _F32_INF_BITS else None
-
-    def finish_band(self, above: int, values: np.ndarray) -> bool:
-        """End the band pass (:meth:`band`) from counts made elsewhere: ``above`` values above
-        the band and ``values``, the bit patterns of all the values inside it. Whether that
-        found the k-th largest; if not (the sample misled us), the two exact passes follow."""
-        if above < self._k <= above + len(values):
-            self._finish(_bits_to_float(_kth_largest_bits([values], self._k - above)))
-            return True
-        self._switch("high", _HIGH_BUCKETS)
-        return False
 
     def histogram_(self, x: torch.Tensor) -> Any:
         """This pass's counts for the float32 contiguous chunk ``x`` (overwritten); for a
@@ -601,8 +575,7 @@ class KthLargestAbs:
         values if few, else histogram it if at most ``widest`` buckets, else the two exact
         passes."""
         self._bucket, self._width = low, (high - low + 1) << 16
-        self.expected_inside = sampled_inside * (self.count / m)
-        if self.expected_inside <= COLLECT_MAX // 2:
+        if sampled_inside * (self.count / m) <= COLLECT_MAX // 2:
             self._switch("collect", 0)
         elif high - low + 1 <= widest:
             self._switch("band", self._width + 2)
@@ -706,21 +679,22 @@ def _find_many(
     ``ranks[g]``; ``histograms(finders)`` returns the per-chunk counting function of group
     members ``finders`` (group index known to it by position). The groups share their first
     pass (the k only matters after it)."""
-    groups = first_passes(numel, ranks, histograms)
-    later_passes(numel, groups, histograms)
-    return [[f.value() for f in group] for group in groups]
-
-
-def first_passes(
-    numel: int,
-    ranks: list[list[int]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> list[list[KthLargestAbs]]:
-    """:func:`_find_many`'s finders after their shared first pass (ended with each one's k)."""
     stride = sample_stride(numel)
     groups = [[KthLargestAbs(stride) for _ in ks] for ks in ranks]
+    firsts = [g[0] for g in groups if g]
     order = [i for i, g in enumerate(groups) if g]
-    _count_pass(numel, [(g, groups[g][0]) for g in order], histograms)
+    size = histogram_chunk(numel)
+
+    def run(active: list[tuple[int, KthLargestAbs]]) -> None:
+        count = histograms_for(active)
+        finders = [f for _, f in active]
+        _add_chunk_counts(for_chunks(numel, count, size), numel, size, finders)
+        _add_totals(count, finders)
+
+    def histograms_for(active: list[tuple[int, KthLargestAbs]]) -> Callable[[slice], list]:
+        return histograms([f for _, f in active], [g for g, _ in active])
+
+    run([(g, f) for g, f in zip(order, firsts)])
     for group, ks in zip(groups, ranks):
         if not group:
             continue
@@ -729,35 +703,14 @@ def first_passes(
             if finder is not group[0]:  # the same values: the same first pass
                 finder.count, finder._counts = count, counts.copy()  # noqa: SLF001
             finder.end_pass(k)
-    return groups
-
-
-def later_passes(
-    numel: int,
-    groups: list[list[KthLargestAbs]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> None:
-    """The passes :func:`_find_many`'s finders want after the first, until each has its value."""
     while True:
         active = [(g, f) for g, group in enumerate(groups) for f in group if f.wants_pass()]
         if not active:
             break
-        _count_pass(numel, active, histograms)
+        run(active)
         for _, finder in active:
             finder.end_pass()
-
-
-def _count_pass(
-    numel: int,
-    active: list[tuple[int, KthLargestAbs]],
-    histograms: Callable[[list[KthLargestAbs], list[int]], Callable[[slice], list]],
-) -> None:
-    """One pass of the ``active`` (group, finder) pairs over a tensor, on every core."""
-    size = histogram_chunk(numel)
-    finders = [f for _, f in active]
-    count = histograms(finders, [g for g, _ in active])
-    _add_chunk_counts(for_chunks(numel, count, size), numel, size, finders)
-    _add_totals(count, finders)
+    return [[f.value() for f in group] for group in groups]
 
 
 def _tau_histograms(
