@@ -555,6 +555,25 @@ def synthetic_set(
     return folder, work, [folder / n for n in ("base", "expert_0", "expert_1")]
 
 
+def cpu_description() -> dict:
+    """The CPU the run had (``/proc/cpuinfo``'s first entry): its model and which of the vector
+    extensions the compiled loops choose between it offers. Machines of the same kind here have
+    differed in both (with and without AVX-512), and the loops' cost with them."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model_name": fields.get("model name"),
+        "family_model": f"{fields.get('cpu family')}/{fields.get('model')}",
+        "vector": [f for f in ("avx2", "fma", "avx512f", "avx512bw") if f in flags],
+    }
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -684,6 +703,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "variants": {v: VARIANTS[v] for v in args.variants},
             "commit": _commit(),
             "machine": platform.platform(),
+            "cpu": cpu_description(),
             "cpu_count": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
             "torch": torch.__version__,
