@@ -352,8 +352,13 @@ with Sandbox(workers=1) as s:
     r = s.run(prog)
 print(r.status, r.stdout.split())
 """
+    # ``--system-site-packages`` links to the base interpreter's packages, not to those of a
+    # virtual environment the tests may run from, so this one's site directories go on the path.
+    import site
+
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    path = [str(repo), *site.getsitepackages()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", harness], capture_output=True, text=True, env=env
     )
