@@ -80,6 +80,16 @@ LLAMA_SHAPE = dict(
     num_key_value_heads=8,
 )
 
+# A set small enough for the tests of the benchmark scripts.
+TINY_SHAPE = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
 # variant -> (mergelab method, mergelab params, mergekit method or None, mergekit global
 # parameters, mergekit per-model parameters). density 0.2 throughout (breadcrumbs: 0.9 with
 # gamma 0.01, the method's usual setting).
@@ -553,6 +563,34 @@ def synthetic_set(
     work = Path(args.cache_dir).resolve() / "outputs"
     work.mkdir(parents=True, exist_ok=True)
     return folder, work, [folder / n for n in ("base", "expert_0", "expert_1")]
+
+
+def run_config(
+    folder: Path, args: argparse.Namespace, held: Resident, load_before: list[float]
+) -> dict:
+    """The ``config`` record of a run of the scripts that merge the set one variant at a time at
+    the default thread count (``merge_timeline.py``, ``threshold_share.py``): set, variants,
+    rounds, commit, CPU, load average before and now, and what was held in memory."""
+    return {
+        "set": str(folder.name),
+        "variants": {v: VARIANTS[v] for v in args.variants},
+        "repeats": args.repeats,
+        "threads": "the default",
+        "commit": _commit(),
+        "cpu": cpu_description(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "held_in_memory": held.summary(),
+    }
+
+
+def save_results(path: str | Path, record: dict) -> None:
+    """Write a run's record as JSON (its folder made if need be) and say where."""
+    results = Path(path)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"results: {results}")
 
 
 def cpu_description() -> dict:

@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     from merge_speed import (
         VARIANTS,
         Resident,
-        _commit,
         add_set_arguments,
-        cpu_description,
         load_average,
+        run_config,
+        save_results,
         synthetic_set,
     )
 
@@ -162,25 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     for v, m in medians.items():
         print(f"{v:<18}", "  ".join(f"{k} {x:.2f}" for k, x in m.items()))
     record = {
-        "config": {
-            "set": str(folder.name),
-            "variants": {v: VARIANTS[v] for v in args.variants},
-            "repeats": args.repeats,
-            "threads": "the default",
-            "commit": _commit(),
-            "cpu": cpu_description(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": load_average(),
-            "held_in_memory": held.summary(),
-        },
+        "config": run_config(folder, args, held, load_before),
         "medians": medians,
         "runs": runs,
     }
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"results: {results}")
+    save_results(args.results, record)
     return 0
 
 

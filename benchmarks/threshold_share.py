@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -131,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     from merge_speed import (
         VARIANTS,
         Resident,
-        _commit,
         add_set_arguments,
-        cpu_description,
         load_average,
         mergelab_command,
+        run_config,
+        save_results,
         synthetic_set,
     )
 
@@ -182,27 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         summary[variant] = row
         print(variant, row)
     record = {
-        "config": {
-            "set": str(folder.name),
-            "variants": {v: VARIANTS[v] for v in args.variants},
-            "repeats": args.repeats,
-            "threads": "the default",
-            "commit": _commit(),
-            "cpu": cpu_description(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": load_average(),
-            "held_in_memory": held.summary(),
-        },
+        "config": run_config(folder, args, held, load_before),
         "linear_s": linear,
         "summary": summary,
         "medians": medians,
         "runs": runs,
     }
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"results: {results}")
+    save_results(args.results, record)
     return 0
 
 

@@ -12,14 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = {
-    "vocab_size": 64,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
 
 
 @pytest.fixture
@@ -30,7 +22,7 @@ def share(monkeypatch, tmp_path):
     import merge_speed
 
     folder = tmp_path / "llama-2L"
-    merge_speed.write_checkpoint_set(folder, SHAPE)
+    merge_speed.write_checkpoint_set(folder, merge_speed.TINY_SHAPE)
     work = tmp_path / "outputs"
     work.mkdir()
     yield module, merge_speed, folder, work
@@ -43,7 +35,9 @@ def test_replayed_thresholds_give_the_same_merge(share):
     assert module.run_variant("ties", folder, work, "record") > 0
     record = json.loads((work / "thresholds-ties.json").read_text())
     names = {json.loads(k)[0] for k in record}
-    assert names == {n for n, _ in merge_speed.llama_tensors(SHAPE)}  # every tensor's, once
+    assert names == {
+        n for n, _ in merge_speed.llama_tensors(merge_speed.TINY_SHAPE)
+    }  # every tensor's, once
     out = merge_speed.mergelab_command("ties", folder, work)[1]
     module.run_variant("ties", folder, work, "replay", out=work / "replay")
     assert module.same_output(out, work / "replay")

@@ -49,14 +49,7 @@ def test_a_real_merge_is_timed_in_its_own_process(timeline, tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import merge_speed
 
-    shape = {
-        "vocab_size": 64,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    }
+    shape = merge_speed.TINY_SHAPE
     folder = tmp_path / "llama-2L"
     merge_speed.write_checkpoint_set(folder, shape)
     work = tmp_path / "outputs"
