@@ -99,7 +99,7 @@ def run_variant(
     instead of the command's own output folder."""
     from merge_speed import mergelab_command
 
-    cmd, default_out = mergelab_command(variant, folder, work)
+    cmd, _ = mergelab_command(variant, folder, work)
     if out is not None:
         cmd[cmd.index("--out") + 1] = str(out)
     if mode is None:
