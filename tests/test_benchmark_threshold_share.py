@@ -34,10 +34,8 @@ def test_replayed_thresholds_give_the_same_merge(share):
     module, merge_speed, folder, work = share
     assert module.run_variant("ties", folder, work, "record") > 0
     record = json.loads((work / "thresholds-ties.json").read_text())
-    names = {json.loads(k)[0] for k in record}
-    assert names == {
-        n for n, _ in merge_speed.llama_tensors(merge_speed.TINY_SHAPE)
-    }  # every tensor's, once
+    names = {json.loads(k)[0] for k in record}  # every tensor's, once
+    assert names == {n for n, _ in merge_speed.llama_tensors(merge_speed.TINY_SHAPE)}
     out = merge_speed.mergelab_command("ties", folder, work)[1]
     module.run_variant("ties", folder, work, "replay", out=work / "replay")
     assert module.same_output(out, work / "replay")
