@@ -137,15 +137,22 @@ def test_a_misleading_sample_falls_back_to_exact_passes(monkeypatch):
 
 
 def count_passes(monkeypatch) -> list[int]:
-    """Record the passes ``ops._find_many`` makes (one entry per pass over a tensor)."""
+    """Record the passes a tensor's threshold search makes (one entry per pass over a tensor):
+    ``ops._find_many``'s, or those one compiled call reports (``kernels.tau_kth``)."""
     passes: list[int] = []
-    original = ops.for_chunks
+    original, compiled = ops.for_chunks, kernels.tau_kth
 
     def counting(numel, fn, size=None):
         passes.append(numel)
         return original(numel, fn, size)
 
+    def counting_compiled(base, experts, ranks):
+        found, made = compiled(base, experts, ranks)
+        passes.extend([base.numel()] * made)
+        return found, made
+
     monkeypatch.setattr(ops, "for_chunks", counting)
+    monkeypatch.setattr(kernels, "tau_kth", counting_compiled)
     return passes
 
 
@@ -215,6 +222,99 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
     found = ops.tau_kth_largest_abs(torch.zeros(n), [tau], [[k]], torch.float32)
     assert found == [[kth_by_sort(tau, k)]] == [[kth]]
     assert len(passes) == 4  # sampled, collecting (too many), the two exact passes
+
+
+needs_loops = pytest.mark.skipif(not kernels.available(), reason="the compiled loops are not built")
+
+
+def bits_of(thresholds: list[list[float]]) -> list[list[int]]:
+    """Thresholds as float32 bit patterns (NaN equal to NaN)."""
+    return [np.array(t, dtype=np.float32).view(np.int32).tolist() for t in thresholds]
+
+
+def one_call_inputs(n: int, dtype: torch.dtype, seed: int, odd: bool = False):
+    """A base and three experts (τ ~ N(0, 0.002²) on a N(0, 0.02²) base) of ``n`` entries;
+    ``odd``: NaN, Inf and −0.0 entries in the experts, and one expert equal to the base."""
+    g = torch.Generator().manual_seed(seed)
+    base = (0.02 * torch.randn(n, generator=g)).to(dtype)
+    experts = [(base.float() + 0.002 * torch.randn(n, generator=g)).to(dtype) for _ in range(3)]
+    if odd:
+        experts[0][:: max(1, n // 7)] = float("nan")
+        experts[0][1 :: max(1, n // 5)] = float("inf")
+        experts[1][2 :: max(1, n // 3)] = -0.0
+        experts[2] = base.clone()
+    return base, experts
+
+
+@needs_loops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("odd", [False, True], ids=["normal", "nan-inf-zero"])
+def test_one_compiled_call_finds_what_the_chunked_passes_find(monkeypatch, dtype, odd):
+    """kernels.tau_kth (every pass of a tensor in one compiled call) against ops._find_many's
+    chunked passes and a sort, on tensors collected whole (up to 65536 entries), searched by
+    two radix passes (not sampled) and sampled, with ranks 1, numel, beyond numel, 0 and none:
+    the same values, and on the sampled tensors the same passes."""
+    for n in (1, 999, 65536, 65537, ops.SAMPLE_MIN_NUMEL - 1, 3 * ops.SAMPLE_MIN_NUMEL + 17):
+        base, experts = one_call_inputs(n, dtype, seed=n, odd=odd)
+        k = ops.kept_count(0.2, n)
+        ranks = [[k, 1, n], [], [ops.kept_count(0.9, n), n + 5, 0, -1]]
+        assert ops._in_one_call(base, experts)
+        counted = count_passes(monkeypatch)
+        found = ops.tau_kth_largest_abs(base, experts, ranks, torch.float32)
+        one_call = len(counted)
+        chunked = ops._find_many(n, ranks, ops._tau_histograms(base, experts, torch.float32))
+        assert bits_of(found) == bits_of(chunked)
+        whole = n <= kernels.loops().TAU_KTH_WHOLE  # collected whole: one pass
+        assert one_call == (1 if whole else len(counted) - one_call)
+        if not odd:
+            for e, ks, values in zip(experts, ranks, found):
+                tau = e.float() - base.float()
+                assert values == [kth_by_sort(tau, min(k, n)) if k > 0 else math.inf for k in ks]
+
+
+@needs_loops
+@pytest.mark.parametrize("collect_max, widest, passes", [(2, 16, 2), (2, 0, 3)])
+def test_one_compiled_call_histograms_the_band_or_takes_two_exact_passes(
+    collect_max, widest, passes
+):
+    """A band too full to collect is histogrammed (at most ``widest`` buckets: two passes in
+    all), or the two exact radix passes follow the sample (three); exact either way."""
+    n = ops.SAMPLE_MIN_NUMEL * 2
+    base, experts = one_call_inputs(n, torch.bfloat16, seed=8)
+    ranks = [ops.kept_count(0.2, n), ops.kept_count(0.5, n)]
+    out = np.zeros(2, dtype=np.int64)
+    made = kernels.loops().tau_kth(
+        np.array([base.data_ptr(), experts[1].data_ptr()], dtype=np.int64),
+        True,
+        n,
+        ops.sample_stride(n),
+        ops.SAMPLE_RUN,
+        ops.histogram_chunk(n),
+        collect_max,
+        widest,
+        np.zeros(2, dtype=np.int64),
+        np.array(ranks, dtype=np.int64),
+        out,
+    )
+    tau = experts[1].float() - base.float()
+    assert [ops._bits_to_float(b) for b in out.tolist()] == [kth_by_sort(tau, k) for k in ranks]
+    assert made == passes
+
+
+@needs_loops
+def test_a_large_tensor_on_the_calling_thread_takes_the_chunked_passes(monkeypatch):
+    """From ONE_CALL_MAX entries, with worker threads and off them, the passes run chunked on
+    every core; on a worker thread, or smaller, in one call."""
+    base, experts = one_call_inputs(4096, torch.bfloat16, seed=2)
+    monkeypatch.setattr(ops, "ONE_CALL_MAX", 4096)
+    workers = ops.chunk_workers()
+    assert ops._in_one_call(base, experts) == (workers is None)
+    monkeypatch.setattr(ops, "ONE_CALL_MAX", 4097)
+    assert ops._in_one_call(base, experts)
+    if workers is not None:
+        monkeypatch.setattr(ops, "ONE_CALL_MAX", 4096)
+        assert workers.submit(ops._in_one_call, base, experts).result()
+    assert not ops._in_one_call(base.half(), [e.half() for e in experts])  # cast: chunked
 
 
 def whole_model(sizes, seed, row=None, row_sigma=0.0):

@@ -32,10 +32,12 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 5
+#define LOOPS_VERSION 6
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
+#define HIGH_BUCKETS (1 << 15) /* ops._HIGH_BUCKETS */
+#define LOW_BUCKETS (1 << 16)  /* ops._LOW_BUCKETS */
 #define DARE_LANES 8   /* SFC64 streams advanced together */
 #define RUN_HASH 2654435761LL
 
@@ -1453,6 +1455,234 @@ static int64_t kth_largest_bits_impl(const int32_t *values, int64_t n, int64_t k
     return ((first + bucket) << 16) | low;
 }
 
+/* ---- a tensor's exact k-th largest |tau| in one call ------------------------------------ */
+
+/* ops._locate over int32 counts (locate_from_top_impl's). */
+static void locate32(const int32_t *counts, int64_t n, int64_t k, int64_t *bin, int64_t *rank)
+{
+    int64_t above = 0;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        if (above + counts[i] >= k) {
+            *bin = i;
+            *rank = k - above;
+            return;
+        }
+        above += counts[i];
+    }
+    *bin = 0;
+    *rank = k - above;
+}
+
+/* The k-th largest (1 <= k <= n) of n non-negative int32 values, which it reorders: radix
+ * steps of at most 2^11 bins over the values' range, keeping only the bin that holds the k-th
+ * after each (a pass over n, then over that bin's few). */
+static int32_t select_kth_largest(int32_t *v, int64_t n, int64_t k)
+{
+    uint32_t lo = (uint32_t)v[0], hi = (uint32_t)v[0];
+    for (int64_t i = 1; i < n; i++) {
+        lo = (uint32_t)v[i] < lo ? (uint32_t)v[i] : lo;
+        hi = (uint32_t)v[i] > hi ? (uint32_t)v[i] : hi;
+    }
+    int32_t counts[2048];
+    while (lo != hi) {
+        const uint32_t span = hi - lo;
+        const int width = 32 - __builtin_clz(span), shift = width > 11 ? width - 11 : 0;
+        const int64_t bins = (int64_t)(span >> shift) + 1;
+        memset(counts, 0, (size_t)bins * sizeof counts[0]);
+        for (int64_t i = 0; i < n; i++) counts[((uint32_t)v[i] - lo) >> shift] += 1;
+        int64_t bin, rank;
+        locate32(counts, bins, k, &bin, &rank);
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++)
+            if ((int64_t)(((uint32_t)v[i] - lo) >> shift) == bin) v[kept++] = v[i];
+        n = kept, k = rank;
+        const uint64_t first = (uint64_t)lo + ((uint64_t)bin << shift);
+        const uint64_t last = first + ((uint64_t)1 << shift) - 1;
+        lo = (uint32_t)first;
+        hi = last < hi ? (uint32_t)last : hi;
+        if (shift == 0) break;
+    }
+    return (int32_t)lo;
+}
+
+/* A rank's state in tau_kth_impl: ops.KthLargestAbs's modes, with its bucket, rank, width. */
+enum { K_HIGH, K_LOW, K_BAND, K_COLLECT, K_DONE };
+typedef struct {
+    int mode;
+    int64_t expert, k, bucket, rank, width, bits;
+} Rank;
+
+/* ops.KthLargestAbs._enter_band and _choose_band: from the sampled top-16-bit counts (ms
+ * values standing for count), the band of buckets holding the k-th largest with overwhelming
+ * probability; collected if the sample says it holds at most collect_max / 2 values, else
+ * histogrammed if at most widest buckets wide, else two exact passes. */
+static void enter_band(Rank *r, const int32_t *counts, int64_t ms, int64_t count,
+                       int64_t collect_max, int64_t widest)
+{
+    const double q = (double)r->k / (double)count, expected = q * (double)ms;
+    const double margin = 4 * sqrt((double)ms * q * (1 - q)) + 4;
+    const double top = floor(expected - margin), bottom = ceil(expected + margin);
+    r->mode = K_HIGH;
+    if (!(top >= 1 && bottom <= (double)ms)) return;
+    int64_t high, low, unused;
+    locate32(counts, HIGH_BUCKETS, (int64_t)top, &high, &unused);
+    locate32(counts, HIGH_BUCKETS, (int64_t)bottom, &low, &unused);
+    int64_t inside = 0;
+    for (int64_t b = low; b <= high; b++) inside += counts[b];
+    r->bucket = low, r->width = (high - low + 1) << 16;
+    if ((double)inside * ((double)count / (double)ms) <= (double)(collect_max / 2))
+        r->mode = K_COLLECT;
+    else if (high - low + 1 <= widest)
+        r->mode = K_BAND;
+}
+
+/* The exact k-th largest |tau_e| = |e - b| (float32, from bfloat16 or float32 inputs, m entries
+ * each at addresses: the base, then the experts) for each of n ranks (expert r[i].expert,
+ * sorted; 1 <= k <= m), as bit patterns in r[i].bits: the passes of ops.KthLargestAbs (a
+ * sampled first pass with stride > 1, shared by an expert's ranks and sampling each chunk of
+ * `chunk` entries as ops._sample_runs does, a pass over the band of each rank, two exact
+ * passes where the band missed), all in this call on this thread, with
+ * tau_abs_histograms_impl counting (the base read once for every expert). Up to KTH_WHOLE entries
+ * are collected whole instead. Returns how many passes it made over the inputs, or -1 on a
+ * failed allocation. */
+#define KTH_WHOLE 65536
+static int tau_kth_impl(const int64_t *addresses, int64_t n_inputs, int bf16, int64_t m,
+                        int64_t stride, int64_t run, int64_t chunk, int64_t collect_max,
+                        int64_t widest, Rank *r, int64_t n)
+{
+    if (n == 0) return 0;
+    if (m <= KTH_WHOLE) { /* every |tau|, then the k-th largest of a copy for each rank */
+        int32_t *all = malloc((size_t)m * 2 * sizeof(int32_t));
+        if (!all) return -1;
+        const int64_t base = addresses[0];
+        int64_t measured = -1;
+        for (int64_t i = 0; i < n; i++) {
+            if (r[i].expert != measured) {
+                measured = r[i].expert;
+                const int64_t expert = addresses[1 + measured];
+                const uint16_t *b16 = (const uint16_t *)(intptr_t)base;
+                const uint16_t *e16 = (const uint16_t *)(intptr_t)expert;
+                const float *b32 = (const float *)(intptr_t)base, *e32 = (const float *)(intptr_t)expert;
+                for (int64_t j = 0; j < m; j++)
+                    all[j] = (int32_t)(bf16 ? direct_bits(b16, e16, j) : f2u(fabsf(e32[j] - b32[j])));
+            }
+            memcpy(all + m, all, (size_t)m * sizeof(int32_t));
+            r[i].bits = select_kth_largest(all + m, m, r[i].k);
+            r[i].mode = K_DONE;
+        }
+        free(all);
+        return 1;
+    }
+    int64_t *index = malloc((size_t)n * 4 * sizeof(int64_t));
+    uint8_t *flags = malloc((size_t)n * 2);
+    int32_t *counts = NULL;
+    if (!index || !flags) {
+        free(index);
+        free(flags);
+        return -1;
+    }
+    int64_t *experts = index + n, *lows = index + 2 * n, *widths = index + 3 * n;
+    uint8_t *top_bits = flags, *collect = flags + n;
+    int status = 0, passes = 0;
+    if (stride > 1) { /* the sampled first pass, shared by each expert's ranks */
+        int64_t sampled = 0; /* experts, one pass each */
+        for (int64_t i = 0; i < n; i++) {
+            if (i > 0 && r[i].expert == r[i - 1].expert) continue;
+            experts[sampled] = r[i].expert, top_bits[sampled] = 1, collect[sampled] = 0;
+            lows[sampled] = 0, widths[sampled] = HIGH_BUCKETS;
+            sampled++;
+        }
+        int64_t filled[1] = {0}, *starts = malloc((size_t)n_inputs * sizeof(int64_t));
+        counts = calloc((size_t)(sampled * HIGH_BUCKETS), sizeof(int32_t));
+        if (!counts || !starts) status = -1;
+        for (int64_t first = 0; status == 0 && first < m; first += chunk) {
+            for (int64_t i = 0; i < n_inputs; i++) starts[i] = addresses[i] + first * (bf16 ? 2 : 4);
+            Passes q = {starts, bf16, m - first < chunk ? m - first : chunk, stride, run, sampled,
+                        experts, top_bits, collect, lows, widths, counts, HIGH_BUCKETS, NULL, 0,
+                        filled};
+            status = tau_abs_histograms_impl(&q);
+        }
+        free(starts);
+        passes++;
+        for (int64_t i = 0, row = -1; status == 0 && i < n; i++) {
+            if (i == 0 || r[i].expert != r[i - 1].expert) row++;
+            const int32_t *sample = counts + row * HIGH_BUCKETS;
+            int64_t ms = 0;
+            for (int64_t b = 0; b < HIGH_BUCKETS; b++) ms += sample[b];
+            enter_band(&r[i], sample, ms, m, collect_max, widest);
+        }
+        free(counts);
+    } else {
+        for (int64_t i = 0; i < n; i++) r[i].mode = K_HIGH;
+    }
+    while (status == 0) { /* one pass for every rank not done */
+        int64_t active = 0, count_width = 2, any_collect = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (r[i].mode == K_DONE) continue;
+            const int mode = r[i].mode;
+            index[active] = i, experts[active] = r[i].expert;
+            top_bits[active] = mode == K_HIGH, collect[active] = mode == K_COLLECT;
+            lows[active] = mode == K_HIGH ? 0 : (r[i].bucket << 16) - 1;
+            widths[active] = mode == K_HIGH ? HIGH_BUCKETS : mode == K_LOW ? LOW_BUCKETS : r[i].width;
+            const int64_t need = mode == K_HIGH ? HIGH_BUCKETS : mode == K_COLLECT ? 2 : widths[active] + 2;
+            count_width = need > count_width ? need : count_width;
+            any_collect |= mode == K_COLLECT;
+            active++;
+        }
+        if (active == 0) break;
+        const int64_t capacity = any_collect ? collect_max : 0;
+        int32_t *counts = calloc((size_t)(active * count_width), sizeof(int32_t));
+        int32_t *values = capacity ? malloc((size_t)(active * capacity) * sizeof(int32_t)) : NULL;
+        int64_t *filled = calloc((size_t)active, sizeof(int64_t));
+        if (!counts || (capacity && !values) || !filled) {
+            status = -1;
+        } else {
+            Passes q = {addresses, bf16, m, 1, run, active, experts, top_bits, collect, lows,
+                        widths, counts, count_width, values, capacity, filled};
+            status = tau_abs_histograms_impl(&q);
+            passes++;
+        }
+        for (int64_t a = 0; status == 0 && a < active; a++) { /* KthLargestAbs.end_pass */
+            Rank *x = &r[index[a]];
+            const int32_t *row = counts + a * count_width;
+            if (x->mode == K_HIGH) {
+                locate32(row, HIGH_BUCKETS, x->k, &x->bucket, &x->rank);
+                x->mode = K_LOW;
+            } else if (x->mode == K_LOW) {
+                int64_t low, unused;
+                locate32(row + 1, LOW_BUCKETS, x->rank, &low, &unused);
+                x->bits = (x->bucket << 16) | low, x->mode = K_DONE;
+            } else if (x->mode == K_COLLECT) {
+                const int64_t above = row[1], found = filled[a];
+                if (found <= capacity && above < x->k && x->k <= above + found) {
+                    x->bits = select_kth_largest(values + a * capacity, found, x->k - above);
+                    x->mode = K_DONE;
+                } else {
+                    x->mode = K_HIGH; /* the sample misled, or too many values: exact passes */
+                }
+            } else { /* K_BAND */
+                int64_t inside = 0;
+                for (int64_t b = 1; b <= x->width; b++) inside += row[b];
+                const int64_t above = row[x->width + 1];
+                if (above < x->k && x->k <= above + inside) {
+                    int64_t offset, unused;
+                    locate32(row + 1, x->width, x->k - above, &offset, &unused);
+                    x->bits = (x->bucket << 16) + offset, x->mode = K_DONE;
+                } else {
+                    x->mode = K_HIGH;
+                }
+            }
+        }
+        free(counts);
+        free(values);
+        free(filled);
+        if (status < 0) break;
+    }
+    free(index);
+    free(flags);
+    return status < 0 ? -1 : passes;
+}
+
 /* No NaN or Inf among the m entries at addr (bfloat16 bits or float32). */
 HOT static int all_finite_impl(int64_t addr, int bf16, int64_t m)
 {
@@ -1655,6 +1885,65 @@ static PyObject *py_tau_abs_histograms(PyObject *self, PyObject *args)
     result = Py_NewRef(Py_None);
 done:
     release(bufs, 9);
+    return result;
+}
+
+/* tau_kth(addresses, bf16, m, stride, run, chunk, collect_max, widest, experts, ranks, out)
+ * -> passes:
+ * tau_kth_impl for the int64 ranks (1 <= k <= m each) of the int64 experts (sorted) into out
+ * (int64 bit patterns, as many). */
+static PyObject *py_tau_kth(PyObject *self, PyObject *args)
+{
+    long long m, stride, run, chunk, collect_max, widest;
+    int bf16;
+    PyObject *o_addr, *o_experts, *o_ranks, *o_out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OpLLLLLLOOO", &o_addr, &bf16, &m, &stride, &run, &chunk,
+                          &collect_max, &widest, &o_experts, &o_ranks, &o_out))
+        return NULL;
+    Buf bufs[4];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    Rank *r = NULL;
+    const int64_t *addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses");
+    if (!addresses) goto done;
+    const int64_t *experts = buffer_of(o_experts, &bufs[1], 8, 0, "experts");
+    if (!experts) goto done;
+    const int64_t *ks = buffer_of(o_ranks, &bufs[2], 8, 0, "ranks");
+    if (!ks) goto done;
+    int64_t *out = buffer_of(o_out, &bufs[3], 8, 1, "out");
+    if (!out) goto done;
+    const int64_t n = items(&bufs[2]), n_experts = items(&bufs[0]) - 1;
+    int ok = n == items(&bufs[1]) && n == items(&bufs[3]) && m >= 1 && m < ((int64_t)1 << 31) &&
+             stride >= 1 && run >= 1 && GROUPED % run == 0 && chunk >= 1 &&
+             collect_max >= 2 && widest >= 0;
+    for (int64_t i = 0; ok && i < n; i++)
+        ok = ks[i] >= 1 && ks[i] <= m && experts[i] >= 0 && experts[i] < n_experts &&
+             (i == 0 || experts[i] >= experts[i - 1]);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "tau_kth: inconsistent arguments");
+        goto done;
+    }
+    r = calloc((size_t)(n ? n : 1), sizeof(Rank));
+    if (!r) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) r[i].k = ks[i], r[i].expert = experts[i];
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = tau_kth_impl(addresses, n_experts + 1, bf16, m, stride, run, chunk, collect_max,
+                          widest, r, n);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = r[i].bits;
+    result = PyLong_FromLong(status);
+done:
+    free(r);
+    release(bufs, 4);
     return result;
 }
 
@@ -1876,6 +2165,9 @@ static PyMethodDef methods[] = {
     {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,
      "tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, "
      "collect, counts, values, filled)"},
+    {"tau_kth", py_tau_kth, METH_VARARGS,
+     "tau_kth(addresses, bf16, m, stride, run, chunk, collect_max, widest, experts, ranks, out)"
+     " -> passes"},
     {"band_masks", py_band_masks, METH_VARARGS,
      "band_masks(on) -> whether the AVX2 band masks were on"},
     {"vector_loops", py_vector_loops, METH_VARARGS,
@@ -1920,7 +2212,7 @@ PyMODINIT_FUNC PyInit__loops(void)
         {"S_TOTAL", S_TOTAL}, {"S_MIN_W", S_MIN_W}, {"KIND_SUM", KIND_SUM},
         {"KIND_ELECT", KIND_ELECT}, {"DIVIDE_NONE", DIVIDE_NONE}, {"DIVIDE_COUNT", DIVIDE_COUNT},
         {"DIVIDE_WEIGHT_SUM", DIVIDE_WEIGHT_SUM}, {"FOUND_IN_INPUT", FOUND_IN_INPUT},
-        {"FOUND_IN_RESULT", FOUND_IN_RESULT},
+        {"FOUND_IN_RESULT", FOUND_IN_RESULT}, {"TAU_KTH_WHOLE", KTH_WHOLE},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
         if (PyModule_AddIntConstant(mod, constants[i].name, constants[i].value) < 0) {

@@ -79,7 +79,7 @@ RUN_HASH = 2654435761
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 5
+LOOPS_VERSION = 6
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION, "TILE": TILE, "DARE_LANES": DARE_LANES, "RUN_HASH": RUN_HASH,
     "P_LOW": P_LOW, "P_HIGH": P_HIGH, "P_DARE_LIMIT": P_DARE_LIMIT,
@@ -450,6 +450,54 @@ class TauHistograms:
         counting = self.pass_counts(finders)
         counting(part)
         return counting.totals()
+
+
+def one_call_kth(base: torch.Tensor, experts: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`tau_kth` takes these inputs: the loops run, all of them on the CPU in the
+    same stored dtype, bfloat16 or float32, with the same number of entries, below 2³¹."""
+    return (
+        usable(base, *experts)
+        and base.dtype in _NATIVE
+        and all(e.dtype == base.dtype and e.numel() == base.numel() for e in experts)
+        and 0 < base.numel() < 2**31
+    )
+
+
+def tau_kth(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], ranks: Sequence[Sequence[int]]
+) -> tuple[list[list[int]], int]:
+    """For every expert i and every k in ``ranks[i]`` (1 ≤ k ≤ numel): the exact k-th largest
+    |τ_i| = |θ_i − θ_b| (τ in float32) of one tensor, as float32 bit patterns, and how many
+    passes over the inputs that took. The passes of
+    :class:`ops.KthLargestAbs` (sampled first pass, band, two exact passes where the band
+    missed), each expert's ranks sharing them and the base read once for all experts, in one
+    compiled call on the calling thread: none of the per-pass Python of the chunked passes
+    (:func:`ops._find_many`), whose sample it takes (the runs of every chunk of
+    ``ops.histogram_chunk`` entries), so it makes the same passes. Inputs as
+    :func:`one_call_kth` takes them."""
+    from .ops import _MAX_BAND_BUCKETS, COLLECT_MAX, SAMPLE_RUN, histogram_chunk, sample_stride
+
+    flat = [_flat(base), *(_flat(e) for e in experts)]
+    which = np.array([i for i, ks in enumerate(ranks) for _ in ks], dtype=np.int64)
+    ks = np.array([k for group in ranks for k in group], dtype=np.int64)
+    out = np.zeros(len(ks), dtype=np.int64)
+    passes = 0
+    if len(ks):
+        passes = loops().tau_kth(
+            np.array([x.data_ptr() for x in flat], dtype=np.int64),
+            base.dtype == torch.bfloat16,
+            base.numel(),
+            sample_stride(base.numel()),
+            SAMPLE_RUN,
+            histogram_chunk(base.numel()),
+            COLLECT_MAX,
+            _MAX_BAND_BUCKETS,
+            which,
+            ks,
+            out,
+        )
+    found = iter(out.tolist())
+    return [[next(found) for _ in group] for group in ranks], passes
 
 
 # A worker thread's int32 counts of a PassCounts move to int64 after this many entries (each

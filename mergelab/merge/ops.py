@@ -813,9 +813,40 @@ def tau_kth_largest_abs(
 ) -> list[list[float]]:
     """For every expert i and every k in ``ranks[i]``: the exact k-th largest |τ_i| of this
     tensor, τ_i = θ_i − θ_b formed chunk by chunk in ``dtype`` (default: the base's), with no
-    full-size task vector, on every core. The ranks of one expert share a (sampled) first pass
-    (:class:`KthLargestAbs`)."""
+    full-size task vector. The ranks of one expert share a (sampled) first pass
+    (:class:`KthLargestAbs`). Where :func:`_in_one_call`, the same passes run in one compiled
+    call on the calling thread (:func:`kernels.tau_kth`), else chunked on every core."""
+    if (dtype or base.dtype) == torch.float32 and _in_one_call(base, experts):
+        return _one_call_kth(base, experts, ranks)
     return _find_many(base.numel(), ranks, _tau_histograms(base, experts, dtype))
+
+
+# From this many entries, a tensor's threshold passes called outside the chunk workers run
+# chunked on every core (:func:`_find_many`); smaller tensors, and any on a chunk worker (where
+# :func:`for_chunks` runs on the calling thread anyway), take one compiled call.
+ONE_CALL_MAX = 1 << 23
+
+
+def _in_one_call(base: torch.Tensor, experts: list[torch.Tensor]) -> bool:
+    """Whether :func:`tau_kth_largest_abs` runs :func:`kernels.tau_kth` for these inputs."""
+    if not kernels.one_call_kth(base, experts):
+        return False
+    on_worker = getattr(_on_worker, "active", False)
+    return on_worker or base.numel() < ONE_CALL_MAX or chunk_workers() is None
+
+
+def _one_call_kth(
+    base: torch.Tensor, experts: list[torch.Tensor], ranks: list[list[int]]
+) -> list[list[float]]:
+    """:func:`kernels.tau_kth` for ranks as :class:`KthLargestAbs` clips them (k ≤ 0:
+    ``inf``; k > numel: the smallest)."""
+    numel = base.numel()
+    wanted = [[min(k, numel) for k in ks if k > 0] for ks in ranks]
+    found = [iter(bits) for bits in kernels.tau_kth(base, experts, wanted)[0]]
+    return [
+        [_bits_to_float(next(bits)) if k > 0 else math.inf for k in ks]
+        for ks, bits in zip(ranks, found)
+    ]
 
 
 def global_magnitude_thresholds(
