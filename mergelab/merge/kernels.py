@@ -19,7 +19,12 @@ same worker threads and chunk boundaries) run compiled loops that release the GI
 * ``_loops.tau_abs_histograms`` — the radix-histogram passes of :class:`ops.KthLargestAbs` over
   |τ_i| for one chunk, straight from the stored inputs, the base read once for every expert; a
   band pass flags the entries in its band with a bit each where the CPU has AVX2
-  (``_loops.band_masks(False)`` switches to a byte each, as elsewhere, for the tests).
+  (``_loops.band_masks(False)`` switches to a byte each, as elsewhere, for the tests);
+* ``_loops.tau_kth`` — every pass of one tensor's thresholds (:func:`tau_kth`): the sampled
+  pass, the band pass and any exact passes, counted by the same loop as
+  ``tau_abs_histograms``, with the decisions between them (:class:`ops.KthLargestAbs`'s) and
+  the selection among a band's collected values, in one call on one thread; the chunked passes
+  cost a few Python round trips per pass, as much as the counting itself on small tensors.
 
 Every float32 operation is the one torch performs, in the same order: ``add_(x, alpha=w)`` is a
 fused multiply-add in torch's vectorised kernels, so it is ``fmaf`` there, and the compiler may
