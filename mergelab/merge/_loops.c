@@ -36,7 +36,6 @@
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
-#define REVERSE_BLOCK 64 /* tiles per block of an exact pass, the blocks visited last to first */
 #define HIGH_BUCKETS (1 << 15) /* ops._HIGH_BUCKETS */
 #define LOW_BUCKETS (1 << 16)  /* ops._LOW_BUCKETS */
 #define DARE_LANES 8   /* SFC64 streams advanced together */
@@ -1269,15 +1268,7 @@ HOT static int tau_abs_histograms_impl(const Passes *q)
     if (!ends) return -1;
     memset(inside.bytes, 0, sizeof inside.bytes);
     memset(inside2.bytes, 0, sizeof inside2.bytes);
-    /* A pass over every entry visits blocks of REVERSE_BLOCK tiles last to first (the tiles of a
-     * block first to last, as the CPU's prefetchers expect): the merge that follows reads the
-     * tensor first to last, so it starts on the lines this pass left in the cache last. */
-    const int64_t block = GROUPED * REVERSE_BLOCK;
-    const int64_t last_block = total > 0 ? (total - 1) / block * block : 0;
-    const int64_t span = step == 1 && total > 0 ? last_block + block : total;
-    for (int64_t i0 = 0; i0 < span; i0 += GROUPED) {
-        const int64_t t0 = step == 1 ? last_block - i0 / block * block + i0 % block : i0;
-        if (t0 >= total) continue; /* past the end of the last, partial block */
+    for (int64_t t0 = 0; t0 < total; t0 += GROUPED) {
         int64_t length = total - t0 < GROUPED ? total - t0 : GROUPED;
         if (step > 1 && t0 + GROUPED < total) { /* the next tile's runs, while this one counts */
             int64_t after = total - t0 - GROUPED < GROUPED ? total - t0 - GROUPED : GROUPED;
