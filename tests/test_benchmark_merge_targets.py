@@ -1,0 +1,103 @@
+"""benchmarks/merge_targets.py: every target checked on every full results table, at the bounds
+the issue sets, and the README's counts of met targets are the script's, from the committed
+results files."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def targets(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    yield importlib.import_module("merge_targets")
+    sys.modules.pop("merge_targets", None)
+
+
+def full_run(targets, over_linear=1.2, speedup=20.0, rss_ratio=0.2, threads="each tool's default"):
+    """A results file's record with every variant the targets read, all values given."""
+    rows = []
+    for variant in {t.variant for t in targets.TARGETS}:
+        rows.append(
+            {
+                "variant": variant,
+                "over_linear": 1.0 if variant == "linear" else over_linear,
+                "over_floor_direct": 1.1,
+                "speedup": speedup,
+                "rss_ratio": rss_ratio,
+                "mergelab": {"s": 2.5},
+            }
+        )
+    return {"config": {"threads": threads, "commit": None}, "rows": rows}
+
+
+def write(folder: Path, name: str, record: dict) -> None:
+    (folder / name).write_text(json.dumps(record))
+
+
+def test_each_bound_is_met_at_itself_and_missed_just_past_it(targets, tmp_path):
+    at = full_run(targets, over_linear=1.5, speedup=8.0, rss_ratio=1.0)
+    past = full_run(targets, over_linear=1.5001, speedup=2.99, rss_ratio=1.01)
+    write(tmp_path, "merge_speed_at.json", at)
+    write(tmp_path, "merge_speed_past.json", past)
+    runs = {r["file"]: r for r in targets.collect(tmp_path)["default"]}
+    assert all(runs["merge_speed_at.json"]["met"].values())
+    missed = {k for k, v in runs["merge_speed_past.json"]["met"].items() if v is False}
+    ratio_labels = {t.label for t in targets.TARGETS if t.field == "over_linear"}
+    speed_labels = {t.label for t in targets.TARGETS if t.field == "speedup"}
+    assert missed == ratio_labels | speed_labels | {targets.RSS_LABEL}
+    # the cell shows a third decimal where two would put a miss on its bound
+    table = targets.markdown([runs["merge_speed_past.json"]])
+    assert "1.500 ✗" in table and "1.50 |" not in table
+
+
+def test_runs_without_mergekit_are_not_counted_for_its_targets(targets, tmp_path):
+    alone = full_run(targets)
+    for row in alone["rows"]:
+        row["speedup"] = row["rss_ratio"] = None
+    write(tmp_path, "merge_speed_alone.json", alone)
+    write(tmp_path, "merge_speed_both.json", full_run(targets, speedup=5.0))
+    counts = targets.tally(targets.collect(tmp_path)["default"])
+    assert counts["ties × mergekit"] == {"checked": 2 - 1, "met": 0}  # 5× misses 8×
+    assert counts["dare_ties × mergekit"] == {"checked": 1, "met": 1}
+    assert counts[targets.RSS_LABEL] == {"checked": 1, "met": 1}
+    assert counts["ties ÷ linear"] == {"checked": 2, "met": 2}
+
+
+def test_partial_tables_are_left_out_and_thread_settings_kept_apart(targets, tmp_path):
+    probe = full_run(targets)
+    probe["rows"] = [r for r in probe["rows"] if r["variant"] == "dare_ties"]
+    write(tmp_path, "merge_speed_probe.json", probe)
+    write(tmp_path, "merge_speed_threads1_x.json", full_run(targets, over_linear=1.7, threads=1))
+    write(tmp_path, "merge_speed_x.json", full_run(targets))
+    write(tmp_path, "loop_costs.json", {"rows": []})  # another benchmark's file
+    groups = targets.collect(tmp_path)
+    assert [r["file"] for r in groups["default"]] == ["merge_speed_x.json"]
+    assert [r["file"] for r in groups["threads1"]] == ["merge_speed_threads1_x.json"]
+    assert targets.tally(groups["threads1"])["breadcrumbs ÷ linear"]["met"] == 0
+
+
+def last_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| met in |")]
+
+
+def test_the_readme_counts_are_the_scripts(targets):
+    """The README's tables of targets show the committed results files' runs and their counts:
+    a results file added without rerunning the script, or a hand edit, fails here."""
+    readme = (ROOT / "README.md").read_text()
+    groups = targets.collect()
+    for runs in groups.values():
+        table = targets.markdown(runs)
+        for line in table.splitlines()[2:]:  # the runs (in any order) and the counts
+            assert line in readme, line
+    assert len(last_rows(readme)) == len(groups)
+    cited = set(re.findall(r"\| `(merge_speed[^`]*\.json)` \|", readme))
+    assert cited == {r["file"] for runs in groups.values() for r in runs}
