@@ -62,6 +62,8 @@ TARGETS = [
     Target("dare_ties × mergekit", "dare_ties", "speedup", 3.0, most=False),
 ]
 RSS_LABEL = "largest RSS ÷ mergekit's"  # every row with mergekit: met when at most 1
+LABELS = [t.label for t in TARGETS] + [RSS_LABEL]  # the tables' columns, in order
+BOUNDS = {t.label: t.bound for t in TARGETS} | {RSS_LABEL: 1.0}
 
 
 def commit_date(commit: str | None) -> str:
@@ -91,7 +93,7 @@ def check_run(path: Path) -> dict | None:
         met[t.label] = None if value is None else t.met(value)
     rss = [row["rss_ratio"] for row in rows.values() if row.get("rss_ratio") is not None]
     values[RSS_LABEL] = max(rss) if rss else None
-    met[RSS_LABEL] = None if not rss else max(rss) <= 1.0
+    met[RSS_LABEL] = None if not rss else max(rss) <= BOUNDS[RSS_LABEL]
     linear = rows["linear"].get("mergelab") or {}
     return {
         "file": path.name,
@@ -107,13 +109,12 @@ def check_run(path: Path) -> dict | None:
 
 def tally(runs: list[dict]) -> dict[str, dict[str, int]]:
     """Per target: in how many runs it was checked (a value there) and met."""
-    labels = [t.label for t in TARGETS] + [RSS_LABEL]
     return {
         label: {
             "checked": sum(r["met"][label] is not None for r in runs),
             "met": sum(r["met"][label] is True for r in runs),
         }
-        for label in labels
+        for label in LABELS
     }
 
 
@@ -142,16 +143,14 @@ def _cell(value: float | None, met: bool | None, bound: float | None = None) -> 
 
 def markdown(runs: list[dict]) -> str:
     """A table of the runs (one row each, misses marked ✗) and a last row of the counts."""
-    labels = [t.label for t in TARGETS] + [RSS_LABEL]
-    bounds = {t.label: t.bound for t in TARGETS} | {RSS_LABEL: 1.0}
-    head = ["run", "CPU", "linear s", *labels]
+    head = ["run", "CPU", "linear s", *LABELS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         cells = [f"`{r['file']}`", r["cpu"] or "–", _cell(r["linear_s"], None)]
-        cells += [_cell(r["values"][key], r["met"][key], bounds[key]) for key in labels]
+        cells += [_cell(r["values"][key], r["met"][key], BOUNDS[key]) for key in LABELS]
         lines.append("| " + " | ".join(cells) + " |")
     counts = tally(runs)
-    last = ["met in", "", ""] + [f"{counts[k]['met']} of {counts[k]['checked']}" for k in labels]
+    last = ["met in", "", ""] + [f"{counts[k]['met']} of {counts[k]['checked']}" for k in LABELS]
     lines.append("| " + " | ".join(last) + " |")
     return "\n".join(lines)
 
@@ -167,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{titles[name]} ({len(runs)} runs)\n")
         print(markdown(runs))
     record = {
-        "targets": [t._asdict() for t in TARGETS] + [{"label": RSS_LABEL, "bound": 1.0}],
+        "targets": [t._asdict() for t in TARGETS]
+        + [{"label": RSS_LABEL, "bound": BOUNDS[RSS_LABEL]}],
         "runs": groups,
         "tally": {name: tally(runs) for name, runs in groups.items()},
     }
