@@ -10,7 +10,6 @@ from mergelab.eval.benchmarks import (
     Benchmark,
     BenchmarkFormatError,
     Item,
-    load_benchmark,
     load_gsm8k,
     load_humaneval,
     load_humaneval_plus,
@@ -27,6 +26,7 @@ from mergelab.eval.prompts import (
     stop_strings,
 )
 from mergelab.eval.scoring_math import math_answers_equal
+from mergelab.eval.tasks import load_benchmark
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 

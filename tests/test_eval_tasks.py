@@ -18,6 +18,7 @@ from mergelab.eval.tasks import (
     register_task,
     score_completions,
 )
+from mergelab.synthetic import draw_benchmark
 
 WEAK = EvalSettings(isolation="weak", bootstrap_samples=100)
 
@@ -43,7 +44,7 @@ def test_strict_final_line_for_synthetic_answers():
     assert extract_final_answer_line("#### 7\nmore text") is None  # not the final line
     assert extract_final_answer_line("The answer is 7.") is None
     assert extract_final_answer_line("") is None
-    bench = get_task("synth_count").load(n=12, seed=3)
+    bench = draw_benchmark("count", n=12, seed=3)
     gold = {it.item_id: it.solution for it in bench.items}
     assert all(score_completions(bench, gold, WEAK).values())
     # Cut the "#### n" line: flexible GSM8K extraction would still find n in "n word"; strict not.
@@ -54,7 +55,7 @@ def test_strict_final_line_for_synthetic_answers():
 
 
 def test_synthetic_prompts_and_sum_of_numbers_baselines():
-    math = get_task("synth_math").load(n=30, seed=1)
+    math = draw_benchmark("math", n=30, seed=1)
     item = math.items[0]
     assert build_prompt(item, math, PromptConfig()) == f"Q: {item.prompt}\nA:"
     assert stop_strings(math) == GSM8K_STOPS
@@ -67,7 +68,7 @@ def test_synthetic_prompts_and_sum_of_numbers_baselines():
                  for it in math.items}  # fmt: skip
     assert got == adds_only and 0 < sum(got.values()) < len(got)
 
-    mixed = get_task("synth_mixed").load(n=10, seed=1)
+    mixed = draw_benchmark("mixed", n=10, seed=1)
     assert stop_strings(mixed) == HUMANEVAL_STOPS
     programs = baseline_completions(mixed, "sum_of_numbers")
     assert all(p.startswith("    return ") for p in programs.values())
@@ -82,11 +83,15 @@ def test_synthetic_prompts_and_sum_of_numbers_baselines():
         score_completions(mixed, dict(list(gold.items())[1:]), WEAK)
 
 
-def test_study_items_keep_their_ids_and_split():
+def test_study_items_keep_their_ids_and_split(tmp_path):
     from mergelab.synthetic import make_splits
 
     splits = make_splits("math", {"validation": 5, "test": 7, "train": 20}, seed=0)
     bench = get_task("synth_math").load(splits["test"], name="synthetic-math-test")
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps(it) + "\n" for it in splits["test"]))
+    again = get_task("synth_math").load(path, name="synthetic-math-test")
+    assert again.items == bench.items
     assert (bench.name, bench.task, len(bench)) == ("synthetic-math-test", "synth_math", 7)
     assert [it.item_id for it in bench.items] == [it["id"] for it in splits["test"]]
     assert bench.items[0].answer == splits["test"][0]["answer"]

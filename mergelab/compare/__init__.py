@@ -21,8 +21,9 @@ docs/compare.md is the reference: every key of the spec and every field of resul
 """
 
 from mergelab.compare.plan import Plan, make_plan
-from mergelab.compare.report import draw_figures, load_results, markdown_table, plot_only
-from mergelab.compare.run import RESULTS_SCHEMA, RESULTS_VERSION, run
+from mergelab.compare.report import draw_figures, markdown_table, plot_only
+from mergelab.compare.results_file import RESULTS_SCHEMA, RESULTS_VERSION, load_results
+from mergelab.compare.run import run
 from mergelab.compare.spec import CompareSpec, SpecError, load_spec, parse_spec
 
 __all__ = [

@@ -54,6 +54,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from mergelab.plugins import add_plugin_argument
+
+    add_plugin_argument(p)
     p.set_defaults(func=main)
     return p
 
@@ -62,7 +65,9 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mergelab.compare.run import default_cache_dir, run
+    from mergelab.plugins import load_from_args
 
+    plugins = load_from_args(args)  # before the spec names their methods and tasks
     if args.plot_only:
         if not args.out:
             raise ValueError("--plot-only needs --out (the folder holding results.json)")
@@ -96,9 +101,9 @@ def main(args: argparse.Namespace) -> int:
             executor["address"] = args.ray_address
     if args.dry_run:
         from mergelab.compare.plan import make_plan
-        from mergelab.compare.spec import load_spec, with_executor
+        from mergelab.compare.spec import load_spec, with_executor, with_plugins
 
-        loaded = load_spec(spec)
+        loaded = with_plugins(load_spec(spec), plugins)
         if executor is not None:
             loaded = with_executor(loaded, executor)
         print(make_plan(loaded).describe())
@@ -106,7 +111,13 @@ def main(args: argparse.Namespace) -> int:
     if not args.out:
         raise ValueError("--out is required (the output folder)")
     run(
-        spec, args.out, cache_dir=args.cache, executor=executor, force=args.force, progress=progress
+        spec,
+        args.out,
+        cache_dir=args.cache,
+        executor=executor,
+        force=args.force,
+        progress=progress,
+        plugins=plugins,
     )
     table = (Path(args.out) / "table.md").read_text(encoding="utf-8")
     print(table)

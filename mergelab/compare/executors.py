@@ -28,6 +28,7 @@ from mergelab.compare.plan import Job, Plan, fingerprint
 from mergelab.compare.spec import eval_settings_for
 from mergelab.eval import read_generations
 from mergelab.outputs import atomic_output_file
+from mergelab.plugins import load_plugins
 
 JOB_FORMAT = 1
 
@@ -75,7 +76,9 @@ class JobContext:
 
 
 def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
-    """Evaluate one job (or read its finished record)."""
+    """Evaluate one job (or read its finished record). The spec's plugins are loaded first
+    (once per process): a Ray worker needs no setup hook to know their methods and tasks."""
+    load_plugins(ctx.plan.spec.plugins)
     path = ctx.job_file(job)
     if path.is_file():
         try:

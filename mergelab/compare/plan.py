@@ -202,7 +202,7 @@ def load_benchmark_spec(b: BenchmarkSpec, source: str) -> Benchmark:
             raise SpecError(f"{source}: benchmarks[{b.name}].file: {load['file']}: {exc}") from exc
         bench.source = load["file"]
     else:
-        from mergelab.eval.benchmarks import load_benchmark
+        from mergelab.eval.tasks import load_benchmark
 
         bench = load_benchmark(load["benchmark"], load.get("path"))
     if not bench.items:

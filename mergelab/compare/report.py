@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mergelab.compare.results_file import dump, load_results
 from mergelab.outputs import atomic_output_dir
 
 FIGURES = ("scores.png", "score_vs_cost.png")
@@ -32,8 +33,6 @@ def write_output(
     inputs=(),
 ) -> Path:
     """Write the output folder in one step (it appears only when complete)."""
-    from mergelab.compare.run import dump
-
     text = dump(results)
     with atomic_output_dir(out, force=force, inputs=inputs, kind="compare") as tmp:
         (tmp / "results.json").write_text(text + "\n", encoding="utf-8")
@@ -51,20 +50,6 @@ def plot_only(out: str | os.PathLike, figures: bool = True) -> Path:
         raise FileNotFoundError(f"{path} does not exist: run the comparison first")
     data = load_results(path)
     return write_output(data, out, force=True, figures=figures)
-
-
-def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    from mergelab.compare.run import RESULTS_SCHEMA, RESULTS_VERSION
-
-    if data.get("schema") != RESULTS_SCHEMA:
-        raise ValueError(f"{path} is not a mergelab compare results file")
-    if data.get("schema_version") != RESULTS_VERSION:
-        raise ValueError(
-            f"{path}: schema_version {data.get('schema_version')} is not "
-            f"{RESULTS_VERSION}, the one this mergelab reads"
-        )
-    return data
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,11 +14,10 @@ appears only when complete (:mod:`mergelab.outputs`).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,20 @@ from tqdm.auto import tqdm
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.executors import JobContext, progress_default, run_jobs
 from mergelab.compare.plan import Plan, candidate_name, make_plan
+from mergelab.compare.report import write_output
+from mergelab.compare.results_file import RESULTS_SCHEMA, RESULTS_VERSION
 from mergelab.compare.select import choose_best_expert, choose_point
-from mergelab.compare.spec import CompareSpec, eval_settings_for, load_spec, with_executor
+from mergelab.compare.spec import (
+    CompareSpec,
+    eval_settings_for,
+    load_spec,
+    with_executor,
+    with_plugins,
+)
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
 from mergelab.eval.tasks import get_task, score_completions
 
-RESULTS_SCHEMA = "mergelab.compare.results"
-RESULTS_VERSION = 1
+__all__ = ["RESULTS_SCHEMA", "RESULTS_VERSION", "default_cache_dir", "run"]
 
 
 def default_cache_dir(out: str | os.PathLike) -> Path:
@@ -60,6 +66,7 @@ def run(
     progress: bool | None = None,
     figures: bool = True,
     sandbox=None,
+    plugins: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run a comparison; returns the results (the content of ``results.json``).
 
@@ -70,10 +77,12 @@ def run(
     ``out`` is None). ``executor``: "local", "ray" or a mapping like the spec's ``executor``
     (overrides the spec's). ``sandbox``: a running :class:`~mergelab.eval.Sandbox` to score code
     in (its worker processes are reused across jobs; local executor only), else one per job.
+    ``plugins``: more plugins (:mod:`mergelab.plugins`) for every worker, beside the spec's;
+    load them before ``spec`` is read when it names their methods or tasks.
     """
     from mergelab.outputs import check_output_path
 
-    spec = load_spec(spec)
+    spec = with_plugins(load_spec(spec), plugins)
     if executor is not None:
         spec = with_executor(spec, executor)
     progress = progress_default() if progress is None else progress
@@ -162,8 +171,6 @@ def run(
         "costs": costs(runs),
     }
     if out is not None:
-        from mergelab.compare.report import write_output
-
         write_output(results, out, force=force, figures=figures, inputs=[*_inputs(spec), cache_dir])
     return results
 
@@ -300,15 +307,3 @@ def package_versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             out[pkg] = None
     return out
-
-
-def dump(results: Mapping[str, Any]) -> str:
-    return json.dumps(results, indent=1, sort_keys=False, default=_json_default)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, tuple):
-        return list(o)
-    return repr(o)

@@ -55,6 +55,7 @@ TOP_KEYS = {
     "prompt",
     "eval",
     "cache_dir",
+    "plugins",
 }
 MODEL_KEYS = {"base", "tokenizer", "experts"}
 MODEL_ENTRY_KEYS = {"path", "adapter"}
@@ -204,6 +205,9 @@ class CompareSpec:
     name: str = "compare"
     source: str = "<python>"
     raw: dict[str, Any] = field(default_factory=dict)
+    # Plugins (mergelab.plugins) in the form every worker loads them from: files made absolute,
+    # modules with the folder they may be imported from.
+    plugins: tuple[str, ...] = ()
 
     @property
     def experts(self) -> list[str]:
@@ -253,6 +257,15 @@ def parse_spec(
 ) -> CompareSpec:
     """Check ``data`` against the schema; every error names the key and ``source``."""
     return _Parser(Path(base_dir), source).parse(data)
+
+
+def with_plugins(spec: CompareSpec, plugins: Sequence[str]) -> CompareSpec:
+    """``spec`` with more plugins (already loaded here; resolved by
+    :func:`mergelab.plugins.load_plugins`) for its workers to load."""
+    import dataclasses
+
+    extra = tuple(p for p in plugins if p not in spec.plugins)
+    return dataclasses.replace(spec, plugins=spec.plugins + extra) if extra else spec
 
 
 def with_executor(spec: CompareSpec, executor: Any) -> CompareSpec:
@@ -312,6 +325,7 @@ class _Parser:
 
     def parse(self, data: Mapping[str, Any]) -> CompareSpec:
         top = self.mapping("", data, TOP_KEYS)
+        plugins = self.plugins(top.get("plugins"))  # first: the spec may name their methods
         for required in ("models", "candidates", "benchmarks"):
             if required not in top:
                 raise self.fail(required, "missing (a spec needs models, candidates, benchmarks)")
@@ -388,7 +402,16 @@ class _Parser:
             name=str(top.get("name", "compare")),
             source=self.source,
             raw=_describe(data),
+            plugins=plugins,
         )
+
+    def plugins(self, value: Any) -> tuple[str, ...]:
+        from mergelab.plugins import PluginError, check_list, load_plugins
+
+        try:
+            return tuple(load_plugins(check_list(value, "plugins"), self.base_dir))
+        except PluginError as exc:
+            raise self.fail("plugins", str(exc)) from None
 
     def models(self, value: Any) -> tuple[dict[str, ModelSource], Any]:
         section = self.mapping("models", value, MODEL_KEYS)
@@ -731,17 +754,22 @@ class _Parser:
         else:
             bench = entry["benchmark"]
             if isinstance(bench, str):
-                from mergelab.eval.benchmarks import LOADERS
+                from mergelab.eval.tasks import (
+                    benchmark_names,
+                    canonical_benchmark_name,
+                    needs_path,
+                )
 
-                norm = bench.lower().replace("+", "_plus").replace("-", "_")
-                if norm not in LOADERS:
+                try:
+                    norm = canonical_benchmark_name(bench)
+                except KeyError:
                     raise self.fail(
-                        f"{key}.benchmark", f"{bench!r} is not one of {sorted(LOADERS)}"
-                    )
+                        f"{key}.benchmark", f"{bench!r} is not one of {benchmark_names()}"
+                    ) from None
                 load = {"benchmark": norm}
                 if "path" in entry:
                     load["path"] = self.path(f"{key}.path", entry["path"])
-                elif norm not in ("humaneval", "humaneval_plus", "mbpp_plus"):
+                elif needs_path(norm):
                     raise self.fail(f"{key}.path", f"benchmark {bench!r} needs a local file")
             elif hasattr(bench, "items") and hasattr(bench, "fingerprint"):
                 load = {"object": bench}

@@ -79,6 +79,9 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    from ..plugins import add_plugin_argument
+
+    add_plugin_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -247,7 +250,9 @@ def build_decoder(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from ..outputs import atomic_output_file, check_output_file
+    from ..plugins import load_from_args
 
+    load_from_args(args)  # a user's code, as for every subcommand (docs/plugins.md)
     inputs = check_inputs(args)
     prompts = args.prompt if args.prompt else read_prompts(args.prompts_file)
     output = dict(force=args.force, inputs=inputs, written_by_mergelab=is_generations_file)

@@ -10,16 +10,18 @@ Typical use::
     result = evaluate(candidate, load_benchmark("humaneval"), EvalSettings())
     print(result.summary["metrics"])
 
-A benchmark names its task (:mod:`mergelab.eval.tasks`: loader, prompt, scorer, baselines);
-adding a task is one file that calls :func:`register_task`.
+A benchmark names its task (:mod:`mergelab.eval.tasks`: loader, prompt, shots, scorer,
+baselines); adding a task is one file that calls :func:`register_task` (in a plugin:
+docs/plugins.md). mergelab's own tasks are registered at the end of this file.
 """
 
+# The built-in tasks (importing a module registers its tasks).
+from mergelab.eval import letter_tasks, standard_tasks, synthetic_tasks  # noqa: E402, F401
 from mergelab.eval.benchmarks import (
     Benchmark,
     BenchmarkFormatError,
     CodeTests,
     Item,
-    load_benchmark,
     load_gsm8k,
     load_humaneval,
     load_humaneval_plus,
@@ -46,6 +48,7 @@ from mergelab.eval.sandbox import (
 from mergelab.eval.scoring_code import build_test_programs, pass_at_k
 from mergelab.eval.scoring_math import (
     MATH_CHECKERS,
+    answer_scorer,
     extract_gsm8k,
     extract_math_answer,
     gsm8k_correct,
@@ -60,8 +63,10 @@ from mergelab.eval.tasks import (
     TaskScores,
     get_task,
     list_tasks,
+    load_benchmark,
     register_task,
     score_completions,
+    task_origins,
 )
 
 __all__ = [
@@ -79,6 +84,7 @@ __all__ = [
     "SandboxUnavailableError",
     "Task",
     "TaskScores",
+    "answer_scorer",
     "bootstrap_ci",
     "build_prompt",
     "build_test_programs",
@@ -110,4 +116,5 @@ __all__ = [
     "run_programs",
     "score_completions",
     "stop_strings",
+    "task_origins",
 ]

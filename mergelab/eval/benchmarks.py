@@ -23,8 +23,8 @@ Studies can define benchmarks in memory::
                                  [Item("q1", "What is 2 + 3?", answer="5")])
 
 ``task`` names a registered task (:mod:`mergelab.eval.tasks`: ``gsm8k``, ``math``,
-``humaneval``, ``mbpp``, ``code``, ``synth_*``, ...), which decides how prompts are built and
-generations scored.
+``humaneval``, ``mbpp``, ``code``, ``synth_*``, ...), which decides how the benchmark is loaded
+by name (:func:`mergelab.eval.load_benchmark`), how prompts are built and generations scored.
 """
 
 from __future__ import annotations
@@ -677,28 +677,3 @@ def load_items(
     if not items:
         raise BenchmarkFormatError(f"{path}: no records found")
     return Benchmark(name or path.stem, task, items[: check_limit(limit)], str(path))
-
-
-LOADERS = {
-    "humaneval": load_humaneval,
-    "humaneval_plus": load_humaneval_plus,
-    "mbpp": load_mbpp,
-    "mbpp_plus": load_mbpp_plus,
-    "gsm8k": load_gsm8k,
-    "math": load_math,
-}
-
-
-def load_benchmark(
-    name: str, path: str | os.PathLike | None = None, limit: int | None = None
-) -> Benchmark:
-    """Load a benchmark by name (see :data:`LOADERS`) from ``path``."""
-    key = name.lower().replace("+", "_plus").replace("-", "_")
-    if key not in LOADERS:
-        raise KeyError(f"unknown benchmark {name!r}; known: {sorted(LOADERS)}")
-    loader = LOADERS[key]
-    if key in ("humaneval", "humaneval_plus", "mbpp_plus"):
-        return loader(path, limit=limit)
-    if path is None:
-        raise FileNotFoundError(f"benchmark {name!r} needs a local file: pass path=...")
-    return loader(path, limit=limit)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mergelab.compose.cli import positive_int
 from mergelab.eval.scoring_math import MATH_CHECKERS
+from mergelab.plugins import add_plugin_argument, load_from_args
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -131,10 +132,11 @@ def _benchmark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--benchmark",
         required=True,
-        help="humaneval, humaneval+, mbpp, mbpp+, gsm8k or math",
+        help="humaneval, humaneval+, mbpp, mbpp+, gsm8k, math, or a task from a --plugin",
     )
     p.add_argument("--data", help="local data file (or MATH folder); HumanEval is bundled")
     p.add_argument("--limit", type=positive_int, help="only the first N items (default: all)")
+    add_plugin_argument(p)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -143,14 +145,14 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from mergelab.candidate import GenerationSettings
-    from mergelab.eval.benchmarks import load_benchmark
     from mergelab.eval.harness import EvalSettings, evaluate, export_evalplus_samples
     from mergelab.eval.prompts import PromptConfig
     from mergelab.eval.sandbox import SandboxLimits
     from mergelab.eval.spec import build_candidate, parse_candidate_spec
-    from mergelab.eval.tasks import get_task
+    from mergelab.eval.tasks import get_task, load_benchmark
     from mergelab.outputs import check_output_file, check_output_path
 
+    load_from_args(args)
     if args.model is not None and not Path(args.model).is_dir():
         raise FileNotFoundError(f"model folder {args.model} not found")
     spec = parse_candidate_spec(args.spec if args.spec else {"model": args.model})
@@ -251,11 +253,11 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _canonical(args: argparse.Namespace) -> int:
-    from mergelab.eval.benchmarks import load_benchmark
     from mergelab.eval.sandbox import Sandbox, SandboxLimits
     from mergelab.eval.scoring_code import build_test_programs
-    from mergelab.eval.tasks import get_task
+    from mergelab.eval.tasks import get_task, load_benchmark
 
+    load_from_args(args)
     bench = load_benchmark(args.benchmark, args.data, limit=args.limit)
     if get_task(bench.task).kind != "code":
         raise ValueError(f"{bench.name} is not a code benchmark")

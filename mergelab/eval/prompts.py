@@ -27,7 +27,6 @@ HUMANEVAL_STOPS = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\n
 MBPP_STOPS = ("\nclass ", "\nif __name__", "\nprint(", "\nassert ", '\n"""', "\n```")
 GSM8K_STOPS = ("Q:", "</s>", "<|im_end|>", "\n\n\n")
 MATH_STOPS = ("Problem:", "</s>", "<|im_end|>", "\n\n\n")
-DEFAULT_SHOTS = {"gsm8k": 8, "math": 2, "code": 0}
 CODE_CHAT_INSTRUCTION = (
     "Complete the following Python code. Reply with the complete function in one "
     "```python code block.\n\n```python\n{prompt}```"
@@ -36,9 +35,9 @@ CODE_CHAT_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """How prompts are built. ``n_shots=None`` means the protocol's default (GSM8K 8, MATH 2,
-    code 0). ``exemplars`` replaces the standard few-shot examples (dicts with ``question`` and
-    ``answer`` for GSM8K-style tasks, ``problem`` and ``solution`` for MATH-style ones).
+    """How prompts are built. ``n_shots=None`` means the task's default (its ``shots``: GSM8K 8,
+    MATH 2, code 0). ``exemplars`` replaces the task's few-shot examples (dicts with ``question``
+    and ``answer`` for GSM8K-style tasks, ``problem`` and ``solution`` for MATH-style ones).
     ``chat_template``: ``"never"`` (plain text, the paper's protocol for base models),
     ``"auto"`` (use the tokenizer's template when it has one) or ``"always"`` (error without
     one). ``stop_strings=None`` means the defaults for the benchmark and style."""
@@ -74,27 +73,23 @@ def load_exemplars(name: str) -> tuple[dict[str, str], ...]:
     return tuple(json.loads(text)["exemplars"])
 
 
-def _shots(task: str, config: PromptConfig) -> list[dict[str, str]]:
-    n = DEFAULT_SHOTS[task] if config.n_shots is None else config.n_shots
-    pool = config.exemplars
-    if pool is None:
-        pool = load_exemplars("gsm8k_cot_8shot" if task == "gsm8k" else "math_4shot")
-    if n > len(pool):
-        raise ValueError(f"{n}-shot prompt requested but only {len(pool)} exemplars available")
-    return list(pool[:n])
+def shots(config: PromptConfig) -> list[dict[str, str]]:
+    """The few-shot examples of a prompt: the first ``n_shots`` of ``exemplars`` (a task's
+    builder gets ``config`` with both already filled in by :meth:`~mergelab.eval.Task.prompt_config`)."""
+    return list((config.exemplars or ())[: config.n_shots or 0])
 
 
 def gsm8k_prompt(question: str, config: PromptConfig = PromptConfig()) -> str:
-    shots = "".join(f"Q: {e['question']}\nA: {e['answer']}\n\n" for e in _shots("gsm8k", config))
-    return f"{shots}Q: {question}\nA:"
+    """``Q: …\nA: …`` per shot, then the question (zero-shot: ``Q: question\nA:``)."""
+    examples = "".join(f"Q: {e['question']}\nA: {e['answer']}\n\n" for e in shots(config))
+    return f"{examples}Q: {question}\nA:"
 
 
 def math_prompt(problem: str, config: PromptConfig = PromptConfig()) -> str:
-    shots = "".join(
-        f"Problem:\n{e['problem']}\n\nSolution:\n{e['solution']}\n\n"
-        for e in _shots("math", config)
+    examples = "".join(
+        f"Problem:\n{e['problem']}\n\nSolution:\n{e['solution']}\n\n" for e in shots(config)
     )
-    return f"{shots}Problem:\n{problem}\n\nSolution:\n"
+    return f"{examples}Problem:\n{problem}\n\nSolution:\n"
 
 
 def uses_chat_template(config: PromptConfig, tokenizer: Any) -> bool:
@@ -114,7 +109,7 @@ def build_prompt(
 
     task = get_task(benchmark.task)
     chat = uses_chat_template(config, tokenizer)
-    text = task.build_prompt(item, config)
+    text = task.build_prompt(item, task.prompt_config(config))
     if not chat:
         return text
     if task.kind == "code":

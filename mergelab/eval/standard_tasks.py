@@ -51,26 +51,62 @@ def _load_code_items(path, limit=None, *, name=None):
     return benchmarks.load_items(path, "code", limit=limit, name=name)
 
 
-register_task(Task(
-    name="gsm8k", kind="math", load=benchmarks.load_gsm8k,
-    build_prompt=lambda item, config: prompts.gsm8k_prompt(item.prompt, config),
-    score=answer_scorer(_gsm8k_check), stop_strings=lambda bench: prompts.GSM8K_STOPS,
-    description="GSM8K: 8-shot chain of thought, the number after '####' / 'The answer is' or "
-                "the last number",
-))  # fmt: skip
-register_task(Task(
-    name="math", kind="math", load=benchmarks.load_math,
-    build_prompt=lambda item, config: prompts.math_prompt(item.prompt, config),
-    score=answer_scorer(_math_check, math_checker_versions),
-    stop_strings=lambda bench: prompts.MATH_STOPS,
-    description="MATH: Minerva few-shot, the last \\boxed{} answer, checked symbolically",
-))  # fmt: skip
-for _name, _load, _what in [
-    ("humaneval", _load_humaneval, "HumanEval(+): complete the function stub"),
-    ("mbpp", _load_mbpp, "MBPP(+): write the function the text and its tests describe"),
-    ("code", _load_code_items, "code items with tests (in-memory or a JSONL of items)"),
-]:
-    register_task(Task(
-        name=_name, kind="code", load=_load, build_prompt=_code_prompt, score=score_code,
-        stop_strings=prompts.code_stop_strings, description=_what,
-    ))  # fmt: skip
+register_task(
+    Task(
+        name="gsm8k",
+        kind="math",
+        load=benchmarks.load_gsm8k,
+        build_prompt=lambda item, config: prompts.gsm8k_prompt(item.prompt, config),
+        score=answer_scorer(_gsm8k_check),
+        stop_strings=lambda bench: prompts.GSM8K_STOPS,
+        shots=8,  # Wei et al. (2022)
+        exemplars=lambda: prompts.load_exemplars("gsm8k_cot_8shot"),
+        description="GSM8K: 8-shot chain of thought, the number after '####' / 'The answer is' "
+        "or the last number",
+    )
+)
+register_task(
+    Task(
+        name="math",
+        kind="math",
+        load=benchmarks.load_math,
+        build_prompt=lambda item, config: prompts.math_prompt(item.prompt, config),
+        score=answer_scorer(_math_check, math_checker_versions),
+        stop_strings=lambda bench: prompts.MATH_STOPS,
+        shots=2,  # as in the paper; Minerva's pool has 4
+        exemplars=lambda: prompts.load_exemplars("math_4shot"),
+        description="MATH: Minerva few-shot, the last \\boxed{} answer, checked symbolically",
+    )
+)
+# name, loader, variants, names that load without a path, description
+CODE_TASKS = (
+    (
+        "humaneval",
+        _load_humaneval,
+        ("plus",),
+        ("humaneval", "humaneval_plus"),
+        "HumanEval(+): complete the function stub",
+    ),
+    (
+        "mbpp",
+        _load_mbpp,
+        ("plus",),
+        ("mbpp_plus",),
+        "MBPP(+): write the function the text and its tests describe",
+    ),
+    ("code", _load_code_items, (), (), "code items with tests (in-memory or a JSONL of items)"),
+)
+for _name, _load, _variants, _bundled, _what in CODE_TASKS:
+    register_task(
+        Task(
+            name=_name,
+            kind="code",
+            load=_load,
+            build_prompt=_code_prompt,
+            score=score_code,
+            stop_strings=prompts.code_stop_strings,
+            variants=_variants,
+            bundled=_bundled,
+            description=_what,
+        )
+    )

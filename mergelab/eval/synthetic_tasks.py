@@ -1,4 +1,6 @@
-"""The mini LLM study's synthetic tasks (:mod:`mergelab.synthetic.tasks`) as evaluation tasks.
+"""The mini LLM study's synthetic tasks as evaluation tasks. The items themselves are study data,
+drawn by :mod:`mergelab.synthetic` (``mergelab.synthetic.draw_benchmark``); this module only says
+how they are prompted and scored, and reads them from memory or a JSONL file of those records.
 
 * ``synth_math``, ``synth_count`` — "Q: … A:" prompts (no shots: the experts were trained on
   exactly this layout), scored **strictly**: only a final ``#### n`` line counts, so a number
@@ -14,11 +16,13 @@ floor a model must beat to show it reads the story rather than adds what it sees
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
-from mergelab.eval.benchmarks import Benchmark, CodeTests, Item
-from mergelab.eval.prompts import GSM8K_STOPS, code_stop_strings
+from mergelab.eval.benchmarks import Benchmark, CodeTests, Item, read_records
+from mergelab.eval.prompts import GSM8K_STOPS, code_stop_strings, gsm8k_prompt
 from mergelab.eval.scoring_code import score_code
 from mergelab.eval.scoring_math import answer_scorer, final_line_correct
 from mergelab.eval.tasks import Task, register_task
@@ -63,24 +67,26 @@ def get_kind(skill: str) -> str:
 
 
 def _loader(skill: str):
-    def load(items: Sequence[dict] | None = None, *, split: str = "test", n: int = 100,
-             seed: int = 0, name: str | None = None, limit: int | None = None) -> Benchmark:  # fmt: skip
-        """``items`` from :func:`~mergelab.synthetic.make_splits` (as the study splits them), or
-        ``n`` fresh ones of one split drawn with ``seed``."""
-        if items is None:
-            from mergelab.synthetic import make_splits
-
-            items = make_splits(skill, {split: n}, seed=seed)[split]
-        bench = items_to_benchmark(skill, name or f"synth_{skill}-{split}", items)
+    def load(
+        items: Sequence[dict] | str | os.PathLike,
+        limit: int | None = None,
+        *,
+        name: str | None = None,
+    ) -> Benchmark:
+        """Items as :func:`mergelab.synthetic.make_splits` draws them: in memory, or a JSONL /
+        JSON list file of those records."""
+        if isinstance(items, (str, os.PathLike)):
+            source = Path(items)
+            items = [rec for _, rec in read_records(source)]
+            name = name or f"synth_{skill}-{source.stem}"
+        bench = items_to_benchmark(skill, name or f"synth_{skill}", items)
         return bench.head(limit)
 
     return load
 
 
 def _qa_prompt(item: Item, config) -> str:
-    from mergelab.synthetic.tasks import qa_prompt
-
-    return qa_prompt(item.prompt)
+    return gsm8k_prompt(item.prompt, config)  # "Q: …\nA:" with no shots: the experts' layout
 
 
 _strict = answer_scorer(lambda text, item, settings: final_line_correct(text, item.answer))

@@ -26,6 +26,7 @@ from typing import Any
 from mergelab.errors import Terminated
 from mergelab.lora import is_lora_adapter
 from mergelab.outputs import check_output_path
+from mergelab.plugins import add_plugin_argument, load_from_args
 
 from .checkpoint import DEFAULT_SHARD_SIZE, plan_checkpoint_merge, run_checkpoint_merge
 from .config import (
@@ -54,7 +55,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         description="Merge checkpoint folders or PEFT LoRA adapters with a registered method, "
         "from flags or a YAML/TOML config file.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="methods: " + ", ".join(list_merge_methods()) + "\n\nexamples:\n"
+        epilog="methods: "
+        + ", ".join(list_merge_methods(entry_points=False))
+        + ", and those plugins register (--plugin, docs/plugins.md)\n\nexamples:\n"
         "  mergelab merge --method ties --base base/ --model math/:1.0 --model code/:0.5 \\\n"
         "      --param density=0.2 --param lambda=1.0 --out merged/\n"
         "  mergelab merge --config merge.yaml --dry-run\n"
@@ -105,6 +108,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="dry run: list every tensor")
+    add_plugin_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -227,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    load_from_args(args)  # before the method is looked up
     config = config_from_args(args)
     if isinstance(config, MergekitConfig):
         return _run_mergekit(args, config)

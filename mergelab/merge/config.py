@@ -211,7 +211,8 @@ def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -
             "this is a mergekit-dialect config (merge_method); read it with config_from_dict "
             "or load_merge_config"
         )
-    known = {k for keys in TOP_LEVEL_KEYS.values() for k in keys}
+    raw = load_config_plugins(raw, root)
+    known = {k for keys in TOP_LEVEL_KEYS.values() for k in keys} | {"plugins"}
     unknown = sorted(str(k) for k in set(raw) - known)
     if unknown:
         raise ValueError(f"merge config: unknown key(s) {unknown}; known: {sorted(known)}")
@@ -323,14 +324,26 @@ def shard_size_bytes(size: Any) -> int:
 def config_from_dict(
     raw: Any, root: str | os.PathLike = ".", text: str | None = None
 ) -> MergeConfig | MergekitConfig:
-    """A parsed config in either dialect (see the module docstring)."""
+    """A parsed config in either dialect (see the module docstring). Its ``plugins`` (files
+    relative to ``root``, or module names) are loaded first, so their methods can be named."""
     if config_dialect(raw) == "mergekit":
+        raw = load_config_plugins(raw, root)
         from .mergekit_dialect import mergekit_config_from_dict
 
         return mergekit_config_from_dict(raw, root=root, text=text)
     config = merge_config_from_dict(raw, root=root)
     config.text = text
     return config
+
+
+def load_config_plugins(raw: dict[str, Any], root: str | os.PathLike) -> dict[str, Any]:
+    """Load the plugins a config lists (:mod:`mergelab.plugins`); ``raw`` without that key."""
+    if "plugins" not in raw:
+        return raw
+    from mergelab.plugins import check_list, load_plugins
+
+    load_plugins(check_list(raw["plugins"], "merge config"), root)
+    return {k: v for k, v in raw.items() if k != "plugins"}
 
 
 def load_merge_config(path: str | os.PathLike) -> MergeConfig | MergekitConfig:

@@ -79,7 +79,7 @@ MERGEKIT_KEYS = (
     "tokenizer",
     "chat_template",
 )
-RUN_OPTION_KEYS = ("output", "out", "seed", "shard_size")
+RUN_OPTION_KEYS = ("output", "out", "seed", "shard_size", "plugins")
 MERGEKIT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16"}
 
@@ -509,7 +509,7 @@ METHODS: dict[str, MkMethod] = {
 def mergekit_method(name: str) -> tuple[MkMethod, MergeMethod]:
     """mergekit's method ``name`` and the mergelab method that computes it; refused (naming it)
     when mergelab has none."""
-    spec = METHODS.get(name)
+    spec = METHODS.get(name) or _plugin_method(name)
     if spec is None:
         raise _fail(
             f"merge_method {name!r} is not one of mergekit 0.1.5's methods "
@@ -524,6 +524,36 @@ def mergekit_method(name: str) -> tuple[MkMethod, MergeMethod]:
             f"merge_method {name!r} is not supported: mergelab has no {spec.target!r} method "
             "registered (yet)"
         ) from None
+
+
+def _plugin_method(name: str) -> MkMethod | None:
+    """A method a plugin registered (:mod:`mergelab.plugins`), under mergekit's spelling: its
+    number and true/false parameters are mergekit parameters of the same names (per-model ones
+    per non-base model, the others shared); it computes what it computes in mergelab."""
+    from .registry import merge_method_origins
+
+    if merge_method_origins().get(name, "builtin") == "builtin":
+        return None
+    method = get_merge_method(name)
+    kinds = {bool: "bool", int: "int", float: "float", type(None): "optional_float"}
+    params = [
+        MkParam(key, kinds[type(value)], "shared", value)
+        for key, value in method.global_defaults.items()
+        if type(value) in kinds
+    ]
+    params += [
+        MkParam(key, "float", "non_base", method.per_model_defaults.get(key, REQUIRED))
+        for key in method.per_model
+    ]
+    low, high = method.n_experts
+    return MkMethod(
+        name,
+        name,
+        base="required" if method.needs_base else "optional",
+        params=tuple(params),
+        min_non_base=low,
+        max_non_base=high,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -444,6 +444,7 @@ class MergeMethod:
 
 
 _REGISTRY: dict[str, MergeMethod] = {}
+_ORIGINS: dict[str, str] = {}  # name -> where it was registered from (mergelab.plugins.origin_of)
 
 
 def _literal_choices(fn: Callable[..., Any], names: list[str]) -> dict[str, tuple[Any, ...]]:
@@ -490,8 +491,14 @@ def merge_method(
 
     def decorate(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         method_name = name or fn.__name__
+        from mergelab.plugins import origin_of
+
+        origin = origin_of(fn.__module__)
         if method_name in _REGISTRY and not replace:
-            raise ValueError(f"merge method {method_name!r} is already registered")
+            raise ValueError(
+                f"merge method {method_name!r} ({origin}) is already registered "
+                f"({_ORIGINS.get(method_name, 'unknown')})"
+            )
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
         if len(params) < 2 or "ctx" not in sig.parameters:
@@ -533,23 +540,41 @@ def merge_method(
             chunked=chunked,
             ahead=ahead,
         )
+        _ORIGINS[method_name] = origin
         return fn
 
     return decorate
 
 
 def get_merge_method(name: str) -> MergeMethod:
+    from mergelab.plugins import describe_registered, load_entry_points
+
+    load_entry_points()
     try:
         return _REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise UnknownMergeMethodError(
-            f"unknown merge method {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+            f"unknown merge method {name!r}; registered: "
+            f"{describe_registered(merge_method_origins())}"
         ) from None
 
 
-def list_merge_methods() -> list[str]:
+def list_merge_methods(*, entry_points: bool = True) -> list[str]:
+    """Registered method names, sorted; ``entry_points=False``: without importing installed
+    plugins first (for help texts, which must not fail or wait on other packages)."""
+    if entry_points:
+        from mergelab.plugins import load_entry_points
+
+        load_entry_points()
     return sorted(_REGISTRY)
+
+
+def merge_method_origins() -> dict[str, str]:
+    """Every registered method's name → where it came from (``builtin``, ``file …``, ``module
+    …``, ``entry point …``; see :mod:`mergelab.plugins`)."""
+    return {name: _ORIGINS.get(name, "unknown") for name in list_merge_methods()}
 
 
 def unregister_merge_method(name: str) -> None:
     _REGISTRY.pop(name, None)
+    _ORIGINS.pop(name, None)

@@ -243,3 +243,12 @@ def make_splits(
             )
         out[split] = items
     return out
+
+
+def draw_benchmark(skill: str, *, split: str = "test", n: int = 100, seed: int = 0, name=None):
+    """``n`` fresh items of one split of ``skill`` drawn with ``seed``, as an evaluation benchmark
+    of task ``synth_<skill>`` (:mod:`mergelab.eval.synthetic_tasks`)."""
+    from mergelab.eval.synthetic_tasks import items_to_benchmark
+
+    items = make_splits(skill, {split: n}, seed=seed)[split]
+    return items_to_benchmark(skill, name or f"synth_{skill}-{split}", items)
