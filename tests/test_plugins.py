@@ -65,7 +65,7 @@ def world(tmp_path_factory):
         for i, (country, capital) in enumerate(zip(WORDS, CAPITALS)):
             f.write(json.dumps({"id": i, "country": country, "capital": capital}) + "\n")
     yield {"root": root, "sds": sds}
-    for name in ("scaled_average", "module_method", "ep_method"):
+    for name in ("scaled_average", "module_method", "ep_method", "median_task_vector"):
         unregister_merge_method(name)
     unregister_task("capitals")
 
@@ -122,6 +122,24 @@ def test_method_from_a_file_on_the_command_line(world, tmp_path):
     origin = merge_method_origins()["scaled_average"]
     assert origin == f"file {(root / 'my_methods.py').resolve()}"
     assert merge_method_origins()["ties"] == "builtin"
+
+
+def test_the_readme_method_example_runs_from_the_cli_out_of_tree(world, tmp_path):
+    """README's "Adding a merge method" block, as a user's file (its last line, which merges
+    in memory, left out), run by `mergelab merge --plugin`."""
+    root, sds = world["root"], world["sds"]
+    readme = (DOCS.parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Adding a merge method") :]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "median.py").write_text(block[: block.index("\nmerged = ")], encoding="utf-8")
+    out = tmp_path / "out"
+    args = ["--plugin", str(tmp_path / "median.py"), "--method", "median_task_vector"]
+    assert main(merge_args(root, *args, "--param", "lambda=0.5", "--out", str(out))) == 0
+    expected = {}
+    for name, base in sds["base"].items():
+        taus = torch.stack([sds[e][name] - base for e in ("math", "code")])
+        expected[name] = base + 0.5 * taus.median(dim=0).values
+    assert_close(read(out), expected)
 
 
 def test_method_from_merge_configs_in_both_dialects(world, tmp_path, monkeypatch):
