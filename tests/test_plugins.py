@@ -311,6 +311,9 @@ def test_method_and_task_from_a_compare_spec(world, tmp_path, monkeypatch):
     assert len(rows) == 2 and any("scaled_average" in r for r in rows)
     assert all(len(r["items"]) == len(WORDS) for r in results["runs"])
     assert results["spec"]["plugins"] == ["my_methods.py", "my_tasks.py"]
+    assert results["plugins"] == [
+        str((root / f).resolve()) for f in ("my_methods.py", "my_tasks.py")
+    ]
     # the merge the comparison evaluated is the plugin's
     merged = [p for p in (tmp_path / "cache" / "merges").iterdir() if p.is_dir()]
     assert len(merged) == 1

@@ -142,6 +142,7 @@ def run(
         "executor": spec.executor,
         "spec": spec.raw,
         "spec_source": spec.source,
+        "plugins": list(spec.plugins),  # as every job loaded them (mergelab.plugins)
         "seeds": list(spec.seeds),
         "rows": [
             _row_info(p)
