@@ -320,6 +320,14 @@ def test_method_and_task_from_a_compare_spec(world, tmp_path, monkeypatch):
     assert_close(read(merged[0]), expected_merge(world["sds"], 0.8))
 
 
+def test_dry_run_names_the_plugins_and_their_method_and_task(world, capsys):
+    spec = compare_spec(world["root"], world["root"] / "compare_dry.yaml")
+    assert main(["compare", str(spec), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"plugins: {(world['root'] / 'my_methods.py').resolve()}, " in out
+    assert "scaled_average" in out and "capitals" in out
+
+
 def test_a_spec_with_a_missing_plugin_is_refused_at_dry_run(world, tmp_path, capsys):
     spec = compare_spec(world["root"], tmp_path / "spec.yaml", plugins=["nope.py"])
     assert main(["compare", str(spec), "--dry-run"]) == 2

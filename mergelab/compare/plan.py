@@ -139,6 +139,8 @@ class Plan:
         lines = [
             f"compare {spec.name!r}: seeds {list(spec.seeds)}, executor {spec.executor['kind']}"
         ]
+        if spec.plugins:  # loaded by every job (mergelab.plugins)
+            lines.append(f"plugins: {', '.join(spec.plugins)}")
         lines.append("benchmarks (items per split, first seed):")
         s0 = spec.seeds[0]
         for b in spec.benchmarks:

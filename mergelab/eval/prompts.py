@@ -80,7 +80,7 @@ def shots(config: PromptConfig) -> list[dict[str, str]]:
 
 
 def gsm8k_prompt(question: str, config: PromptConfig = PromptConfig()) -> str:
-    """``Q: …\nA: …`` per shot, then the question (zero-shot: ``Q: question\nA:``)."""
+    """``Q: …`` / ``A: …`` per shot, then the question (zero-shot: ``Q: question\\nA:``)."""
     examples = "".join(f"Q: {e['question']}\nA: {e['answer']}\n\n" for e in shots(config))
     return f"{examples}Q: {question}\nA:"
 
