@@ -96,6 +96,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # trains the example's models, then the tour: minutes on 2 cores
 def test_every_block_runs_in_order(tmp_path):
     """The main job, then the tour on its models, in one folder, as a user would paste them.
     `pip install` is skipped (this is the installed environment) and so is the test command
