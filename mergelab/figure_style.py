@@ -112,9 +112,19 @@ def label_points(ax, xs, ys, labels, colors, *, side: str = "right") -> None:
     gap = 1.3 * LABEL_SIZE / 72 / height_in  # one line of text, in axes fractions
     to_axes = ax.transAxes.inverted()
     frac = [to_axes.transform(ax.transData.transform((x, y)))[1] for x, y in zip(xs, ys)]
-    # equal heights: the leftmost point's label on top, so that the leader lines fan out
-    along = [-to_axes.transform(ax.transData.transform((x, y)))[0] for x, y in zip(xs, ys)]
-    where = spread([round(f, 6) for f in frac], gap, tie_order=along)
+    frac = [round(f, 6) for f in frac]
+    where = spread(frac, gap)
+    # Points at one height: the leader lines must not cross, so the leftmost point takes the
+    # label farthest from that height (the top one when the labels were pushed up, the bottom
+    # one when they were pushed down) and the rightmost the nearest.
+    across = [to_axes.transform(ax.transData.transform((x, y)))[0] for x, y in zip(xs, ys)]
+    for height in set(frac):
+        group = [i for i, f in enumerate(frac) if f == height]
+        slots = sorted(where[i] for i in group)
+        pushed_up = sum(slots) / len(slots) >= height
+        by_x = sorted(group, key=lambda i: across[i])
+        for i, slot in zip(by_x, slots[::-1] if pushed_up else slots):
+            where[i] = slot
     x_text = 1.03 if side == "right" else -0.03
     for x, y, text, color, yf in zip(xs, ys, labels, colors, where):
         ax.annotate(
