@@ -178,84 +178,115 @@ def markdown_table(data: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _interval(entry: Mapping[str, Any]) -> tuple[float, float, float]:
+    """(mean, low, high) in %, the interval collapsed to the mean where it is missing."""
+    mean = entry["mean"]
+    low = entry["low"] if entry["low"] is not None else mean
+    high = entry["high"] if entry["high"] is not None else mean
+    return 100 * mean, 100 * low, 100 * high
+
+
 def draw_figures(data: Mapping[str, Any], folder: str | os.PathLike) -> list[Path]:
-    """Scores with intervals per benchmark, and score vs cost, from results.json's content."""
+    """Scores with intervals per benchmark, and score vs cost, from results.json's content.
+    Families keep one colour (:mod:`mergelab.figure_style`); labels never overlap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    from mergelab import figure_style as fs
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(data)
     benches = list(data["benchmarks"])
     names = [r["row"] for r in data["rows"]]
+    family = {r["row"]: r["family"] for r in data["rows"]}
+    colors = [fs.family_color(family[n]) for n in names]
     seeds = [str(s) for s in data["seeds"]]
     floors = data["statistics"]["per_seed"][seeds[0]]
     by = {(r["row"], r["benchmark"]): r for r in rows}
+    conf = int(round(100 * data["statistics"]["confidence"]))
+    over = "seeds (Student-t)" if len(seeds) > 1 else "test items (bootstrap)"
+    title = data.get("name") or "comparison"
+    paths = [folder / FIGURES[0], folder / FIGURES[1]]
 
-    fig, axes = plt.subplots(
-        1,
-        len(benches),
-        figsize=(4 + 3 * len(benches), 0.5 * len(names) + 1.5),
-        squeeze=False,
-        sharey=True,
-    )
-    for ax, b in zip(axes[0], benches):
-        ys = range(len(names))
-        means = [100 * by[(n, b)]["score"]["mean"] for n in names]
-        lows = [
-            100
-            * (
-                by[(n, b)]["score"]["low"]
-                if by[(n, b)]["score"]["low"] is not None
-                else by[(n, b)]["score"]["mean"]
-            )
-            for n in names
-        ]
-        highs = [
-            100
-            * (
-                by[(n, b)]["score"]["high"]
-                if by[(n, b)]["score"]["high"] is not None
-                else by[(n, b)]["score"]["mean"]
-            )
-            for n in names
-        ]
-        err = [[m - lo for m, lo in zip(means, lows)], [hi - m for m, hi in zip(means, highs)]]
-        ax.barh(list(ys), means, xerr=err, color="#4c72b0", alpha=0.8, capsize=3)
-        for name, ci in (floors[b].get("baselines") or {}).items():
-            ax.axvline(100 * ci["mean"], ls="--", color="gray", lw=1)
-            ax.text(100 * ci["mean"], len(names) - 0.5, f" {name}", fontsize=7, color="gray")
-        ax.set_yticks(list(ys), names)
-        ax.invert_yaxis()
-        ax.set_xlabel(f"{b}: test score (%)")
-        ax.set_xlim(0, 100)
-    fig.tight_layout()
-    paths = [folder / FIGURES[0]]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
+    with fs.style():
+        fig, axes = plt.subplots(
+            1,
+            len(benches),
+            figsize=(2.2 + 2.6 * len(benches), 0.32 * len(names) + 1.6),
+            squeeze=False,
+            sharey=True,
+        )
+        ys = list(range(len(names)))
+        for ax, b in zip(axes[0], benches):
+            stats = [_interval(by[(n, b)]["score"]) for n in names]
+            means = [s[0] for s in stats]
+            err = [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
+            ax.barh(ys, means, color=colors, height=0.7)
+            ax.errorbar(means, ys, xerr=err, fmt="none", ecolor="#333333", capsize=2, lw=0.8)
+            for y, (m, _, hi) in zip(ys, stats):
+                ax.text(min(hi, 100) + 1.5, y, f"{m:.0f}", va="center", fontsize=7)
+            for name, ci in (floors[b].get("baselines") or {}).items():
+                ax.axvline(100 * ci["mean"], ls="--", color=fs.FLOOR_COLOR, lw=0.9)
+                ax.text(100 * ci["mean"], -0.9, f" floor: {name}", fontsize=7, va="bottom")
+            ax.set_title(b)
+            ax.set_xlim(0, 112)
+            ax.set_xticks([0, 25, 50, 75, 100])
+            ax.set_xlabel("test score (%)")
+            ax.grid(axis="y", visible=False)
+        axes[0][0].set_yticks(ys, names)
+        axes[0][0].set_ylim(len(names) - 0.5, -1.2)
+        fs.family_legend(
+            axes[0][-1],
+            [family[n] for n in names],
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            title="family",
+        )
+        fig.suptitle(f"{title}: test scores with {conf}% CIs over {over}", fontweight="bold")
+        fig.tight_layout()
+        fig.savefig(paths[0])
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    markers = "osD^v<>p*"
-    for j, b in enumerate(benches):
-        for n in names:
-            e = by[(n, b)]
-            if not e["cost"]:
-                continue
-            ax.scatter(e["cost"]["ms_per_token"], 100 * e["score"]["mean"], marker=markers[j % 9])
-            ax.annotate(
-                n,
-                (e["cost"]["ms_per_token"], 100 * e["score"]["mean"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
+        fig, axes = plt.subplots(
+            len(benches), 1, figsize=(6.4, 2.9 * len(benches) + 0.6), squeeze=False
+        )
+        for ax, b in zip(axes[:, 0], benches):
+            points = [
+                (n, by[(n, b)]["cost"]["ms_per_token"], 100 * by[(n, b)]["score"]["mean"])
+                for n in names
+                if by[(n, b)]["cost"]
+            ]
+            xs = [x for _, x, _ in points]
+            point_colors = [fs.family_color(family[n]) for n, *_ in points]
+            ax.scatter(xs, [y for *_, y in points], c=point_colors, s=28, zorder=3)
+            if xs and max(xs) > 10 * min(xs) > 0:
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+            ax.set_ylim(-5, 105)
+            ax.set_title(b, loc="left")
+            ax.set_ylabel("test score (%)")
+            fs.label_points(
+                ax,
+                xs,
+                [y for *_, y in points],
+                [n for n, *_ in points],
+                point_colors,
             )
-    ax.set_xlabel("ms per generated token (test, this machine)")
-    ax.set_ylabel("test score (%)")
-    ax.set_title(" · ".join(f"{markers[j % 9]} {b}" for j, b in enumerate(benches)), fontsize=9)
-    fig.tight_layout()
-    paths.append(folder / FIGURES[1])
-    fig.savefig(paths[1], dpi=120)
-    plt.close(fig)
+        axes[-1][0].set_xlabel("ms per generated token (test split, on the machine that ran it)")
+        fs.family_legend(
+            axes[-1][0],
+            [family[n] for n in names],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.28),
+            ncol=len(set(family.values())),
+        )
+        fig.suptitle(f"{title}: score vs cost per benchmark", fontweight="bold")
+        fig.tight_layout()
+        fig.savefig(paths[1])
+        plt.close(fig)
     return paths
