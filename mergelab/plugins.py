@@ -2,7 +2,7 @@
 
 A plugin is Python code that registers names with mergelab's registries when it is imported —
 ``@merge_method`` (:mod:`mergelab.merge.registry`) or ``register_task``
-(:mod:`mergelab.eval.tasks`). It is found in one of three ways (docs/plugins.md):
+(:mod:`mergelab.eval.tasks`). It is found in one of three ways (docs/guides/plugins.md):
 
 * a ``.py`` file: ``--plugin my_methods.py``, or ``plugins: [my_methods.py]`` in a merge config or
   a compare spec (relative paths are read from the folder of the file that names them);
@@ -246,7 +246,7 @@ def add_plugin_argument(parser) -> None:
         default=[],
         metavar="FILE.py|MODULE",
         help="load a user's merge methods or evaluation tasks from a .py file or an importable "
-        "module before anything else (repeatable; docs/plugins.md)",
+        "module before anything else (repeatable; docs/guides/plugins.md)",
     )
 
 

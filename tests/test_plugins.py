@@ -1,8 +1,8 @@
-"""Plugins (mergelab/plugins.py, docs/plugins.md): a merge method and a task written out of tree,
+"""Plugins (mergelab/plugins.py, docs/guides/plugins.md): a merge method and a task written out of tree,
 used from `mergelab merge`, merge configs in both dialects, `mergelab eval`, a compare spec
 (local and, slow, Ray), and an installed package's entry point; the one-line errors.
 
-The plugin files are docs/plugins.md's own examples, copied out of the page: the page's code is
+The plugin files are docs/guides/plugins.md's own examples, copied out of the page: the page's code is
 what runs here.
 """
 
@@ -24,7 +24,7 @@ from mergelab.merge import merge_state_dicts, unregister_merge_method
 from mergelab.merge.checkpoint import CheckpointFolder
 from mergelab.merge.registry import merge_method_origins
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "guides" / "plugins.md"
 WORDS = ["France", "Japan", "Peru", "Kenya", "Chile", "Spain"]
 CAPITALS = ["Paris", "Tokyo", "Lima", "Nairobi", "Santiago", "Madrid"]
 
@@ -37,7 +37,7 @@ def doc_files() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The plugin files (docs/plugins.md), tiny checkpoints with a character tokenizer, a data
+    """The plugin files (docs/guides/plugins.md), tiny checkpoints with a character tokenizer, a data
     file; names the plugins register are unregistered afterwards."""
     from mergelab.tiny import char_tokenizer, tiny_llama
 
@@ -76,7 +76,7 @@ def read(folder) -> dict[str, torch.Tensor]:
 
 
 def expected_merge(sds, scale: float, weights=(1.0, 1.0)) -> dict[str, torch.Tensor]:
-    """What docs/plugins.md's scaled_average computes, by hand (float32 throughout)."""
+    """What docs/guides/plugins.md's scaled_average computes, by hand (float32 throughout)."""
     out = {}
     for name, base in sds["base"].items():
         experts = [sds["math"][name], sds["code"][name]]
@@ -125,11 +125,11 @@ def test_method_from_a_file_on_the_command_line(world, tmp_path):
 
 
 def test_the_readme_method_example_runs_from_the_cli_out_of_tree(world, tmp_path):
-    """README's "Adding a merge method" block, as a user's file (its last line, which merges
+    """README.s "Add a method" block, as a user's file (its last line, which merges
     in memory, left out), run by `mergelab merge --plugin`."""
     root, sds = world["root"], world["sds"]
-    readme = (DOCS.parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Adding a merge method") :]
+    readme = (DOCS.parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Add a method") :]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "median.py").write_text(block[: block.index("\nmerged = ")], encoding="utf-8")
     out = tmp_path / "out"

@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from ..outputs import atomic_output_file, check_output_file
     from ..plugins import load_from_args
 
-    load_from_args(args)  # a user's code, as for every subcommand (docs/plugins.md)
+    load_from_args(args)  # a user's code, as for every subcommand (docs/guides/plugins.md)
     inputs = check_inputs(args)
     prompts = args.prompt if args.prompt else read_prompts(args.prompts_file)
     output = dict(force=args.force, inputs=inputs, written_by_mergelab=is_generations_file)

@@ -12,7 +12,7 @@ Typical use::
 
 A benchmark names its task (:mod:`mergelab.eval.tasks`: loader, prompt, shots, scorer,
 baselines); adding a task is one file that calls :func:`register_task` (in a plugin:
-docs/plugins.md). mergelab's own tasks are registered at the end of this file.
+docs/guides/plugins.md). mergelab's own tasks are registered at the end of this file.
 """
 
 # The built-in tasks (importing a module registers its tasks).

@@ -8,7 +8,7 @@ scored. A :class:`Benchmark` names its task.
 
 :func:`mergelab.eval.evaluate`, :func:`mergelab.eval.build_prompt` and the stop strings all go
 through the benchmark's task, so adding a task is one file that calls :func:`register_task` —
-in mergelab, or in a plugin (:mod:`mergelab.plugins`, docs/plugins.md). mergelab's own are
+in mergelab, or in a plugin (:mod:`mergelab.plugins`, docs/guides/plugins.md). mergelab's own are
 registered when :mod:`mergelab.eval` is imported (which importing this module does first):
 
 * ``mergelab.eval.standard_tasks`` — ``gsm8k``, ``math``, ``humaneval``, ``mbpp`` and ``code``

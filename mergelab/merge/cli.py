@@ -57,7 +57,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="methods: "
         + ", ".join(list_merge_methods(entry_points=False))
-        + ", and those plugins register (--plugin, docs/plugins.md)\n\nexamples:\n"
+        + ", and those plugins register (--plugin, docs/guides/plugins.md)\n\nexamples:\n"
         "  mergelab merge --method ties --base base/ --model math/:1.0 --model code/:0.5 \\\n"
         "      --param density=0.2 --param lambda=1.0 --out merged/\n"
         "  mergelab merge --config merge.yaml --dry-run\n"
