@@ -43,7 +43,7 @@ from mergelab.eval.sandbox import (
     SandboxUnavailableError,
     run_programs,
 )
-from mergelab.eval.scoring_code import build_test_programs, pass_at_k
+from mergelab.eval.scoring_code import pass_at_k, run_code_tests
 from mergelab.eval.scoring_math import (
     MATH_CHECKERS,
     extract_gsm8k,
@@ -81,7 +81,7 @@ __all__ = [
     "TaskScores",
     "bootstrap_ci",
     "build_prompt",
-    "build_test_programs",
+    "run_code_tests",
     "cache_key",
     "compare",
     "evaluate",

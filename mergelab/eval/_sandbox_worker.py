@@ -407,16 +407,18 @@ def _hidden_dirs():
 # Program process
 
 
-def _program(job, scratch, w_out, w_err, codes, isolation):
+def _program(job, scratch, w_out, w_err, w_res, codes, isolation):
     """Set up the process, run the source, exit with the code for what happened. Never returns.
 
     ``codes`` is the launcher's [passed, failed, crashed] list: emptied here first, so that the
-    pass code is not left in a frame the program can walk to (the launcher's)."""
+    pass code is not left in a frame the program can walk to (the launcher's). In a call job
+    "passed" only means that every call returned: what counts is the outputs (see
+    :func:`_run_calls`), judged by the trusted caller."""
     failed, crashed = codes[1], codes[2]
     pending = [codes[0]]
     codes.clear()
     try:
-        _enter_program_sandbox(job, scratch, w_out, w_err, isolation)
+        _enter_program_sandbox(job, scratch, w_out, w_err, w_res, isolation)
     except BaseException as exc:  # noqa: BLE001 - never run the program in half a sandbox
         _exit_with(crashed, f"sandbox set-up failed: {exc!r}")
     try:
@@ -425,7 +427,7 @@ def _program(job, scratch, w_out, w_err, codes, isolation):
         _exit_with(crashed, _short_traceback(exc))
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        _exec_to_end(code, namespace, pending)
+        _exec_to_end(code, namespace, pending, job.get("calls"))
     except AssertionError as exc:
         _exit_with(failed, _short_traceback(exc))
     except SystemExit as exc:
@@ -435,15 +437,53 @@ def _program(job, scratch, w_out, w_err, codes, isolation):
     _exit_with(crashed, "sandbox error: program neither finished nor raised")
 
 
-def _exec_to_end(code, namespace, pending):
+def _exec_to_end(code, namespace, pending, calls):
     # The pass code leaves `pending` for this frame's value stack before the program starts;
     # while it runs, no name, container or attribute reachable from Python holds it.
-    _ran_to_end(pending.pop(), exec(code, namespace))
+    _ran_to_end(pending.pop(), exec(code, namespace), calls and _run_calls(namespace, calls))
 
 
-def _ran_to_end(pass_code, _):
+def _ran_to_end(pass_code, *_):
     _flush_stdio()
     os._exit(pass_code)
+
+
+def _run_calls(namespace, calls):
+    """A call job: call the program's ``entry_point`` on each input (fresh objects decoded from
+    plain data each time) and write one line per call to the outputs pipe: {"value": plain
+    data}, {"raised": exception type name, "message": text} or {"invalid": why the value is
+    not plain data}. Nothing here judges anything: the outputs are compared with the expected
+    ones by the trusted caller, which never sends them here."""
+    fn = namespace.get(calls["entry_point"])
+    if not callable(fn):
+        raise NameError(f"the program does not define {calls['entry_point']!r}")
+    for line in calls["inputs"]:
+        args, kwargs = PLAIN.loads(line)
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - an exception is an output like any other
+            record = {"raised": _safe_text(_type_name, exc), "message": _safe_text(str, exc)}
+        else:
+            try:
+                record = {"value": PLAIN.encode(value)}
+            except PLAIN.NotPlainData as exc:
+                record = {"invalid": str(exc)}
+            except RecursionError:
+                record = {"invalid": "nested too deep"}
+        _write_all(RESULTS_FD, (json.dumps(record, allow_nan=False) + "\n").encode())
+    return True
+
+
+def _type_name(obj):
+    return type(obj).__name__
+
+
+def _safe_text(make, obj, limit=300):
+    try:
+        text = make(obj)
+        return text[:limit] if type(text) is str else "(not text)"
+    except BaseException:  # noqa: BLE001 - a hostile __str__
+        return "(unprintable)"
 
 
 def _exit_with(code, text):
@@ -464,14 +504,17 @@ def _flush_stdio():
             pass
 
 
-def _enter_program_sandbox(job, scratch, w_out, w_err, isolation):
+def _enter_program_sandbox(job, scratch, w_out, w_err, w_res, isolation):
     # Descriptors first, so that whatever fails below is reported on stderr: 0 = /dev/null,
-    # 1/2 = the output pipes, nothing else (the launcher's report pipe above all).
+    # 1/2 = the output pipes, 3 = the outputs pipe of a call job, nothing else (the launcher's
+    # report pipe above all).
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(w_out, 1)
     os.dup2(w_err, 2)
-    os.closerange(3, 2**31 - 1)
+    if w_res is not None:
+        os.dup2(w_res, RESULTS_FD)
+    os.closerange(3 if w_res is None else RESULTS_FD + 1, 2**31 - 1)
     if "pidns" in isolation:
         _mount_private_proc()
     os.chdir(scratch)
@@ -576,7 +619,7 @@ def _exit_codes(job):
     return list(fixed) if fixed else random.SystemRandom().sample(range(3, 256), 3)
 
 
-def _launcher(job, w_out, w_err):
+def _launcher(job, w_out, w_err, w_res):
     """Enter the sandbox, run the program in it, judge how it ended. Returns the report."""
     os.setsid()
     codes = _exit_codes(job)
@@ -589,12 +632,13 @@ def _launcher(job, w_out, w_err):
     child = os.fork()
     if child == 0:
         try:
-            _program(job, scratch, w_out, w_err, codes, isolation)
+            _program(job, scratch, w_out, w_err, w_res, codes, isolation)
         finally:
             os._exit(1)
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # nobody of our uid may read our memory or fds
-    os.close(w_out)
-    os.close(w_err)
+    for fd in (w_out, w_err, w_res):
+        if fd is not None:
+            os.close(fd)
     status, rusage, timed_out = _wait(child, job["timeout_s"], killpg="weak" in isolation)
     if "weak" in isolation:
         if os.geteuid() == 0:
@@ -676,13 +720,15 @@ def _run_job(job):
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
     r_rep, w_rep = os.pipe()  # the launcher's report: never open in the program
+    r_res, w_res = os.pipe() if "calls" in job else (None, None)  # a call job's outputs
     pid = os.fork()
     if pid == 0:
         try:
-            for fd in (r_out, r_err, r_rep, PROTOCOL_FDS[0], PROTOCOL_FDS[1]):
-                os.close(fd)
+            for fd in (r_out, r_err, r_rep, r_res, PROTOCOL_FDS[0], PROTOCOL_FDS[1]):
+                if fd is not None:
+                    os.close(fd)
             try:
-                report = _launcher(job, w_out, w_err)
+                report = _launcher(job, w_out, w_err, w_res)
             except SetupError as exc:
                 report = {"setup_error": {"step": exc.step, "errno": exc.errno}}
             _write_all(w_rep, json.dumps(report).encode())
@@ -692,14 +738,17 @@ def _run_job(job):
             finally:
                 os._exit(70)
         os._exit(0)
-    for fd in (w_out, w_err, w_rep):
-        os.close(fd)
+    for fd in (w_out, w_err, w_rep, w_res):
+        if fd is not None:
+            os.close(fd)
     pidfd = os.pidfd_open(pid)
     streams = {
         r_out: _Capture(job["max_output_bytes"]),
         r_err: _Capture(job["max_output_bytes"]),
         r_rep: _Capture(1 << 20),
     }
+    if r_res is not None:
+        streams[r_res] = _Capture(job["max_result_bytes"])
     sel = selectors.DefaultSelector()
     for fd in streams:
         os.set_blocking(fd, False)
@@ -731,7 +780,12 @@ def _run_job(job):
         os.close(fd)
     sel.close()
     seconds = time.monotonic() - t0
-    return _reply(streams[r_rep], streams[r_out], streams[r_err], backstop_kill, seconds)
+    reply = _reply(streams[r_rep], streams[r_out], streams[r_err], backstop_kill, seconds)
+    if r_res is not None:
+        res = streams[r_res]
+        reply["outputs"] = bytes(res.head).decode("utf-8", "replace")
+        reply["outputs_truncated"] = res.total > res.limit
+    return reply
 
 
 class _Capture:
@@ -810,6 +864,21 @@ def _reply(rep, out, err, backstop_kill, seconds):
 
 HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PYTHON_DIRS = {}, False, 40, []
 PROTOCOL_FDS = (0, 1)
+RESULTS_FD = 3
+
+
+def _load_plain_data():
+    """mergelab/eval/plain_data.py, the codec shared with the trusted side (stdlib only)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_data.py")
+    spec = importlib.util.spec_from_file_location("_mergelab_plain_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PLAIN = _load_plain_data()
 
 
 def main():

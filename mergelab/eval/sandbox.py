@@ -90,6 +90,7 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
     tmpfs_bytes: int = 64 << 20  # size of the private /tmp (scratch dir lives there)
     max_output_bytes: int = 64 << 10  # stdout and stderr are each cut to this
+    max_result_bytes: int = 16 << 20  # a call job's outputs (plain data); more is a crash
 
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
@@ -115,6 +116,44 @@ class ExecutionResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """Call ``entry_point``, defined by the source ``program``, once per input. ``inputs``: one
+    ``(args, kwargs)`` pair per call, plain data only (see :mod:`mergelab.eval.plain_data`)."""
+
+    program: str
+    entry_point: str
+    inputs: Sequence[tuple[Sequence[Any], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call gave: ``kind`` "value" (``value`` holds it, built-in types only), "raised"
+    (``text``: "ExceptionType: message") or "invalid" (``text``: why the value was not plain
+    data)."""
+
+    kind: str
+    value: Any = None
+    text: str = ""
+    raised: str = ""  # the exception's type name, for "raised"
+
+
+@dataclass
+class CallResult:
+    """The outputs of one :class:`CallRequest`. ``status``: "completed" (``outcomes`` has one
+    entry per input), "crashed" or "timed_out" (``error`` says why; no outcomes). Nothing here
+    says whether the outputs are right: the caller compares them."""
+
+    status: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    error: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    exit_signal: int | None = None
+    isolation: list[str] = field(default_factory=list)
 
 
 class _Worker:
@@ -232,6 +271,34 @@ class Sandbox:
     def _job(self, program: str, limits: SandboxLimits) -> dict[str, Any]:
         return {"program": program, "mode": self.isolation, **limits.to_job()}
 
+    def call(self, request: CallRequest, limits: SandboxLimits | None = None) -> CallResult:
+        """Run ``request`` in a sandbox and return its outputs as plain data; never raises for
+        program errors. Inputs that are not plain data raise ValueError here, before any run."""
+        from mergelab.eval import plain_data
+
+        try:
+            lines = [plain_data.dumps([list(a), dict(k)]) for a, k in request.inputs]
+        except plain_data.NotPlainData as exc:
+            raise ValueError(f"inputs for {request.entry_point!r}: {exc}") from None
+        job = self._job(request.program, limits or self.limits)
+        job["calls"] = {"entry_point": request.entry_point, "inputs": lines}
+        worker = self._free.get()
+        try:
+            reply = worker.run(job)
+        finally:
+            self._free.put(worker)
+        return _call_result(reply, len(lines), job["max_result_bytes"])
+
+    def call_many(
+        self,
+        requests: Sequence[CallRequest],
+        limits: SandboxLimits | None = None,
+        progress: bool = False,
+        desc: str = "executing",
+    ) -> list[CallResult]:
+        """:meth:`call` for each request, ``workers`` at a time; results in input order."""
+        return self._parallel(self.call, requests, [limits] * len(requests), progress, desc)
+
     def run(self, program: str, limits: SandboxLimits | None = None) -> ExecutionResult:
         """Run one program (source text) to completion; never raises for program errors."""
         if not isinstance(program, str):
@@ -258,18 +325,63 @@ class Sandbox:
             per_program = list(limits)
             if len(per_program) != len(programs):
                 raise ValueError("limits must be one SandboxLimits or one per program")
-        results: list[ExecutionResult | None] = [None] * len(programs)
-        bar = tqdm(total=len(programs), desc=desc, disable=not progress, leave=False)
+        return self._parallel(self.run, programs, per_program, progress, desc)
+
+    def _parallel(self, fn, jobs, per_job_limits, progress, desc):
+        results: list[Any] = [None] * len(jobs)
+        bar = tqdm(total=len(jobs), desc=desc, disable=not progress, leave=False)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             futures = {
-                pool.submit(self.run, prog, lim): i
-                for i, (prog, lim) in enumerate(zip(programs, per_program))
+                pool.submit(fn, job, lim): i
+                for i, (job, lim) in enumerate(zip(jobs, per_job_limits))
             }
             for fut in _as_completed(futures):
                 results[futures[fut]] = fut.result()
                 bar.update(1)
         bar.close()
-        return results  # type: ignore[return-value]
+        return results
+
+
+def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallResult:
+    """Parse a call job's reply. Its outputs are the program's data: read as plain data only,
+    one line per input, anything else makes the result "crashed"."""
+    from mergelab.eval import plain_data
+
+    known = {f for f in CallResult.__dataclass_fields__} - {"status", "outcomes"}
+    result = CallResult(status="crashed", **{k: v for k, v in reply.items() if k in known})
+    status = reply.get("status")
+    if status in ("timed_out", "crashed", "failed"):
+        result.status = "timed_out" if status == "timed_out" else "crashed"
+        return result
+    if status != "passed":
+        result.error = result.error or f"sandbox reply without a status: {status!r}"
+        return result
+    if reply.get("outputs_truncated"):
+        result.error = f"the outputs exceed {max_bytes} bytes"
+        return result
+    lines = reply.get("outputs", "").splitlines()
+    if len(lines) != n_inputs:
+        result.error = f"{len(lines)} output lines for {n_inputs} inputs"
+        return result
+    outcomes = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            keys = set(record) if type(record) is dict else None
+            if keys == {"value"}:
+                outcomes.append(Outcome("value", value=plain_data.decode(record["value"])))
+            elif keys == {"raised", "message"} and all(type(v) is str for v in record.values()):
+                name, message = record["raised"][:100], record["message"][:300]
+                outcomes.append(Outcome("raised", text=f"{name}: {message}", raised=name))
+            elif keys == {"invalid"} and type(record["invalid"]) is str:
+                outcomes.append(Outcome("invalid", text=record["invalid"][:300]))
+            else:
+                raise ValueError("not a value, raised or invalid record")
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+            result.error = f"output line {i + 1} is not plain data: {str(exc)[:200]}"
+            return result
+    result.status, result.outcomes, result.error = "completed", outcomes, ""
+    return result
 
 
 def _as_completed(futures):
