@@ -5,10 +5,11 @@ harness in memory. It reads jobs from its stdin and, per job, forks twice:
 
     worker ──fork──> launcher ──fork──> program
     reads the        enters new           pid 1 of the new pid namespace: private /proc, fds
-    launcher's       namespaces, builds   0/1/2 only, rlimits, no capabilities, no_new_privs,
-    report and the   the filesystem       clean environment → exec(source)
-    program's        view, waits, judges
-    stdout/stderr    the exit status
+    launcher's       namespaces, builds   0/1/2 (3: a call job's outputs) only, rlimits, no
+    report, the      the new root, waits  capabilities, no_new_privs, clean environment →
+    program's        (polling the job's   exec(source), then in a call job the calls
+    stdout/stderr    memory), judges the
+    and outputs      exit status
 
 Forking a warm interpreter costs ~1 ms instead of ~100 ms for a fresh one, which is why this is a
 fork server rather than one ``python`` subprocess per program. When the program (pid 1 of its
@@ -29,16 +30,17 @@ Namespaces ("namespaces" mode; one code path, two ways to hold the privilege it 
 
 Either way the program sees: no network (a new network namespace has only a down loopback); only
 its own processes (/proc is a new proc of its pid namespace, or an empty tmpfs where the kernel
-refuses that); every mount read-only except one size-limited tmpfs holding /tmp, /var/tmp,
-/dev/shm and /run, whose /tmp/scratch is its working directory; the caller's home directory and
-any directory other users cannot enter that holds the Python installation replaced by an empty
-tmpfs holding a read-only bind of the Python installation only; the host's path-based Unix sockets
-(D-Bus, Docker, ...) covered by /dev/null; no capabilities (bounding, ambient, effective,
-permitted all empty) and no_new_privs, so no setuid binary or file capability can give any back.
-rlimits cap CPU time, address space, file size, open files and processes (RLIMIT_NPROC counts per
-user namespace, so each job has a budget of its own; as root, per worker slot's uid). "weak"
-mode, only when asked for, skips the namespaces: rlimits, a scratch dir under the real /tmp, a
-Python-level socket block, and for root the per-slot uid.
+refuses that); a root of its own (:func:`_private_root`: a tmpfs with read-only binds of
+SYSTEM_PATHS, the Python installation with empty site-packages but for the packages asked for,
+a minimal /dev; the host's tree detached by pivot_root), read-only except one size-limited tmpfs
+holding /tmp, /var/tmp, /dev/shm and /run, whose /tmp/scratch is its working directory; no
+capabilities (bounding, ambient, effective, permitted all empty) and no_new_privs, so no setuid
+binary or file capability can give any back. rlimits cap CPU time, address space, file size,
+open files and processes (RLIMIT_NPROC counts per user namespace, so each job has a budget of its
+own; as root, per worker slot's uid); the launcher kills the job when all its processes together
+hold more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
+namespaces: rlimits, a scratch dir under the real /tmp, a Python-level socket block, and for root
+the per-slot uid.
 
 The outcome is derived from what the launcher observes, never from what the program says. No
 channel the program can reach carries one: every inherited descriptor is closed but 0
@@ -54,14 +56,13 @@ While the program runs the pass code is in no variable, container or attribute i
 (it sits on the value stack of the frame that calls ``exec``; the launcher's copy is emptied in
 the program's process). What remains: code that reads its own raw memory (ctypes,
 /proc/self/mem) and knows CPython's frame layout could find it; a blind guess wins with
-probability 1/253; and a program can still tamper with its own tests in-process (a solution
-returning an object whose ``__eq__`` is always true, or skipping an assert with
-``sys.settrace``): that is the benchmark's tests' business, not a forged report.
+probability 1/253. That is why code is not scored this way: a call job (:func:`_run_calls`)
+only returns its function's outputs, as plain data, and "passed" there means only that the calls
+returned; the caller compares the outputs, outside (mergelab/eval/scoring_code.py).
 
 Not covered: there is no seccomp filter (kernel bugs reachable from an unprivileged process, or
-from inside a user namespace, are in scope); files the program's uid may read stay readable
-outside the hidden directories; RLIMIT_AS caps each process, not the job (max_processes x
-memory_bytes in all); kernel keyrings are not isolated. In weak mode, a program of a non-root
+from inside a user namespace, are in scope); the job's memory is polled every POLL_S seconds, so
+it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
 caller runs as the caller: it can read and write the caller's files, reach the network through
 ctypes or a subprocess, and signal or trace the caller's other processes (the harness included).
 
@@ -70,9 +71,8 @@ Stdlib only: this file runs as a script and must not import mergelab.
 """
 
 # Modules that test programs commonly import, loaded once here so each forked program gets them
-# for free (base64 and pickle: mergelab's own EvalPlus test programs decode their inputs with
-# them). In weak mode as root with Python installed under a folder the sandbox uid cannot enter,
-# these are the only modules a program can import.
+# for free. In weak mode as root with Python installed under a folder the sandbox uid cannot
+# enter, these are the only modules a program can import.
 import base64  # noqa: F401
 import bisect  # noqa: F401
 import builtins
@@ -339,21 +339,6 @@ def _host_unix_sockets():
         return []
     fields = (line.split(None, 7) for line in lines)
     return sorted({f[7] for f in fields if len(f) == 8 and f[7].startswith("/")})
-
-
-def _cover_sockets(paths, private):
-    """A path-based socket outside the private dirs stays connectable through a read-only mount
-    and from another network namespace (e.g. the session D-Bus, docker.sock): cover each one."""
-    for path in paths:
-        real = os.path.realpath(path)
-        if any(real == d or real.startswith(d + "/") for d in private):
-            continue
-        try:
-            if not stat.S_ISSOCK(os.lstat(real).st_mode):
-                continue
-        except OSError:
-            continue  # bound in another mount namespace, or gone
-        _mount("/dev/null", real, None, MS_BIND, None, f"cover socket {real}")
 
 
 def _make_readonly(method):

@@ -1,8 +1,14 @@
-"""Run untrusted programs (model-generated code plus its tests) safely and in parallel.
+"""Run untrusted programs (model-generated code) safely and in parallel.
 
     with Sandbox(workers=2) as sandbox:
-        results = sandbox.run_many([program_a, program_b])
-    results[0].status   # "passed" | "failed" | "timed_out" | "crashed"
+        results = sandbox.call_many([CallRequest(source, "add", [((1, 2), {})])])
+    results[0].status, results[0].outcomes   # "completed", [Outcome("value", value=3)]
+
+:meth:`Sandbox.call` runs a program and calls one of its functions on inputs given as plain
+data, returning the outputs as plain data (:mod:`mergelab.eval.plain_data`): this is how code
+is scored (:func:`mergelab.eval.scoring_code.run_code_tests`), the comparison with expected
+outputs staying in the caller. :meth:`Sandbox.run` runs a whole program and reports "passed"
+when it ran to its end (for the caller's own programs).
 
 Every program runs in its own process, never in the harness's. The harness starts ``workers``
 small clean Python processes (``_sandbox_worker.py``, started with an empty environment); each
@@ -12,33 +18,33 @@ program gets, as root or as an ordinary user alike:
 * new network (no interfaces but a down loopback: no network at all), pid (the program is pid 1;
   when it ends the kernel kills every process it started), mount, IPC and UTS namespaces; as a
   non-root user also a user namespace, which is what lets an ordinary user create the others;
-* a private /proc listing only its own processes; the whole filesystem read-only except one
-  size-limited tmpfs holding /tmp, /var/tmp, /dev/shm and /run, with a fresh scratch directory in
-  it as the working directory (all gone when the job ends); the caller's home directory hidden;
-  the host's path-based Unix sockets (D-Bus, docker.sock, ...) covered;
+* a root of its own: a read-only tmpfs with binds of the system's programs and libraries, a few
+  files of /etc and the Python installation whose site-packages are empty but for the
+  ``packages`` asked for; a private /proc listing only its own processes; one size-limited tmpfs
+  holding /tmp, /var/tmp, /dev/shm and /run, with a fresh scratch directory as the working
+  directory. Nothing else of the host: not the caller's working directory, home, caches,
+  results, answer keys or Unix sockets;
 * no capabilities and no_new_privs; as root, a uid/gid of its own per worker slot (owning no
   files); as another user, the caller's uid, which the read-only filesystem keeps from writing;
-* rlimits: CPU seconds, address space (memory), process count (per job: counted per user
+* limits: memory for the job as a whole (all its processes, memfd and shared memory; polled,
+  see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
   namespace, or per slot uid as root), file size, open files, no core files; a wall-clock
   timeout enforced by the launcher (and a backstop in the worker);
 * a clean environment (PATH, HOME, LANG only), stdin from /dev/null, no other open descriptor;
   stdout/stderr captured up to ``max_output_bytes``.
-
-The outcome comes from what the launcher observes (the program's exit status, against exit codes
-drawn at random per job), never from a message of the program: a program cannot report its own
-pass. ``_sandbox_worker.py`` explains how, and what a determined program could still do.
 
 When the kernel refuses the namespaces (unprivileged user namespaces disabled by a sysctl,
 AppArmor or a container's seccomp profile), creating a ``Sandbox`` raises
 :class:`SandboxUnavailableError`, saying what is missing and how to enable it. Only
 ``isolation="weak"`` runs programs without namespaces: rlimits, a scratch directory and a
 Python-level socket block, which a program defeats with ctypes or a subprocess; it can read and
-write whatever its uid can. ``ExecutionResult.isolation`` always lists what was in force.
+write whatever its uid can. ``memory_limit="process"`` (asked for) limits each process alone.
+``ExecutionResult.isolation`` always lists what was in force.
 
 Not guaranteed even with namespaces: no seccomp syscall filter, so kernel bugs are in scope for
-an attacker; files readable by the program's uid stay readable outside the hidden directories;
-the memory limit is per process. It is a guard against accidents and hostile model output, not a
-hardened jail for code written to attack this sandbox's host kernel.
+an attacker; the job's memory is polled every 20 ms, so a job can overshoot for that long. It is
+a guard against accidents and hostile model output, not a hardened jail for code written to
+attack this sandbox's host kernel. docs/sandbox.md has the trust model and the limits.
 """
 
 from __future__ import annotations
@@ -217,7 +223,10 @@ class Sandbox:
     ``"namespaces"`` (default; raises :class:`SandboxUnavailableError` here, before any program
     runs, when the kernel refuses them) or ``"weak"`` (no namespaces: rlimits, a scratch
     directory and a Python-level socket block only; ask for it knowingly). ``"strict"`` and
-    ``"basic"`` are accepted as their old names.
+    ``"basic"`` are accepted as their old names. ``packages``: import names of installed
+    packages programs may import (default none: the standard library only). ``memory_limit``:
+    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together) or
+    ``"process"`` (each process alone; ask for it knowingly).
     """
 
     def __init__(
