@@ -265,6 +265,7 @@ def _canonical(args: argparse.Namespace) -> int:
     ]
     limits = SandboxLimits(timeout_s=args.timeout)
     with Sandbox(workers=args.workers, limits=limits, isolation=args.isolation) as sandbox:
+        print(sandbox.memory_notice())
         verdicts, isolation = run_code_tests(sandbox, cases, progress=True)
     results = [(it.item_id, k, v) for it, vs in zip(bench.items, verdicts) for k, v in vs.items()]
     failed = [r for r in results if not r[2].passed]

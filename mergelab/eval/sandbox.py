@@ -264,6 +264,19 @@ class Sandbox:
         if self.isolation == "namespaces":
             self._probe()
 
+    def memory_notice(self, limits: SandboxLimits | None = None) -> str:
+        """One line saying which memory limit applies to the jobs (see docs/sandbox.md)."""
+        mib = (limits or self.limits).memory_bytes / 2**20
+        if self.memory_limit == "process":
+            return (
+                f"sandbox memory limit: {mib:.0f} MiB per process only (memory_limit='process'): "
+                "a job's processes together may hold more"
+            )
+        return (
+            f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
+            "SysV and tmpfs memory included), polled every 20 ms (no cgroup is made for jobs)"
+        )
+
     def _probe(self) -> None:
         """Run one trivial program now, so a kernel that refuses namespaces is one clear error
         here rather than a "crashed" result per program."""

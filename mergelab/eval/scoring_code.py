@@ -118,16 +118,20 @@ def run_code_tests(
             continue
         plans[id(tests)] = {}
         for kind in test_kinds(tests):
-            ref = _Reference(tests, kind, prompt)
+            cache_key = repr((prompt, kind, tests))
+            ref = _REFERENCES.get(cache_key) or _Reference(tests, kind, prompt)
             plans[id(tests)][kind] = ref
-            if ref.request is not None:
-                ref_jobs.append((id(tests), kind, ref.request))
+            if ref.request is not None and not ref.done:
+                ref_jobs.append((id(tests), kind, ref.request, cache_key))
     ref_results = sandbox.call_many(
-        [r for *_, r in ref_jobs], limits=limits, progress=progress, desc=f"{desc} (reference)"
+        [r for _, _, r, _ in ref_jobs], limits, progress, desc=f"{desc} (reference)"
     )
     isolation = {tag for r in ref_results for tag in r.isolation}
-    for (key, kind, _), result in zip(ref_jobs, ref_results):
-        plans[key][kind].read(result)
+    for (key, kind, _, cache_key), result in zip(ref_jobs, ref_results):
+        ref = plans[key][kind]
+        ref.read(result)
+        if ref.done and len(_REFERENCES) < 100_000:  # the same tests: the same inputs
+            _REFERENCES[cache_key] = ref
 
     jobs, where = [], []
     for i, (_, solution, tests) in enumerate(cases):
@@ -146,6 +150,11 @@ def run_code_tests(
     return verdicts, sorted(isolation)
 
 
+# Reference runs that completed, by (prompt, kind, tests): every candidate scored in this
+# process on the same benchmark reuses them.
+_REFERENCES: dict[str, _Reference] = {}
+
+
 class _Reference:
     """One item's tests of one kind: the sandbox job that gives their inputs (benchmark code
     only), then the judgement of a solution's outputs on them."""
@@ -155,6 +164,7 @@ class _Reference:
 
         self.tests, self.kind, self.prompt = tests, kind, prompt
         self.untestable: str | None = None
+        self.done = False  # the reference job completed and was read
         self.inputs: list[tuple[list, dict]] = []
         self.expected: list = []
         self.request = None
@@ -177,6 +187,7 @@ class _Reference:
         if result.status != "completed":
             self.untestable = f"the reference run {result.status}: {result.error.strip()[-300:]}"
             return
+        self.done = True
         if not self.replay:
             bad = [(i, o) for i, o in enumerate(result.outcomes) if o.kind != "value"]
             if bad:
@@ -499,6 +510,7 @@ def score_code(benchmark, samples, settings, *, sandbox=None, progress=False):
     sandbox = sandbox or Sandbox(
         workers=settings.workers, limits=settings.sandbox, isolation=settings.isolation
     )
+    memory_notice = sandbox.memory_notice(settings.sandbox)
     try:
         verdicts, isolation = run_code_tests(
             sandbox, cases, settings.sandbox, progress, desc=f"testing {benchmark.name}"
@@ -543,7 +555,7 @@ def score_code(benchmark, samples, settings, *, sandbox=None, progress=False):
     primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
         f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
     )  # fmt: skip
-    meta = {"sandbox_isolation": isolation}
+    meta = {"sandbox_isolation": isolation, "sandbox_memory": memory_notice}
     if untestable:
         meta["untestable_items"] = sorted(untestable)
     return TaskScores(items, metrics, primary, meta)
