@@ -263,12 +263,15 @@ def _private_root(packages, sockets):
     shown = [os.path.join(sp, e) for sp in SITE_DIRS for e in _package_entries(sp, packages)]
     fds = {}
     try:
-        for path in [*sources, *shown, *DEVICES, "/proc"]:  # before anything is covered
+        for path in [*sources, *PYTHON_ALIASES, *shown, *DEVICES, "/proc"]:  # before covering
             if not os.path.islink(path):
                 fds[path] = os.open(path, os.O_PATH | (0 if path in DEVICES else os.O_NOFOLLOW))
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", "new root")
         for path in sources:
             _place(path, fds.get(path))
+        for path in PYTHON_ALIASES:  # e.g. a venv under /home when /home links to /var/home
+            if _fresh("/tmp" + path):
+                _place(path, fds.get(path))
         for path in SITE_DIRS:
             if os.path.isdir("/tmp" + path):
                 flags, opts = MS_NOSUID | MS_NODEV, "size=1m,mode=0755"
@@ -294,6 +297,19 @@ def _private_root(packages, sockets):
     _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "detach the host's root")
     os.chdir("/")
+
+
+def _fresh(target):
+    """True when creating ``target``'s missing directories can only write to the new root's own
+    tmpfs: no existing ancestor below it is a symlink or another mount (a host directory)."""
+    parts = target.split("/")
+    for i in range(3, len(parts)):
+        ancestor = "/".join(parts[:i])
+        if not os.path.lexists(ancestor):
+            return True
+        if os.path.islink(ancestor) or os.path.ismount(ancestor):
+            return False
+    return not os.path.lexists(target)
 
 
 def _place(path, fd):
@@ -391,7 +407,11 @@ def _private_tmp(size):
     # A Python installation inside one of the dirs about to be replaced (a virtual environment
     # in /tmp, say) is bound back at its own path, read-only like the rest of the tree.
     covered = ["/tmp", *PRIVATE_DIRS]
-    keep = [p for p in PYTHON_DIRS if any(p == d or p.startswith(d + "/") for d in covered)]
+    keep = [
+        p
+        for p in (*PYTHON_DIRS, *PYTHON_ALIASES)
+        if os.path.isdir(p) and any(p == d or p.startswith(d + "/") for d in covered)
+    ]
     fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]  # before covering
     opts = f"size={int(size)},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts, "tmpfs on /tmp")
@@ -430,7 +450,8 @@ def _site_dirs():
 
     dirs = {*site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))}
     dirs |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")}
-    return sorted({os.path.realpath(p) for p in dirs if os.path.isdir(p)})
+    dirs = {d for d in dirs if os.path.isdir(d)}
+    return sorted({os.path.realpath(d) for d in dirs} | {os.path.abspath(d) for d in dirs})
 
 
 def _python_dirs():
@@ -438,6 +459,15 @@ def _python_dirs():
     paths, none inside another)."""
     dirs = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     return [p for p in dirs if not any(p.startswith(q + "/") for q in dirs)]
+
+
+def _python_aliases(real_dirs):
+    """The installation's paths as Python names them where they differ from the real ones (a
+    symlink on the way): bound there too, so that sys.path and sys.executable resolve."""
+    named = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    named.add(os.path.dirname(os.path.abspath(sys.executable)))
+    inside = [*real_dirs, *SYSTEM_PATHS]
+    return sorted(p for p in named if not any(p == q or p.startswith(q + "/") for q in inside))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1047,7 +1077,7 @@ def _reply(rep, out, err, backstop_kill, seconds):
     return {**result, "status": report["status"], "error": error}
 
 
-CAP_LAST, PYTHON_DIRS, SITE_DIRS = 40, [], []
+CAP_LAST, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS = 40, [], [], []
 PROTOCOL_FDS = (0, 1)
 RESULTS_FD = 3
 
@@ -1067,10 +1097,11 @@ PLAIN = _load_plain_data()
 
 
 def main():
-    global CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS, SITE_DIRS
+    global CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS
     # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     PYTHON_DIRS, SITE_DIRS = _python_dirs(), _site_dirs()
+    PYTHON_ALIASES = _python_aliases(PYTHON_DIRS)
     with open("/proc/sys/kernel/cap_last_cap") as f:
         CAP_LAST = int(f.read())
     # Keep the protocol pipes off fds 0/1 so nothing a program does can write into them.
