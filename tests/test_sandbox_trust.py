@@ -240,6 +240,15 @@ def test_tests_that_cannot_run_apart_from_the_solution_are_refused(sandbox):
     assert other["base"].status == "untestable" and "depend on the solution" in other["base"].error
 
 
+def test_a_solutions_own_exceptions_are_its_crashes(sandbox):
+    tests = CodeTests(
+        entry_point="f", prompt_is_code=False, check="def check(c):\n    assert c(1) == 2\n"
+    )
+    typo, fine = _verdicts(sandbox, tests, "def f(x):\n    return y\n", "def f(x):\n    return 2\n")
+    assert typo["base"].status == "crashed" and "NameError" in typo["base"].error, typo
+    assert fine["base"].passed
+
+
 def test_error_text_is_bounded_and_made_of_the_programs_own_message(sandbox):
     tests = CodeTests(
         entry_point="f", prompt_is_code=False, check="def check(c):\n    assert c() == 1\n"

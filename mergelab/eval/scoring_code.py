@@ -244,7 +244,11 @@ class _Reference:
         def stand_in(*args, **kwargs):
             i = calls[0]
             calls[0] += 1
-            if i >= len(self.keys) or _call_key(args, kwargs) != self.keys[i]:
+            try:
+                key = _call_key(args, kwargs)
+            except ValueError:  # not plain data: the reference run passed plain data here
+                raise _Diverged(i) from None
+            if i >= len(self.keys) or key != self.keys[i]:
                 raise _Diverged(i)
             o = outcomes[i]
             if o.kind == "value":
@@ -265,6 +269,8 @@ class _Reference:
         except _NotPlain as exc:
             return TestVerdict("failed", f"call #{exc.args[0]} returned {exc.args[1]}")
         except NameError as exc:
+            if getattr(exc, "_mergelab_call", None) is not None:  # the solution's own
+                return TestVerdict("crashed", f"call #{exc._mergelab_call} raised NameError: {exc}")
             reason = f"the tests need a name the solution defines ({exc})"
             return TestVerdict("untestable", f"{reason}: they cannot run apart from it")
         except AssertionError as exc:
