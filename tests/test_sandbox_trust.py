@@ -291,3 +291,11 @@ def test_weaker_modes_only_when_asked_for():
         res = sb.run("x = bytearray(10 << 20)")
     assert res.passed and "per-process-memory" in res.isolation
     assert "job-memory-polled" not in res.isolation
+
+
+def test_a_job_memory_limit_that_cannot_be_kept_is_refused_naming_the_way_out():
+    from mergelab.eval.sandbox import _refusal_message
+
+    step = "read /proc to account the job's memory"
+    text = _refusal_message({"setup_error": {"step": step, "errno": 13}})
+    assert "\n" not in text and step in text and "memory_limit='process'" in text

@@ -477,6 +477,11 @@ def _refusal_message(reply: dict[str, Any]) -> str:
             f"{reply.get('status')}: {reply.get('error', '')[-1000:]}"
         )
     step, err = setup["step"], setup["errno"]
+    if "job's memory" in step:
+        return (
+            f"The sandbox cannot limit a job's memory as a whole here: {step} failed "
+            f"({os.strerror(err)}). To limit each process alone, pass memory_limit='process'."
+        )
     lines = [f"The sandbox cannot isolate programs here: {step} failed ({os.strerror(err)})."]
     root = os.geteuid() == 0
     if err == errno.ENOSPC:
