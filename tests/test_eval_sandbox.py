@@ -24,7 +24,7 @@ from mergelab.eval.sandbox import (
     SandboxUnavailableError,
     _Worker,
 )
-from mergelab.eval.scoring_code import build_test_programs
+from mergelab.eval.scoring_code import run_code_tests, solution_code
 
 
 def _namespaces_work() -> bool:
@@ -46,12 +46,17 @@ def sandbox():
         yield sb
 
 
+def _base_verdicts(sandbox, cases):
+    """The base verdict of each (prompt, completion, tests)."""
+    solutions = [(p, solution_code(p, c, t), t) for p, c, t in cases]
+    return [v["base"] for v in run_code_tests(sandbox, solutions)[0]]
+
+
 def test_humaneval_canonical_solutions_pass_164_of_164(sandbox):
     bench = load_humaneval()
     assert len(bench) == 164
-    programs = [build_test_programs(it.prompt, it.solution, it.tests)["base"] for it in bench.items]
     t0 = time.monotonic()
-    results = sandbox.run_many(programs)
+    results = _base_verdicts(sandbox, [(it.prompt, it.solution, it.tests) for it in bench.items])
     elapsed = time.monotonic() - t0
     failures = [
         (it.item_id, r.status, r.error[-200:])
@@ -65,17 +70,17 @@ def test_humaneval_canonical_solutions_pass_164_of_164(sandbox):
 def test_wrong_solutions_fail(sandbox):
     bench = load_humaneval(limit=12)
     wrong = "    return None\n"
-    programs = [build_test_programs(it.prompt, wrong, it.tests)["base"] for it in bench.items]
+    cases = [(it.prompt, wrong, it.tests) for it in bench.items]
     # A subtly wrong version of a correct solution (HumanEval/0 never reports a close pair).
     it0 = bench.items[0]
     subtly_wrong = it0.solution.replace("return True", "return False")
     assert subtly_wrong != it0.solution
-    programs.append(build_test_programs(it0.prompt, subtly_wrong, it0.tests)["base"])
-    results = sandbox.run_many(programs)
+    cases.append((it0.prompt, subtly_wrong, it0.tests))
+    results = _base_verdicts(sandbox, cases)
     # A wrong answer fails an assert ("failed"), or breaks the test code ("crashed", e.g. a
     # TypeError on None): never "passed".
     assert all(r.status in ("failed", "crashed") for r in results)
-    assert sum(r.status == "failed" for r in results) >= len(programs) // 2
+    assert sum(r.status == "failed" for r in results) >= len(cases) // 2
     assert results[-1].status == "failed" and "AssertionError" in results[-1].error
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from mergelab.eval.benchmarks import CodeTests
 from mergelab.eval.sandbox import Sandbox, SandboxLimits
-from mergelab.eval.scoring_code import build_test_programs, extract_code, pass_at_k
+from mergelab.eval.scoring_code import extract_code, pass_at_k, run_code_tests, solution_code
 from mergelab.eval.scoring_math import (
     extract_gsm8k,
     extract_math_answer,
@@ -135,9 +135,9 @@ def sandbox():
 
 
 def _run(sandbox, prompt, completion, tests):
-    progs = build_test_programs(prompt, completion, tests)
-    results = dict(zip(progs, sandbox.run_many(list(progs.values()))))
-    return {k: r.status for k, r in results.items()}, results
+    case = (prompt, solution_code(prompt, completion, tests), tests)
+    (verdicts,), _ = run_code_tests(sandbox, [case])
+    return {k: r.status for k, r in verdicts.items()}, verdicts
 
 
 def test_differential_tests_base_and_plus_reported_separately(sandbox):

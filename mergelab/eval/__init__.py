@@ -45,7 +45,7 @@ from mergelab.eval.sandbox import (
     SandboxUnavailableError,
     run_programs,
 )
-from mergelab.eval.scoring_code import build_test_programs, pass_at_k
+from mergelab.eval.scoring_code import pass_at_k, run_code_tests
 from mergelab.eval.scoring_math import (
     MATH_CHECKERS,
     answer_scorer,
@@ -87,7 +87,7 @@ __all__ = [
     "answer_scorer",
     "bootstrap_ci",
     "build_prompt",
-    "build_test_programs",
+    "run_code_tests",
     "cache_key",
     "compare",
     "evaluate",

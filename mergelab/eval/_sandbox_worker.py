@@ -5,10 +5,11 @@ harness in memory. It reads jobs from its stdin and, per job, forks twice:
 
     worker ──fork──> launcher ──fork──> program
     reads the        enters new           pid 1 of the new pid namespace: private /proc, fds
-    launcher's       namespaces, builds   0/1/2 only, rlimits, no capabilities, no_new_privs,
-    report and the   the filesystem       clean environment → exec(source)
-    program's        view, waits, judges
-    stdout/stderr    the exit status
+    launcher's       namespaces, builds   0/1/2 (3: a call job's outputs) only, rlimits, no
+    report, the      the new root, waits  capabilities, no_new_privs, clean environment →
+    program's        (polling the job's   exec(source), then in a call job the calls
+    stdout/stderr    memory), judges the
+    and outputs      exit status
 
 Forking a warm interpreter costs ~1 ms instead of ~100 ms for a fresh one, which is why this is a
 fork server rather than one ``python`` subprocess per program. When the program (pid 1 of its
@@ -29,16 +30,17 @@ Namespaces ("namespaces" mode; one code path, two ways to hold the privilege it 
 
 Either way the program sees: no network (a new network namespace has only a down loopback); only
 its own processes (/proc is a new proc of its pid namespace, or an empty tmpfs where the kernel
-refuses that); every mount read-only except one size-limited tmpfs holding /tmp, /var/tmp,
-/dev/shm and /run, whose /tmp/scratch is its working directory; the caller's home directory and
-any directory other users cannot enter that holds the Python installation replaced by an empty
-tmpfs holding a read-only bind of the Python installation only; the host's path-based Unix sockets
-(D-Bus, Docker, ...) covered by /dev/null; no capabilities (bounding, ambient, effective,
-permitted all empty) and no_new_privs, so no setuid binary or file capability can give any back.
-rlimits cap CPU time, address space, file size, open files and processes (RLIMIT_NPROC counts per
-user namespace, so each job has a budget of its own; as root, per worker slot's uid). "weak"
-mode, only when asked for, skips the namespaces: rlimits, a scratch dir under the real /tmp, a
-Python-level socket block, and for root the per-slot uid.
+refuses that); a root of its own (:func:`_private_root`: a tmpfs with read-only binds of
+SYSTEM_PATHS, the Python installation with empty site-packages but for the packages asked for,
+a minimal /dev; the host's tree detached by pivot_root), read-only except one size-limited tmpfs
+holding /tmp, /var/tmp, /dev/shm and /run, whose /tmp/scratch is its working directory; no
+capabilities (bounding, ambient, effective, permitted all empty) and no_new_privs, so no setuid
+binary or file capability can give any back. rlimits cap CPU time, address space, file size,
+open files and processes (RLIMIT_NPROC counts per user namespace, so each job has a budget of its
+own; as root, per worker slot's uid); the launcher kills the job when all its processes together
+hold more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
+namespaces: rlimits, a scratch dir under the real /tmp, a Python-level socket block, and for root
+the per-slot uid.
 
 The outcome is derived from what the launcher observes, never from what the program says. No
 channel the program can reach carries one: every inherited descriptor is closed but 0
@@ -54,14 +56,13 @@ While the program runs the pass code is in no variable, container or attribute i
 (it sits on the value stack of the frame that calls ``exec``; the launcher's copy is emptied in
 the program's process). What remains: code that reads its own raw memory (ctypes,
 /proc/self/mem) and knows CPython's frame layout could find it; a blind guess wins with
-probability 1/253; and a program can still tamper with its own tests in-process (a solution
-returning an object whose ``__eq__`` is always true, or skipping an assert with
-``sys.settrace``): that is the benchmark's tests' business, not a forged report.
+probability 1/253. That is why code is not scored this way: a call job (:func:`_run_calls`)
+only returns its function's outputs, as plain data, and "passed" there means only that the calls
+returned; the caller compares the outputs, outside (mergelab/eval/scoring_code.py).
 
 Not covered: there is no seccomp filter (kernel bugs reachable from an unprivileged process, or
-from inside a user namespace, are in scope); files the program's uid may read stay readable
-outside the hidden directories; RLIMIT_AS caps each process, not the job (max_processes x
-memory_bytes in all); kernel keyrings are not isolated. In weak mode, a program of a non-root
+from inside a user namespace, are in scope); the job's memory is polled every POLL_S seconds, so
+it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
 caller runs as the caller: it can read and write the caller's files, reach the network through
 ctypes or a subprocess, and signal or trace the caller's other processes (the harness included).
 
@@ -70,9 +71,8 @@ Stdlib only: this file runs as a script and must not import mergelab.
 """
 
 # Modules that test programs commonly import, loaded once here so each forked program gets them
-# for free (base64 and pickle: mergelab's own EvalPlus test programs decode their inputs with
-# them). In weak mode as root with Python installed under a folder the sandbox uid cannot enter,
-# these are the only modules a program can import.
+# for free. In weak mode as root with Python installed under a folder the sandbox uid cannot
+# enter, these are the only modules a program can import.
 import base64  # noqa: F401
 import bisect  # noqa: F401
 import builtins
@@ -89,7 +89,6 @@ import json
 import math  # noqa: F401
 import os
 import pickle  # noqa: F401
-import pwd
 import random
 import re  # noqa: F401
 import resource
@@ -118,14 +117,30 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+PR_SET_CHILD_SUBREAPER = 36
+POLL_S = 0.02  # how often the job's memory is measured
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls >= 424 are shared)
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+MNT_DETACH = 2
+# pivot_root has no libc wrapper; its number differs between architectures.
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(
+    os.uname().machine, -1
+)
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # The one tmpfs the program may write: /tmp itself, and these bound to directories in it, so all
 # of them share one size budget and a write there never reaches the real one.
 PRIVATE_DIRS = {"/var/tmp": "var-tmp", "/dev/shm": "dev-shm", "/run": "run"}
-# Never covered, nor any directory above them: the sandbox needs these mount points.
-NEEDED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/proc", "/sys", "/dev")
+# What the new root shows of the host besides Python: the system's programs and libraries (for
+# a subprocess, a shell, the dynamic loader) and the files of /etc they read.
+SYSTEM_PATHS = (
+    *("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"),
+    *("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives"),
+    *("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime"),
+)
+STDIO = ("stdin", "stdout", "stderr")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+DEV_LINKS = {"fd": "/proc/self/fd", **{n: f"/proc/self/fd/{i}" for i, n in enumerate(STDIO)}}
 SCRATCH = "/tmp/scratch"
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Written to stderr before the failure text, so the worker can split the text off.
@@ -138,6 +153,7 @@ _libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
 _libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 _libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _libc.capget.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 class SetupError(Exception):
@@ -225,30 +241,109 @@ def _write_file(path, text):
 
 
 def _build_filesystem(job, sockets):
-    """Inside the new mount namespace: hide, make read-only, then add the private tmpfs."""
+    """Inside the new mount namespace: a new root holding only what programs need, read-only,
+    then the private tmpfs."""
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None, "make mounts private")
-    tags = ["private-home"] if HOME_HIDDEN else []
-    for hidden, exposed in HIDDEN_DIRS.items():
-        _cover_dir(hidden, exposed)
-    _cover_sockets(sockets, [*PRIVATE_DIRS, "/tmp", *HIDDEN_DIRS])
+    _private_root(job.get("packages", ()), sockets)
     _make_readonly(job.get("readonly_method", "mount_setattr"))
     _private_tmp(job["tmpfs_bytes"])
+    packages = job.get("packages", ())
+    shown = "site-packages:" + ",".join(packages) if packages else "no-site-packages"
+    tags = ["private-root", "private-home", shown]
     return tags + ["readonly-root", "private-tmp", "private-run", "host-sockets-hidden"]
 
 
-def _cover_dir(hidden, exposed):
-    """Cover ``hidden`` with an empty tmpfs holding read-only binds of ``exposed`` (the Python
-    installation), so the program can import the standard library and site-packages and sees
-    nothing else there. The binds become read-only with the rest of the tree."""
-    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in exposed]  # before covering
+def _private_root(packages, sockets):
+    """Replace the root with a small tmpfs holding read-only binds of the system's programs and
+    libraries (SYSTEM_PATHS), a few files of /etc, the Python installation with its
+    site-packages emptied but for ``packages``, a minimal /dev and /proc; nothing else of the
+    host: not the caller's working directory, home, caches, results, /work, /srv, /var, ..."""
+    sources = [p for p in (*SYSTEM_PATHS, *PYTHON_DIRS) if os.path.lexists(p)]
+    sources = [p for p in sources if not any(p.startswith(q + "/") for q in sources)]
+    shown = [os.path.join(sp, e) for sp in SITE_DIRS for e in _package_entries(sp, packages)]
+    fds = {}
     try:
-        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", hidden)
-        for path, fd in zip(exposed, fds):
+        for path in [*sources, *PYTHON_ALIASES, *shown, *DEVICES, "/proc"]:  # before covering
+            if not os.path.islink(path):
+                fds[path] = os.open(path, os.O_PATH | (0 if path in DEVICES else os.O_NOFOLLOW))
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", "new root")
+        for path in sources:
+            _place(path, fds.get(path))
+        for path in PYTHON_ALIASES:  # e.g. a venv under /home when /home links to /var/home
+            if _fresh("/tmp" + path):
+                _place(path, fds.get(path))
+        for path in SITE_DIRS:
+            if os.path.isdir("/tmp" + path):
+                flags, opts = MS_NOSUID | MS_NODEV, "size=1m,mode=0755"
+                _mount("tmpfs", "/tmp" + path, "tmpfs", flags, opts, f"hide {path}")
+        for path in shown:
+            _place(path, fds[path])
+        os.makedirs("/tmp/dev", mode=0o755)
+        _mount("tmpfs", "/tmp/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755", "/dev")
+        for path in DEVICES:
+            _place(path, fds[path])
+        for name, target in DEV_LINKS.items():
+            os.symlink(target, "/tmp/dev/" + name)
+        _place("/proc", fds["/proc"])  # the program mounts its own proc over it
+        for path in ("/tmp/tmp", "/tmp/var/tmp", "/tmp/run", "/tmp/dev/shm"):
             os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind {path}")
     finally:
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)
+    for path in sockets:  # a host socket inside a bound directory stays covered
+        if os.path.exists("/tmp" + path) and not path.startswith(("/tmp/", "/run/", "/dev/")):
+            _mount("/dev/null", "/tmp" + path, None, MS_BIND, None, f"cover socket {path}")
+    os.chdir("/tmp")
+    _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the host's root")
+    os.chdir("/")
+
+
+def _fresh(target):
+    """True when creating ``target``'s missing directories can only write to the new root's own
+    tmpfs: no existing ancestor below it is a symlink or another mount (a host directory)."""
+    parts = target.split("/")
+    for i in range(3, len(parts)):
+        ancestor = "/".join(parts[:i])
+        if not os.path.lexists(ancestor):
+            return True
+        if os.path.islink(ancestor) or os.path.ismount(ancestor):
+            return False
+    return not os.path.lexists(target)
+
+
+def _place(path, fd):
+    """``path`` of the host at the same place under the new root (/tmp for now): a symlink
+    copied, a directory or file bound (recursively) from ``fd``."""
+    target = "/tmp" + path
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if fd is None:
+        os.symlink(os.readlink(path), target)
+        return
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None, f"bind {path}")
+
+
+def _package_entries(site_dir, packages):
+    """The entries of ``site_dir`` that make up the import packages ``packages``: the package
+    or module itself, its compiled extension and bundled libraries, its metadata."""
+    try:
+        entries = os.listdir(site_dir)
+    except OSError:
+        return []
+    out = []
+    for e in entries:
+        for name in packages:
+            if (
+                e == name
+                or e.startswith(name + ".")
+                or (e.startswith(name + "-") and e.endswith((".dist-info", ".egg-info")))
+            ):
+                out.append(e)
+    return sorted(set(out))
 
 
 def _host_unix_sockets():
@@ -260,21 +355,6 @@ def _host_unix_sockets():
         return []
     fields = (line.split(None, 7) for line in lines)
     return sorted({f[7] for f in fields if len(f) == 8 and f[7].startswith("/")})
-
-
-def _cover_sockets(paths, private):
-    """A path-based socket outside the private dirs stays connectable through a read-only mount
-    and from another network namespace (e.g. the session D-Bus, docker.sock): cover each one."""
-    for path in paths:
-        real = os.path.realpath(path)
-        if any(real == d or real.startswith(d + "/") for d in private):
-            continue
-        try:
-            if not stat.S_ISSOCK(os.lstat(real).st_mode):
-                continue
-        except OSError:
-            continue  # bound in another mount namespace, or gone
-        _mount("/dev/null", real, None, MS_BIND, None, f"cover socket {real}")
 
 
 def _make_readonly(method):
@@ -327,7 +407,11 @@ def _private_tmp(size):
     # A Python installation inside one of the dirs about to be replaced (a virtual environment
     # in /tmp, say) is bound back at its own path, read-only like the rest of the tree.
     covered = ["/tmp", *PRIVATE_DIRS]
-    keep = [p for p in PYTHON_DIRS if any(p == d or p.startswith(d + "/") for d in covered)]
+    keep = [
+        p
+        for p in (*PYTHON_DIRS, *PYTHON_ALIASES)
+        if os.path.isdir(p) and any(p == d or p.startswith(d + "/") for d in covered)
+    ]
     fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]  # before covering
     opts = f"size={int(size)},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts, "tmpfs on /tmp")
@@ -359,6 +443,17 @@ def _weak_setup(job):
     return scratch, isolation
 
 
+def _site_dirs():
+    """The directories of third-party packages (site- and dist-packages) of this Python."""
+    import site
+    import sysconfig
+
+    dirs = {*site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))}
+    dirs |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")}
+    dirs = {d for d in dirs if os.path.isdir(d)}
+    return sorted({os.path.realpath(d) for d in dirs} | {os.path.abspath(d) for d in dirs})
+
+
 def _python_dirs():
     """The Python installation the programs run on: prefix, base prefix, exec prefix (real
     paths, none inside another)."""
@@ -366,57 +461,31 @@ def _python_dirs():
     return [p for p in dirs if not any(p.startswith(q + "/") for q in dirs)]
 
 
-def _hidden_dirs():
-    """{directory to cover with an empty tmpfs: [Python install dirs to expose inside it]}, and
-    whether the caller's home is among them.
-
-    The caller's home (a non-root program runs as the caller and needs nothing from there: keys,
-    tokens, shell history), and any directory other users cannot enter that holds the Python
-    installation (e.g. a pyenv under /root, mode 0700: root's programs run as another uid)."""
-    exposed = PYTHON_DIRS
-    homes = [os.environ.get("HOME", "")]
-    try:
-        homes.append(pwd.getpwuid(os.geteuid()).pw_dir)
-    except KeyError:
-        pass
-    homes = sorted({os.path.realpath(h) for h in homes if h and os.path.isdir(h)})
-    candidates = set(homes)
-    for root in exposed:
-        parts = root.split(os.sep)
-        for i in range(2, len(parts)):
-            ancestor = os.sep.join(parts[:i])
-            if not os.stat(ancestor).st_mode & 0o001:
-                candidates.add(ancestor)
-                break
-
-    def inside(a, b):  # a == b or a below b
-        return a == b or a.startswith(b.rstrip("/") + "/")
-
-    keep = {}
-    for c in sorted(candidates, key=len):
-        if c == "/" or any(inside(n, c) or inside(c, n) for n in NEEDED_DIRS):
-            continue  # would hide a mount point the sandbox needs, or is private anyway
-        if any(inside(c, e) for e in exposed) or any(inside(c, k) for k in keep):
-            continue
-        keep[c] = [e for e in exposed if inside(e, c)]
-    home_hidden = bool(homes) and all(any(inside(h, k) for k in keep) for h in homes)
-    return keep, home_hidden
+def _python_aliases(real_dirs):
+    """The installation's paths as Python names them where they differ from the real ones (a
+    symlink on the way): bound there too, so that sys.path and sys.executable resolve."""
+    named = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    named.add(os.path.dirname(os.path.abspath(sys.executable)))
+    inside = [*real_dirs, *SYSTEM_PATHS]
+    return sorted(p for p in named if not any(p == q or p.startswith(q + "/") for q in inside))
 
 
 # ---------------------------------------------------------------------------------------------
 # Program process
 
 
-def _program(job, scratch, w_out, w_err, codes, isolation):
+def _program(job, scratch, w_out, w_err, w_res, codes, isolation):
     """Set up the process, run the source, exit with the code for what happened. Never returns.
 
     ``codes`` is the launcher's [passed, failed, crashed] list: emptied here first, so that the
-    pass code is not left in a frame the program can walk to (the launcher's)."""
+    pass code is not left in a frame the program can walk to (the launcher's). In a call job
+    "passed" only means that every call returned: what counts is the outputs (see
+    :func:`_run_calls`), judged by the trusted caller."""
     failed, crashed = codes[1], codes[2]
     pending = [codes[0]]
     codes.clear()
     try:
-        _enter_program_sandbox(job, scratch, w_out, w_err, isolation)
+        _enter_program_sandbox(job, scratch, w_out, w_err, w_res, isolation)
     except BaseException as exc:  # noqa: BLE001 - never run the program in half a sandbox
         _exit_with(crashed, f"sandbox set-up failed: {exc!r}")
     try:
@@ -425,7 +494,7 @@ def _program(job, scratch, w_out, w_err, codes, isolation):
         _exit_with(crashed, _short_traceback(exc))
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        _exec_to_end(code, namespace, pending)
+        _exec_to_end(code, namespace, pending, job.get("calls"))
     except AssertionError as exc:
         _exit_with(failed, _short_traceback(exc))
     except SystemExit as exc:
@@ -435,15 +504,53 @@ def _program(job, scratch, w_out, w_err, codes, isolation):
     _exit_with(crashed, "sandbox error: program neither finished nor raised")
 
 
-def _exec_to_end(code, namespace, pending):
+def _exec_to_end(code, namespace, pending, calls):
     # The pass code leaves `pending` for this frame's value stack before the program starts;
     # while it runs, no name, container or attribute reachable from Python holds it.
-    _ran_to_end(pending.pop(), exec(code, namespace))
+    _ran_to_end(pending.pop(), exec(code, namespace), calls and _run_calls(namespace, calls))
 
 
-def _ran_to_end(pass_code, _):
+def _ran_to_end(pass_code, *_):
     _flush_stdio()
     os._exit(pass_code)
+
+
+def _run_calls(namespace, calls):
+    """A call job: call the program's ``entry_point`` on each input (fresh objects decoded from
+    plain data each time) and write one line per call to the outputs pipe: {"value": plain
+    data}, {"raised": exception type name, "message": text} or {"invalid": why the value is
+    not plain data}. Nothing here judges anything: the outputs are compared with the expected
+    ones by the trusted caller, which never sends them here."""
+    fn = namespace.get(calls["entry_point"])
+    if not callable(fn):
+        raise NameError(f"the program does not define {calls['entry_point']!r}")
+    for line in calls["inputs"]:
+        args, kwargs = PLAIN.loads(line)
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - an exception is an output like any other
+            record = {"raised": _safe_text(_type_name, exc), "message": _safe_text(str, exc)}
+        else:
+            try:
+                record = {"value": PLAIN.encode(value)}
+            except PLAIN.NotPlainData as exc:
+                record = {"invalid": str(exc)}
+            except RecursionError:
+                record = {"invalid": "nested too deep"}
+        _write_all(RESULTS_FD, (json.dumps(record, allow_nan=False) + "\n").encode())
+    return True
+
+
+def _type_name(obj):
+    return type(obj).__name__
+
+
+def _safe_text(make, obj, limit=300):
+    try:
+        text = make(obj)
+        return text[:limit] if type(text) is str else "(not text)"
+    except BaseException:  # noqa: BLE001 - a hostile __str__
+        return "(unprintable)"
 
 
 def _exit_with(code, text):
@@ -464,14 +571,17 @@ def _flush_stdio():
             pass
 
 
-def _enter_program_sandbox(job, scratch, w_out, w_err, isolation):
+def _enter_program_sandbox(job, scratch, w_out, w_err, w_res, isolation):
     # Descriptors first, so that whatever fails below is reported on stderr: 0 = /dev/null,
-    # 1/2 = the output pipes, nothing else (the launcher's report pipe above all).
+    # 1/2 = the output pipes, 3 = the outputs pipe of a call job, nothing else (the launcher's
+    # report pipe above all).
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(w_out, 1)
     os.dup2(w_err, 2)
-    os.closerange(3, 2**31 - 1)
+    if w_res is not None:
+        os.dup2(w_res, RESULTS_FD)
+    os.closerange(3 if w_res is None else RESULTS_FD + 1, 2**31 - 1)
     if "pidns" in isolation:
         _mount_private_proc()
     os.chdir(scratch)
@@ -576,7 +686,7 @@ def _exit_codes(job):
     return list(fixed) if fixed else random.SystemRandom().sample(range(3, 256), 3)
 
 
-def _launcher(job, w_out, w_err):
+def _launcher(job, w_out, w_err, w_res):
     """Enter the sandbox, run the program in it, judge how it ended. Returns the report."""
     os.setsid()
     codes = _exit_codes(job)
@@ -586,33 +696,64 @@ def _launcher(job, w_out, w_err):
         scratch, isolation = _enter_namespaces(job)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the credential change
     isolation += ["no-capabilities", "no-new-privs", "closed-fds", "rlimits"]
+    meter = None
+    if job.get("memory_limit", "job") == "job":
+        # Orphans of the job become our children, so "our descendants" is the whole job.
+        _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "become a child subreaper")
+        meter = _JobMeter(job, private_tmp="weak" not in isolation)
+        isolation.append("job-memory-polled")
+    else:
+        isolation.append("per-process-memory")
     child = os.fork()
     if child == 0:
         try:
-            _program(job, scratch, w_out, w_err, codes, isolation)
+            _program(job, scratch, w_out, w_err, w_res, codes, isolation)
         finally:
             os._exit(1)
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # nobody of our uid may read our memory or fds
-    os.close(w_out)
-    os.close(w_err)
-    status, rusage, timed_out = _wait(child, job["timeout_s"], killpg="weak" in isolation)
+    for fd in (w_out, w_err, w_res):
+        if fd is not None:
+            os.close(fd)
+    status, rusage, timed_out, held = _wait(child, job["timeout_s"], "weak" in isolation, meter)
     if "weak" in isolation:
         if os.geteuid() == 0:
             _kill_uid(job["uid"])
         shutil.rmtree(scratch, ignore_errors=True)
+    if held is not None:
+        mib = job["memory_bytes"] / 2**20
+        error = (
+            f"the job held {held / 2**20:.0f} MiB, over its memory limit of {mib:.0f} MiB (all "
+            "its processes together, memfd, SysV and /tmp or /dev/shm memory included)"
+        )
+        report = {"status": "crashed", "error": error, "exit_code": None, "signal": signal.SIGKILL}
+        return {**report, "isolation": isolation}
     return {**_judge(status, rusage, timed_out, codes, job), "isolation": isolation}
 
 
-def _wait(child, timeout_s, killpg):
-    """Wait for the program, killing it at the wall-clock limit. Returns status, rusage, timed
-    out. A pidfd, so a kill can never hit a recycled pid."""
+def _wait(child, timeout_s, killpg, meter):
+    """Wait for the program, killing it at the wall-clock limit, or when ``meter`` finds the
+    job over its memory limit. Returns status, rusage, timed out, and the bytes held when the
+    job was killed for memory (else None). A pidfd, so a kill can never hit a recycled pid."""
     pidfd = os.pidfd_open(child)
+    held = None
     try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        timed_out = not ready
-        if timed_out:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            step = remaining if meter is None else min(remaining, POLL_S)
+            ready, _, _ = select.select([pidfd], [], [], max(0.0, step))
+            timed_out = not ready and remaining <= step
+            if ready or timed_out:
+                break
+            used = meter.held()
+            if used > meter.limit:
+                held = used
+                break
+        if timed_out or held is not None:
             # In a pid namespace, killing its pid 1 kills every process in it.
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            if meter is not None and killpg:
+                meter.kill_all()
         if killpg:
             # Exited but not reaped yet: its process group id cannot be recycled.
             os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
@@ -623,7 +764,125 @@ def _wait(child, timeout_s, killpg):
         _, status, rusage = os.wait4(child, 0)
     finally:
         os.close(pidfd)
-    return status, rusage, timed_out
+    return status, rusage, timed_out, held
+
+
+class _JobMeter:
+    """The memory a job holds, all its processes together, polled every POLL_S seconds by the
+    launcher (where no cgroup can be made for the job): each process's proportional set size
+    (shared pages split between their users), plus memfd files (open, or only mapped: then as
+    much as RLIMIT_FSIZE lets one file hold, where the kernel will not say), plus, in the
+    namespaces mode, the job's SysV shared memory and its private tmpfs (/tmp, /dev/shm). The
+    job's processes are the launcher's descendants (the launcher is their child subreaper).
+    Between two polls a program can allocate past the limit for up to POLL_S seconds."""
+
+    def __init__(self, job, private_tmp):
+        self.limit = int(job["memory_bytes"])
+        self.file_cap = int(job["max_file_bytes"])
+        self.private_tmp = private_tmp
+        self.root = os.getpid()
+        try:  # the host's /proc, kept before the program mounts its own over /proc
+            self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._read(f"{self.root}/task/{self.root}/children")
+            self._read("self/statm")
+        except OSError as exc:
+            raise SetupError("read /proc to account the job's memory", exc.errno) from None
+
+    def _read(self, path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.proc)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+            return b"".join(chunks).decode("ascii", "replace")
+        finally:
+            os.close(fd)
+
+    def _listdir(self, path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.proc)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def pids(self):
+        found, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            try:
+                for tid in self._listdir(f"{pid}/task"):
+                    kids = [int(k) for k in self._read(f"{pid}/task/{tid}/children").split()]
+                    found += kids
+                    todo += kids
+            except OSError:
+                continue  # gone meanwhile
+        return found
+
+    def held(self):
+        total, files = 0, {}
+        for pid in self.pids():
+            total += self._resident(pid)
+            self._memfds(pid, files)
+        total += sum(files.values())
+        if self.private_tmp:
+            total += self._sysv_shm() + self._tmpfs()
+        return total
+
+    def _resident(self, pid):
+        try:
+            for line in self._read(f"{pid}/smaps_rollup").splitlines():
+                if line.startswith(("Pss:", "SwapPss:")):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:  # no smaps_rollup (kernels before 4.14): resident set size
+            return int(self._read(f"{pid}/statm").split()[1]) * PAGE_SIZE
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def _memfds(self, pid, files):
+        try:
+            for n in self._listdir(f"{pid}/fd"):
+                try:
+                    if os.readlink(f"{pid}/fd/{n}", dir_fd=self.proc).startswith("/memfd:"):
+                        st = os.stat(f"{pid}/fd/{n}", dir_fd=self.proc)
+                        files[st.st_ino] = st.st_blocks * 512
+                except OSError:
+                    continue
+            maps = self._read(f"{pid}/maps")
+        except OSError:
+            return
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) < 6 or not fields[5].startswith("/memfd:"):
+                continue
+            ino = int(fields[4])
+            if ino in files:
+                continue
+            try:  # needs CAP_SYS_ADMIN (root's launcher)
+                files[ino] = (
+                    os.stat(f"{pid}/map_files/{fields[0]}", dir_fd=self.proc).st_blocks * 512
+                )
+            except OSError:
+                files[ino] = self.file_cap  # the most one file may hold (RLIMIT_FSIZE)
+
+    def _sysv_shm(self):
+        try:  # the launcher's IPC namespace: the job's
+            rows = [r.split() for r in self._read("sysvipc/shm").splitlines()[1:]]
+        except OSError:
+            return 0
+        return sum(int(r[14]) + int(r[15]) if len(r) >= 16 else int(r[3]) for r in rows)
+
+    def _tmpfs(self):
+        st = os.statvfs("/tmp")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def kill_all(self):
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _judge(status, rusage, timed_out, codes, job):
@@ -676,13 +935,15 @@ def _run_job(job):
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
     r_rep, w_rep = os.pipe()  # the launcher's report: never open in the program
+    r_res, w_res = os.pipe() if "calls" in job else (None, None)  # a call job's outputs
     pid = os.fork()
     if pid == 0:
         try:
-            for fd in (r_out, r_err, r_rep, PROTOCOL_FDS[0], PROTOCOL_FDS[1]):
-                os.close(fd)
+            for fd in (r_out, r_err, r_rep, r_res, PROTOCOL_FDS[0], PROTOCOL_FDS[1]):
+                if fd is not None:
+                    os.close(fd)
             try:
-                report = _launcher(job, w_out, w_err)
+                report = _launcher(job, w_out, w_err, w_res)
             except SetupError as exc:
                 report = {"setup_error": {"step": exc.step, "errno": exc.errno}}
             _write_all(w_rep, json.dumps(report).encode())
@@ -692,14 +953,17 @@ def _run_job(job):
             finally:
                 os._exit(70)
         os._exit(0)
-    for fd in (w_out, w_err, w_rep):
-        os.close(fd)
+    for fd in (w_out, w_err, w_rep, w_res):
+        if fd is not None:
+            os.close(fd)
     pidfd = os.pidfd_open(pid)
     streams = {
         r_out: _Capture(job["max_output_bytes"]),
         r_err: _Capture(job["max_output_bytes"]),
         r_rep: _Capture(1 << 20),
     }
+    if r_res is not None:
+        streams[r_res] = _Capture(job["max_result_bytes"])
     sel = selectors.DefaultSelector()
     for fd in streams:
         os.set_blocking(fd, False)
@@ -731,7 +995,12 @@ def _run_job(job):
         os.close(fd)
     sel.close()
     seconds = time.monotonic() - t0
-    return _reply(streams[r_rep], streams[r_out], streams[r_err], backstop_kill, seconds)
+    reply = _reply(streams[r_rep], streams[r_out], streams[r_err], backstop_kill, seconds)
+    if r_res is not None:
+        res = streams[r_res]
+        reply["outputs"] = bytes(res.head).decode("utf-8", "replace")
+        reply["outputs_truncated"] = res.total > res.limit
+    return reply
 
 
 class _Capture:
@@ -808,16 +1077,31 @@ def _reply(rep, out, err, backstop_kill, seconds):
     return {**result, "status": report["status"], "error": error}
 
 
-HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PYTHON_DIRS = {}, False, 40, []
+CAP_LAST, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS = 40, [], [], []
 PROTOCOL_FDS = (0, 1)
+RESULTS_FD = 3
+
+
+def _load_plain_data():
+    """mergelab/eval/plain_data.py, the codec shared with the trusted side (stdlib only)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_data.py")
+    spec = importlib.util.spec_from_file_location("_mergelab_plain_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PLAIN = _load_plain_data()
 
 
 def main():
-    global HIDDEN_DIRS, HOME_HIDDEN, CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS
+    global CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS
     # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    PYTHON_DIRS = _python_dirs()
-    HIDDEN_DIRS, HOME_HIDDEN = _hidden_dirs()
+    PYTHON_DIRS, SITE_DIRS = _python_dirs(), _site_dirs()
+    PYTHON_ALIASES = _python_aliases(PYTHON_DIRS)
     with open("/proc/sys/kernel/cap_last_cap") as f:
         CAP_LAST = int(f.read())
     # Keep the protocol pipes off fds 0/1 so nothing a program does can write into them.

@@ -254,24 +254,25 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _canonical(args: argparse.Namespace) -> int:
     from mergelab.eval.sandbox import Sandbox, SandboxLimits
-    from mergelab.eval.scoring_code import build_test_programs
+    from mergelab.eval.scoring_code import run_code_tests, solution_code
     from mergelab.eval.tasks import get_task, load_benchmark
 
     load_from_args(args)
     bench = load_benchmark(args.benchmark, args.data, limit=args.limit)
     if get_task(bench.task).kind != "code":
         raise ValueError(f"{bench.name} is not a code benchmark")
-    programs, index = [], []
-    for it in bench.items:
-        for kind, prog in build_test_programs(it.prompt, it.solution or "", it.tests).items():
-            programs.append(prog)
-            index.append((it.item_id, kind))
+    cases = [
+        (it.prompt, solution_code(it.prompt, it.solution or "", it.tests), it.tests)
+        for it in bench.items
+    ]
     limits = SandboxLimits(timeout_s=args.timeout)
     with Sandbox(workers=args.workers, limits=limits, isolation=args.isolation) as sandbox:
-        results = sandbox.run_many(programs, progress=True)
-    failed = [(i, r) for i, r in zip(index, results) if not r.passed]
-    print(f"{bench.name}: {len(programs) - len(failed)}/{len(programs)} test programs pass "
-          f"with the canonical solutions (isolation: {', '.join(results[0].isolation)})")  # fmt: skip
-    for (item_id, kind), r in failed[:20]:
+        print(sandbox.memory_notice())
+        verdicts, isolation = run_code_tests(sandbox, cases, progress=True)
+    results = [(it.item_id, k, v) for it, vs in zip(bench.items, verdicts) for k, v in vs.items()]
+    failed = [r for r in results if not r[2].passed]
+    print(f"{bench.name}: {len(results) - len(failed)}/{len(results)} tests pass "
+          f"with the canonical solutions (isolation: {', '.join(isolation)})")  # fmt: skip
+    for item_id, kind, r in failed[:20]:
         print(f"  {item_id} [{kind}] {r.status}: {r.error.strip().splitlines()[-1:]}")
     return 1 if failed else 0

