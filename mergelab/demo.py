@@ -1,4 +1,4 @@
-"""``mergelab demo``: build a tiny base and two experts, merge them with every method, compare.
+"""mergelab demo: build a tiny base and two experts, merge them with every method, compare.
 
 Everything is made here, offline, in well under a minute on a CPU:
 

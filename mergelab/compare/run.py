@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.executors import JobContext, progress_default, run_jobs
-from mergelab.compare.plan import Plan, candidate_name, make_plan
+from mergelab.compare.plan import Plan, candidate_name, made_of, make_plan
 from mergelab.compare.select import choose_best_expert, choose_point
 from mergelab.compare.spec import CompareSpec, eval_settings_for, load_spec, with_executor
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
@@ -135,7 +135,7 @@ def run(
         "spec_source": spec.source,
         "seeds": list(spec.seeds),
         "rows": [
-            _row_info(p)
+            _row_info(p, spec.models)
             for p in plan.test_jobs(spec.seeds[0], _first_points(plan))
             if p.benchmark == spec.benchmarks[0].name
         ],
@@ -172,7 +172,7 @@ def _first_points(plan: Plan):
     return {f.name: plan.grid_points(f)[0] for f in plan.tuned}
 
 
-def _row_info(job) -> dict[str, Any]:
+def _row_info(job, models) -> dict[str, Any]:
     fam = job.point.family
     return {
         "row": job.point.row,
@@ -180,6 +180,7 @@ def _row_info(job) -> dict[str, Any]:
         "method": fam.method,
         "experts": list(fam.experts) if fam.family != "expert" else [job.point.expert],
         "grid": {k: list(v) for k, v in fam.grid.items()},
+        "made_of": made_of(fam, models, job.point.expert),
     }
 
 

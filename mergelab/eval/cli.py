@@ -1,4 +1,4 @@
-"""``mergelab eval``: evaluate a candidate, compare two results, check a benchmark's data.
+"""mergelab eval: evaluate a candidate, compare two results, check a benchmark's data.
 
     mergelab eval run --model merged/ --benchmark humaneval --limit 20 --out results/he-merged
     mergelab eval run --model base/ --benchmark gsm8k --data gsm8k_test.jsonl --n-shots 8
