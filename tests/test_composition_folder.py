@@ -6,6 +6,7 @@ and the lm-eval bridge take it as a candidate."""
 import copy
 import json
 import os
+import string
 from pathlib import Path
 
 import pytest
@@ -27,15 +28,16 @@ SETTINGS = GenerationSettings(max_new_tokens=8)
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    tok = char_tokenizer()
+    tok = char_tokenizer(string.printable)  # benchmark text has capitals and punctuation
     paths = {}
     for i, name in enumerate(["base", "math", "code"]):
-        tiny_causal_lm(len(tok), seed=i, initializer_range=0.3).save_pretrained(root / name)
+        model = tiny_causal_lm(len(tok), seed=i, initializer_range=0.3, max_positions=1024)
+        model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         paths[name] = root / name
     torch.manual_seed(3)
     lora = get_peft_model(
-        copy.deepcopy(tiny_causal_lm(len(tok), seed=0, initializer_range=0.3)),
+        copy.deepcopy(tiny_causal_lm(len(tok), seed=0, initializer_range=0.3, max_positions=1024)),
         LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False),
     )
     lora.save_pretrained(root / "lora")
@@ -155,3 +157,47 @@ def test_compose_cli_saves_the_composition(folders, tmp_path, capsys):
     bad = ["compose", "--base", str(paths["base"]), "--expert", str(paths["lora"]), "--prompt", "x"]
     assert main(bad) == 2
     assert "is a PEFT LoRA adapter folder: add --lora" in capsys.readouterr().err
+
+
+def test_eval_run_and_the_lm_eval_bridge_take_the_folder(folders, tmp_path):
+    """`mergelab eval run --model DIR` and the lm-eval bridge (`spec=DIR`) load a saved
+    composition as the composition itself: the same generations and log-likelihoods."""
+    from mergelab.eval.lm_eval_bridge import MergelabLM
+    from mergelab.eval.spec import build_candidate
+
+    paths, tok = folders
+    decoder = ComposedDecoder(
+        _load(paths["base"]), [_load(paths["math"]), _load(paths["code"])], tok, [1.0, 0.5]
+    )
+    saved = decoder.save_pretrained(tmp_path / "comp")
+    built = build_candidate(saved, dtype="float32")
+    assert isinstance(built, ComposedDecoder) and built.composition == decoder.composition
+    bridge = MergelabLM(spec=str(saved), device="cpu")
+    assert bridge.candidate.score(PROMPTS, ["xy", "z", "abc"]) == pytest.approx(
+        decoder.score(PROMPTS, ["xy", "z", "abc"]), abs=1e-5
+    )
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "eval"
+    argv = [
+        "eval",
+        "run",
+        "--model",
+        str(saved),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(fixtures / "gsm8k.jsonl"),
+        "--max-new-tokens",
+        "3",
+        "--n-shots",
+        "0",
+        "--limit",
+        "2",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["candidate"]["type"] == "ComposedDecoder"
+    assert summary["candidate"]["composition"] == decoder.composition.to_dict()
