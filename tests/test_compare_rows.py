@@ -176,3 +176,27 @@ def test_a_saved_composition_is_a_row(world, tmp_path, capsys):
     bad = _spec(world, [{"family": "composition", "path": str(saved), "weights": [1, 1]}])
     with pytest.raises(mc.SpecError, match=r"candidates\[0\].weights: a saved composition"):
         mc.parse_spec(bad, source="s.yaml")
+
+
+def test_progress_shows_in_a_log_as_lines(world, tmp_path, capfd):
+    """`mergelab compare` with stderr not a terminal (as under nohup or SLURM): plain job
+    lines, and no bars (transformers' "Loading weights" included)."""
+    import yaml
+    from transformers.utils import logging as hf_logging
+
+    spec = _spec(
+        world,
+        [{"family": "base"}, {"family": "composition", "experts": ["math", "code"]}],
+        experts=("math", "code"),
+    )
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    try:
+        assert main(["compare", str(path), "--out", str(tmp_path / "out")]) == 0
+    finally:
+        hf_logging.enable_progress_bar()  # the command turned them off for this process
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("test (seed 0)")]
+    assert lines[0] == "test (seed 0): 0/2 jobs (0%), elapsed 0s"
+    assert lines[-1].startswith("test (seed 0): 2/2 jobs (100%), ")
+    assert "\r" not in err

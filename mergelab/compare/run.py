@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.executors import JobContext, progress_default, run_jobs
 from mergelab.compare.plan import Plan, candidate_name, made_of, make_plan
@@ -31,6 +29,7 @@ from mergelab.compare.select import choose_best_expert, choose_point
 from mergelab.compare.spec import CompareSpec, eval_settings_for, load_spec, with_executor
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
 from mergelab.eval.tasks import get_task, score_completions
+from mergelab.progress import progress_bar
 
 RESULTS_SCHEMA = "mergelab.compare.results"
 RESULTS_VERSION = 1
@@ -186,7 +185,7 @@ def _row_info(job, models) -> dict[str, Any]:
 
 def _prepare_merges(plan: Plan, store: ModelStore, seed: int, points, progress: bool) -> None:
     todo = [p for p in points if store.streams_merge(p)]
-    for p in tqdm(todo, desc=f"merges (seed {seed})", disable=not progress or not todo):
+    for p in progress_bar(todo, desc=f"merges (seed {seed})", enabled=progress and bool(todo)):
         store.ensure_merge(p, seed, progress=False)
 
 
