@@ -13,7 +13,9 @@ The protocol has three calls:
   ``settings`` is a :class:`GenerationSettings`; mergelab's own candidates also take a
   transformers ``GenerationConfig`` and generation keyword arguments (mapped by
   :func:`generation_settings`), ``logits_processor`` / ``stopping_criteria`` lists, and token
-  ids instead of strings.
+  ids instead of strings. Called as transformers' ``generate(input_ids=..., attention_mask=...,
+  generation_config=...)`` they return what ``model.generate`` returns, token ids
+  (:mod:`mergelab.compose.token_ids`).
 * ``score(prompts, continuations)`` — total log-likelihood (nats) of each continuation given its
   prompt, for likelihood-based benchmarks.
 

@@ -132,6 +132,10 @@ def test_every_mergekit_option_is_handled():
 
 
 def test_positional_forms_that_cannot_be_read_are_refused(config, tmp_path, capsys):
+    root = config.parent  # a merge given by flags takes OUT positionally too
+    flags = ["merge", "--method", "linear", "--model", str(root / "a"), "--model", str(root / "b")]
+    assert main([*flags, str(tmp_path / "flags"), "--no-progress"]) == 0
+    assert (tmp_path / "flags" / "config.json").is_file()
     assert main(["merge", str(tmp_path / "x.txt"), str(tmp_path / "o")]) == 2
     assert "is not a .yml, .yaml or .toml merge config" in capsys.readouterr().err
     assert main(["merge", str(config), str(tmp_path / "o"), "--out", str(tmp_path / "p")]) == 2

@@ -1,7 +1,8 @@
 """mergekit's command line on ``mergelab merge``: ``mergekit-yaml config.yml OUT [flags]``.
 
 ``mergelab merge config.yml OUT`` and ``mergelab merge --config config.yml OUT`` read the output
-folder from the command line as ``mergekit-yaml`` does. mergekit's flags (mergekit 0.1.5,
+folder from the command line as ``mergekit-yaml`` does (and so does ``mergelab merge --method
+ties --model a/ --model b/ OUT``). mergekit's flags (mergekit 0.1.5,
 ``mergekit/options.py``) are accepted where mergelab does the same thing — some always do it,
 so the flag changes nothing — and otherwise refused with one line that names mergelab's way
 (exit code 2), never silently ignored:
@@ -210,23 +211,23 @@ def _bytes(n: float) -> str:
 
 
 def _positional(args: argparse.Namespace) -> None:
-    """``CONFIG OUT`` (mergekit-yaml's order), ``OUT`` after ``--config``, or ``CONFIG`` alone
-    when it is a .yml/.yaml/.toml file; anything else is refused naming the flags to use."""
+    """``CONFIG OUT`` (mergekit-yaml's order), ``OUT`` after ``--config`` or after a merge given
+    by flags (``--method``), or ``CONFIG`` alone when it is a .yml/.yaml/.toml file; anything
+    else is refused naming the forms that are read."""
     paths = list(getattr(args, "paths", None) or [])
     if not paths:
         return
-    config_like = Path(paths[0]).suffix.lower() in (".yml", ".yaml", ".toml")
-    if args.config is None and config_like:
+    if args.config is None and Path(paths[0]).suffix.lower() in (".yml", ".yaml", ".toml"):
         args.config = paths.pop(0)
-    elif args.config is None and len(paths) == 2:
+    if args.config is None and not args.method and len(paths) == 2:
         raise ValueError(
             f"{paths[0]} is not a .yml, .yaml or .toml merge config: give the config first "
             "(mergelab merge config.yml OUT)"
         )
-    if len(paths) > 1 or (paths and args.config is None):
+    if len(paths) > 1 or (paths and args.config is None and not args.method):
         raise ValueError(
             f"unexpected {' '.join(paths)}: mergelab merge takes CONFIG OUT, --config CONFIG "
-            "OUT, or --out OUT (models go after --model or --models)"
+            "OUT, or --method ... OUT (models go after --model or --models)"
         )
     if paths:
         if args.output is not None and args.output != paths[0]:
