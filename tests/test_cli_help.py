@@ -45,19 +45,20 @@ def test_top_level_help_imports_no_torch_and_is_quick():
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout
     assert all(name in done.stdout for name in cli.SUBCOMMAND_MODULES)
-    # Wall time of the command itself, best of three (the machine is shared).
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "mergelab", "--help"],
-            capture_output=True,
-            env=_env(),
-            cwd=ROOT,
-            check=True,
-        )
-        times.append(time.perf_counter() - started)
-    assert min(times) < 1.0, times
+
+    # Wall time, best of three, against a bare `import torch` timed the same way: on a shared
+    # machine absolute times move with the load (benchmarks/cli_help_time.py measures them).
+    def best(argv):
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            subprocess.run(argv, capture_output=True, env=_env(), cwd=ROOT, check=True)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    helped = best([sys.executable, "-m", "mergelab", "--help"])
+    torch_alone = best([sys.executable, "-c", "import torch"])
+    assert helped < 0.5 * torch_alone, (helped, torch_alone)
 
 
 def test_every_option_of_every_subcommand_has_plain_help():
