@@ -13,7 +13,9 @@ The protocol has three calls:
   ``settings`` is a :class:`GenerationSettings`; mergelab's own candidates also take a
   transformers ``GenerationConfig`` and generation keyword arguments (mapped by
   :func:`generation_settings`), ``logits_processor`` / ``stopping_criteria`` lists, and token
-  ids instead of strings.
+  ids instead of strings. Called as transformers' ``generate(input_ids=..., attention_mask=...,
+  generation_config=...)`` they return what ``model.generate`` returns, token ids
+  (:mod:`mergelab.compose.token_ids`).
 * ``score(prompts, continuations)`` — total log-likelihood (nats) of each continuation given its
   prompt, for likelihood-based benchmarks.
 
@@ -63,6 +65,9 @@ class GenerationSettings:
     eos_token_ids: tuple[int, ...] | None = None
     min_new_tokens: int = 0
     repetition_penalty: float = 1.0
+    # Sequences per prompt (transformers' num_return_sequences): each prompt is decoded this many
+    # times, as rows of its own (so sampled rows differ); more than 1 needs do_sample.
+    num_return_sequences: int = 1
 
     def __post_init__(self) -> None:
         """Refuse settings that cannot mean anything, naming the field: at construction, not
@@ -105,6 +110,13 @@ class GenerationSettings:
             )
         if not _check_real("repetition_penalty", self.repetition_penalty) > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_int("num_return_sequences", self.num_return_sequences, minimum=1)
+        if self.num_return_sequences > 1 and not self.do_sample:
+            # transformers refuses the same: greedy decoding has one answer per prompt
+            raise ValueError(
+                f"num_return_sequences={self.num_return_sequences} needs do_sample=True "
+                "(greedy decoding gives one sequence per prompt)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields. Fields added after the first release appear only when they differ
@@ -127,7 +139,12 @@ class GenerationSettings:
         return cls(**d)
 
 
-_LATER_FIELDS = {"eos_token_ids": None, "min_new_tokens": 0, "repetition_penalty": 1.0}
+_LATER_FIELDS = {
+    "eos_token_ids": None,
+    "min_new_tokens": 0,
+    "repetition_penalty": 1.0,
+    "num_return_sequences": 1,
+}
 
 # transformers GenerationConfig field -> GenerationSettings field. Unset fields take transformers'
 # own defaults (GenerationConfig._get_default_generation_params), e.g. top_k = 50 when sampling.
@@ -141,6 +158,7 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "eos_token_id": "eos_token_ids",
     "stop_strings": "stop_strings",
+    "num_return_sequences": "num_return_sequences",
 }
 # Fields that do not change what is decoded (ids the tokenizer already fixes, bookkeeping).
 GENERATION_CONFIG_IGNORED = {
@@ -202,7 +220,7 @@ def generation_settings(
         and k not in GENERATION_CONFIG_IGNORED
         and k in defaults
         and v != defaults[k]
-        and not (k in ("num_beams", "num_return_sequences") and v == 1)
+        and not (k == "num_beams" and v == 1)
         # transformers too lets max_new_tokens override max_length (which counts the prompt)
         and not (k == "max_length" and given.get("max_new_tokens") is not None)
     )
@@ -223,6 +241,7 @@ def generation_settings(
         "repetition_penalty": given.get("repetition_penalty") or 1.0,
         "eos_token_ids": given.get("eos_token_id"),
         "stop_strings": given.get("stop_strings") or (),
+        "num_return_sequences": given.get("num_return_sequences") or 1,
     }
     if given.get("max_new_tokens") is not None:
         out["max_new_tokens"] = given["max_new_tokens"]
@@ -258,9 +277,13 @@ def _check_real(name: str, value: Any) -> float:
 class Generation:
     """One decoded continuation.
 
-    ``text`` excludes the prompt and is cut before any stop string; ``token_ids`` are the
-    generated ids (EOS excluded). ``finish_reason`` is ``"eos"``, ``"stop_string"``,
-    ``"stopping_criteria"`` (a transformers stopping criterion ended the row) or ``"length"``. ``logprobs[t]`` is the candidate's log-prob (nats) of the t-th generated token;
+    ``text`` excludes the prompt and is cut before any stop string (lm-eval's ``until``);
+    ``token_ids`` are the generated ids as transformers keeps them — through the token that
+    completed a stop string, so ``decode(token_ids)`` is ``text`` followed by the stop string
+    (and whatever else that last token held) — with EOS left out: ``eos_token_id`` is the EOS
+    id that ended the row, if one did. ``finish_reason`` is ``"eos"``, ``"stop_string"``,
+    ``"stopping_criteria"`` (a transformers stopping criterion ended the row) or ``"length"``.
+    ``logprobs[t]`` is the candidate's log-prob (nats) of the t-th generated token;
     ``component_logprobs[t][j]`` that of component ``j`` (base first) when requested.
     """
 
@@ -276,6 +299,7 @@ class Generation:
     # "model_evaluations_per_token" (forward calls per decoded position, every model counted);
     # speculative decoding adds "drafted_tokens", "accepted_tokens", "acceptance_rate".
     cost: dict[str, float] = field(default_factory=dict)
+    eos_token_id: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,7 +10,6 @@ import argparse
 import atexit
 import contextlib
 import gc
-import importlib
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ import threading
 import traceback
 from typing import NoReturn
 
+from . import import_without_collecting
 from .errors import exit_code, may_be_a_bug, one_line, raise_terminated
 
 # subcommand -> module that defines add_subcommand(subparsers), which sets `func` on its parser.
@@ -28,14 +28,26 @@ SUBCOMMAND_MODULES = {
     "compare": "mergelab.compare.cli",
     "demo": "mergelab.demo",  # the README's main job
 }
+# Each subcommand's one-line help, for `mergelab --help`, which lists the subcommands without
+# importing their modules (and with them torch: seconds). A test checks these against the
+# modules' own help.
+SUBCOMMAND_HELP = {
+    "merge": "merge checkpoints or LoRA adapters in weight space",
+    "compose": "generate from a logit composition of a base and experts",
+    "eval": "evaluate candidates on math and code benchmarks",
+    "compare": "compare base, experts, compositions and merges on benchmarks, from a spec file",
+    "demo": "tiny end-to-end demo: train a base and two experts, merge with every method",
+}
 
 DEBUG_ENV = "MERGELAB_DEBUG"
 DEBUG_HELP = f"show the full traceback of an error (or set {DEBUG_ENV}=1)"
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, *, lazy: bool = False) -> argparse.ArgumentParser:
     """The parser of every subcommand, or of subcommand ``only`` alone (importing just its
-    module: a merge need not wait for the evaluation code to load)."""
+    module: a merge need not wait for the evaluation code to load). ``lazy``: the subcommands
+    other than ``only`` are listed by name and help only, their modules not imported (what
+    ``mergelab --help`` shows)."""
     parser = argparse.ArgumentParser(
         prog="mergelab",
         description="Weight-space merges and logit composition of language models, compared.",
@@ -43,10 +55,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in SUBCOMMAND_MODULES.items():
-        if only is not None and name != only:
+        if name != only and (only is not None or lazy):
+            if lazy:
+                sub.add_parser(name, help=SUBCOMMAND_HELP[name])
             continue
         try:
-            module = importlib.import_module(module_name)
+            module = import_without_collecting(module_name)
         except ModuleNotFoundError as exc:
             if exc.name == module_name:  # that component is not installed in this tree
                 continue
@@ -122,7 +136,9 @@ def _exit_without_teardown(code: int) -> NoReturn:
 
 
 def _main(argv: list[str]) -> int:
-    parser = build_parser(_subcommand(argv))
+    # No subcommand on the command line (`mergelab --help`, a typo): list them all, lazily.
+    command = _subcommand(argv)
+    parser = build_parser(command, lazy=command is None)
     args = parser.parse_args(argv)
     debug = args.debug or _debug_from_env()
     # SIGTERM unwinds like Ctrl-C (outputs being written are removed), unless an application

@@ -1,4 +1,4 @@
-"""``mergelab demo``: build a tiny base and two experts, merge them with every method, compare.
+"""mergelab demo: build a tiny base and two experts, merge them with every method, compare.
 
 Everything is made here, offline, in well under a minute on a CPU:
 
@@ -198,7 +198,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="tiny end-to-end demo: train a base and two experts, merge with every method",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the models and their training (default 0)"
+    )
     p.add_argument("--steps", type=int, default=60, help="training steps per model")
     # The models are tiny: more threads only add synchronisation (and contend on shared machines).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

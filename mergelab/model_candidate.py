@@ -47,3 +47,4 @@ class ModelCandidate(DecodingCandidate):
             kind="ModelCandidate",
         )
         self.model = model
+        self.config = config  # the model's (transformers' habit: candidate.config.vocab_size)

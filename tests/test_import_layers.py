@@ -43,6 +43,7 @@ LAYERS = {
     "mergelab.toy": 3,
     "mergelab.testbed": 3,
     "mergelab.compare": 4,
+    "mergelab.__main__": 5,
     "mergelab.cli": 5,
     "mergelab.demo": 5,
 }

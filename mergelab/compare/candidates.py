@@ -45,9 +45,16 @@ class ModelStore:
         self._tokenizer = None
         self._identity: dict[str, Any] | None = None
         self._last_merge: tuple[str, torch.nn.Module] | None = None  # (key, merged model)
+        self._saved: dict[str, Any] = {}  # saved compositions' decoders, by folder
 
     def __getstate__(self) -> dict[str, Any]:  # shipped to Ray workers without loaded models
-        return {**self.__dict__, "_models": {}, "_tokenizer": None, "_last_merge": None}
+        return {
+            **self.__dict__,
+            "_models": {},
+            "_tokenizer": None,
+            "_last_merge": None,
+            "_saved": {},
+        }
 
     # -- identities (cache keys) ---------------------------------------------------------------
 
@@ -65,6 +72,9 @@ class ModelStore:
             tok = self.spec.tokenizer
             tok_id = tok if isinstance(tok, str) else tokenizer_fingerprint(tok)
             self._identity = {"models": models, "tokenizer": tok_id, "loading": self.spec.loading}
+            saved = {f.path: _saved_identity(f.path) for f in self.spec.families if f.path}
+            if saved:  # absent otherwise, so earlier runs' job keys stay valid
+                self._identity["saved_compositions"] = saved
         return self._identity
 
     # -- loading -------------------------------------------------------------------------------
@@ -232,7 +242,17 @@ class ModelStore:
         from mergelab.compose import ComposedDecoder
         from mergelab.compose.formula import Composition
 
-        fam, tok, name = point.family, self.tokenizer(), point.candidate_name
+        fam, name = point.family, point.candidate_name
+        if fam.path is not None:  # a composition saved by `mergelab compose --save`
+            from mergelab.compose import ComposedDecoder
+
+            if fam.path not in self._saved:
+                lo = self.spec.loading
+                self._saved[fam.path] = ComposedDecoder.from_pretrained(
+                    fam.path, dtype=lo.get("dtype", "float32"), device=self.device, name=name
+                )
+            return self._saved[fam.path]
+        tok = self.tokenizer()
         if fam.family == "base":
             return ModelCandidate(self.model("base"), tok, name=name)
         if fam.family == "expert":
@@ -276,6 +296,18 @@ class ModelStore:
     def release(self) -> None:
         """Drop the kept merged model (the base and experts stay loaded)."""
         self._last_merge = None
+
+
+def _saved_identity(path: str) -> dict[str, Any]:
+    """A saved composition by its file and every component folder's file stats."""
+    from mergelab.compose.composed import COMPOSITION_FILE, CompositionConfig
+
+    saved = CompositionConfig.from_file(path)
+    folders = {**saved.models, **saved.adapters}
+    return {
+        "file": fingerprint(Path(path, COMPOSITION_FILE).read_text(encoding="utf-8")),
+        "models": {n: fingerprint(_stat(p)) for n, p in folders.items() if p is not None},
+    }
 
 
 def merge_inputs(family) -> tuple[str, ...]:

@@ -53,7 +53,11 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "the cache folder, then compared (a few minutes on 2 CPUs)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (bars on a terminal, lines in a log)",
+    )
     from mergelab.plugins import add_plugin_argument
 
     add_plugin_argument(p)
@@ -110,6 +114,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise ValueError("--out is required (the output folder)")
+    from mergelab.progress import quiet_library_bars
+
+    quiet_library_bars()  # in a log: mergelab's progress lines, not transformers' bars
     run(
         spec,
         args.out,

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.plan import Job, Plan, fingerprint
 from mergelab.compare.spec import eval_settings_for
 from mergelab.eval import read_generations
 from mergelab.outputs import atomic_output_file
 from mergelab.plugins import load_plugins
+from mergelab.progress import progress_bar
 
 JOB_FORMAT = 1
 
@@ -96,7 +95,7 @@ def run_job(ctx: JobContext, job: Job) -> dict[str, Any]:
         bench,
         ctx.settings(job),
         cache_dir=ctx.cache_dir / "generations",
-        progress=ctx.progress,
+        progress=ctx.progress and sys.stderr.isatty(),  # per-item bars only on a terminal
         sandbox=ctx.sandbox,
     )
     record = job_record(job, result, candidate)
@@ -160,7 +159,7 @@ def job_record(job: Job, result, candidate) -> dict[str, Any]:
 
 def run_local(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, Any]]:
     out = []
-    bar = tqdm(jobs, desc=desc, disable=not ctx.progress, unit="job")
+    bar = progress_bar(jobs, desc=desc, enabled=ctx.progress, unit="job")
     for job in bar:
         bar.set_postfix_str(f"{job.point.candidate_name} · {job.benchmark}", refresh=False)
         out.append(run_job(ctx, job))
@@ -196,11 +195,11 @@ def run_ray(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, A
         )(_ray_task)
         ctx_ref = ray.put(JobContext(ctx.plan, ctx.store, ctx.cache_dir, False))
         refs = {task.remote(ctx_ref, jobs[i]): i for i in todo}
-        bar = tqdm(
+        bar = progress_bar(
             total=len(jobs),
             initial=len(jobs) - len(todo),
             desc=f"{desc} (ray)",
-            disable=not ctx.progress,
+            enabled=ctx.progress,
             unit="job",
         )
         pending = list(refs)
@@ -221,4 +220,6 @@ def run_jobs(ctx: JobContext, jobs: Sequence[Job], desc: str) -> list[dict[str, 
 
 
 def progress_default() -> bool:
-    return sys.stderr.isatty()
+    """Progress is on by default: a bar on a terminal, plain lines in a log
+    (:mod:`mergelab.progress`)."""
+    return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,80 @@ class Point:
             "label": self.label,
             "params": self.params,
         }
+
+
+def made_of(family: Family, models: Mapping[str, Any], expert: str | None = None) -> dict[str, Any]:
+    """What a row is made of: each model it uses and how (a full model, a LoRA adapter in ΔW
+    space, or an adapter merged into a copy of the base), the formula or merge method, fixed
+    parameters and weights, and the grid its point is chosen from. ``models`` are the spec's
+    (name → ModelSource); ``expert`` names the row of an expert family."""
+    fam = family.family
+    lora = fam.startswith("lora_")
+
+    def how(name: str) -> str:
+        if family.path is not None:
+            return "model (saved composition)"
+        source = models.get(name)
+        if source is None or source.kind != "adapter":
+            return "model"
+        return "LoRA adapter (ΔW)" if lora else "LoRA adapter merged into the base"
+
+    if fam == "base":
+        names = ["base"]
+    elif fam == "expert":
+        names = [expert] if expert is not None else list(family.experts)
+    elif fam in ("merge", "lora_merge") and not family.use_base:
+        names = list(family.experts)
+    else:
+        names = ["base", *family.experts]
+    out: dict[str, Any] = {"models": {n: how(n) for n in names}}
+    if family.path is not None:
+        out["saved"] = family.path
+    if fam in ("composition", "lora_composition"):
+        out["formula"] = _formula(family)
+        out["eos_policy"] = family.eos_policy
+    if family.method is not None:
+        out["method"] = family.method
+    if family.params:
+        out["params"] = dict(family.params)
+    if family.weights is not None:
+        out["weights"] = list(family.weights)
+    if family.grid:
+        out["grid"] = {k: list(v) for k, v in family.grid.items()}
+    return out
+
+
+def _formula(family: Family) -> str:
+    from mergelab.compose.formula import Composition
+
+    if family.composition is not None:
+        return str(Composition.from_dict(family.composition))
+    if {"weight", "weights"} & set(family.grid):
+        terms = " + ".join(f"w·({e} − base)" for e in family.experts)
+        return f"base + {terms}, w from the grid"
+    return str(Composition.weighted("base", list(family.experts), family.weights))
+
+
+def made_of_text(parts: Mapping[str, Any]) -> str:
+    """One line from :func:`made_of`: ``base, math, code (LoRA adapter merged into the base);
+    ties; params density=0.2; grid lambda [0.5, 1.0]``."""
+    shown = [n if k == "model" else f"{n} ({k})" for n, k in parts["models"].items()]
+    text = ", ".join(shown)
+    if "formula" in parts:
+        text += f"; {parts['formula']}"
+        if parts.get("eos_policy", "plain") != "plain":
+            text += f", eos_policy {parts['eos_policy']}"
+    if "method" in parts:
+        text += f"; {parts['method']}"
+    if "saved" in parts:
+        text += f"; saved at {parts['saved']}"
+    if parts.get("params"):
+        text += "; params " + ", ".join(f"{k}={_show(v)}" for k, v in parts["params"].items())
+    if parts.get("weights"):
+        text += f"; weights {_show(parts['weights'])}"
+    if parts.get("grid"):
+        text += "; grid " + ", ".join(f"{k} {_show(v)}" for k, v in parts["grid"].items())
+    return text
 
 
 def candidate_name(row: str, label: str) -> str:
@@ -160,7 +235,11 @@ class Plan:
                 lines.append(
                     f"  expert: {', '.join(fam.experts)} (best single expert per "
                     "benchmark chosen on validation)"
+                    if fam.best_expert
+                    else f"  expert: {', '.join(fam.experts)} (test rows only)"
                 )
+                for e in fam.experts:
+                    lines.append(f"    {e}: {made_of_text(made_of(fam, spec.models, e))}")
                 continue
             pts = self.grid_points(fam)
             what = fam.method or (fam.family if fam.family != fam.name else "")
@@ -169,6 +248,7 @@ class Plan:
                 f"{len(pts)} grid point{'s' if len(pts) > 1 else ''}"
                 + (f" — {', '.join(p.label for p in pts)}" if len(pts) > 1 else "")
             )
+            lines.append(f"    made of: {made_of_text(made_of(fam, spec.models))}")
         total_val = total_test = 0
         for seed in spec.seeds:
             vjobs = self.validation_jobs(seed)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mergelab.compare.plan import made_of_text
 from mergelab.compare.results_file import dump, load_results
 from mergelab.outputs import atomic_output_dir
 
@@ -159,6 +160,9 @@ def markdown_table(data: Mapping[str, Any]) -> str:
         ms = sum(c["ms_per_token"] for c in cost) / len(cost) if cost else None
         cells += ["–" if evals is None else f"{evals:g}", "–" if ms is None else f"{ms:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    made = [f"- {r['row']}: {made_of_text(r['made_of'])}" for r in data["rows"] if "made_of" in r]
+    if made:
+        lines += ["", "What each row is made of:", *made]
     floors = stats["per_seed"][seeds[0]]
     base_lines = []
     for b in benches:

@@ -21,11 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from mergelab.compare.candidates import ModelStore
 from mergelab.compare.executors import JobContext, progress_default, run_jobs
-from mergelab.compare.plan import Plan, candidate_name, make_plan
+from mergelab.compare.plan import Plan, candidate_name, made_of, make_plan
 from mergelab.compare.report import write_output
 from mergelab.compare.results_file import RESULTS_SCHEMA, RESULTS_VERSION
 from mergelab.compare.select import choose_best_expert, choose_point
@@ -38,6 +36,7 @@ from mergelab.compare.spec import (
 )
 from mergelab.compare.statistics import across_seeds, per_seed_statistics
 from mergelab.eval.tasks import get_task, score_completions
+from mergelab.progress import progress_bar
 
 __all__ = ["RESULTS_SCHEMA", "RESULTS_VERSION", "default_cache_dir", "run"]
 
@@ -145,7 +144,7 @@ def run(
         "plugins": list(spec.plugins),  # as every job loaded them (mergelab.plugins)
         "seeds": list(spec.seeds),
         "rows": [
-            _row_info(p)
+            _row_info(p, spec.models)
             for p in plan.test_jobs(spec.seeds[0], _first_points(plan))
             if p.benchmark == spec.benchmarks[0].name
         ],
@@ -180,7 +179,7 @@ def _first_points(plan: Plan):
     return {f.name: plan.grid_points(f)[0] for f in plan.tuned}
 
 
-def _row_info(job) -> dict[str, Any]:
+def _row_info(job, models) -> dict[str, Any]:
     fam = job.point.family
     return {
         "row": job.point.row,
@@ -188,12 +187,13 @@ def _row_info(job) -> dict[str, Any]:
         "method": fam.method,
         "experts": list(fam.experts) if fam.family != "expert" else [job.point.expert],
         "grid": {k: list(v) for k, v in fam.grid.items()},
+        "made_of": made_of(fam, models, job.point.expert),
     }
 
 
 def _prepare_merges(plan: Plan, store: ModelStore, seed: int, points, progress: bool) -> None:
     todo = [p for p in points if store.streams_merge(p)]
-    for p in tqdm(todo, desc=f"merges (seed {seed})", disable=not progress or not todo):
+    for p in progress_bar(todo, desc=f"merges (seed {seed})", enabled=progress and bool(todo)):
         store.ensure_merge(p, seed, progress=False)
 
 

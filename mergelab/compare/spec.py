@@ -72,6 +72,7 @@ FAMILY_KEYS = {
         "eos_policy",
         "composition",
         "prefer",
+        "path",
     },
     "merge": {
         "family",
@@ -147,6 +148,7 @@ class Family:
     prefer: dict[str, Any] | None = None
     best_expert: bool = True  # expert family: its experts compete to be the paired reference
     use_base: bool = True  # merge family: False merges the experts alone (base-less methods)
+    path: str | None = None  # composition family: a folder saved by `mergelab compose --save`
 
     def points(self) -> list[dict[str, Any]]:
         """Every grid point, in the order written (the last parameter varies fastest)."""
@@ -158,6 +160,8 @@ class Family:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["grid"] = {k: list(v) for k, v in self.grid.items()}
+        if d["path"] is None:  # absent unless set, so earlier runs' job keys stay valid
+            del d["path"]
         return d
 
 
@@ -534,8 +538,25 @@ class _Parser:
         adapters = [n for n, m in models.items() if m.kind == "adapter"]
         if fam == "base":
             return Family("base", entry.get("name", "base"))
+        if fam == "composition" and "path" in entry:
+            return self.saved_composition(key, entry)
         lora = fam.startswith("lora_")
         default = adapters if lora else (full + adapters if fam == "expert" else full)
+        if "experts" not in entry and fam != "expert" and full and adapters:
+            # Mixed experts: say which ones this family takes rather than drop some silently.
+            kept, left = (adapters, full) if lora else (full, adapters)
+            raise self.fail(
+                f"{key}.experts",
+                f"models.experts mixes full models {full} and LoRA adapters {adapters}: list "
+                f"this {fam} family's experts — {kept} alone, or with {left} too"
+                + (
+                    " (an adapter listed in a composition or merge takes part as the base with "
+                    "the adapter merged in)"
+                    if not lora
+                    else " (a lora_ family takes adapters only: list full models in a "
+                    f"{fam.removeprefix('lora_')} family)"
+                ),
+            )
         experts = entry.get("experts", default)
         if not isinstance(experts, list) or not all(isinstance(e, str) for e in experts):
             raise self.fail(f"{key}.experts", f"expected a list of expert names, got {experts!r}")
@@ -550,8 +571,6 @@ class _Parser:
                 raise self.fail(
                     f"{key}.experts", f"{fam} needs LoRA adapters; {e!r} is a full model"
                 )
-            if fam in ("composition", "merge") and models[e].kind == "adapter":
-                raise self.fail(f"{key}.experts", f"{e!r} is a LoRA adapter: use lora_{fam}")
         if not experts:
             raise self.fail(
                 f"{key}.experts", f"no {'adapter' if lora else 'model'} experts for {fam}"
@@ -603,6 +622,34 @@ class _Parser:
                 raise self.fail(f"{key}.{k}", f"a value is listed twice: {values}")
             out[k] = tuple(values)
         return out
+
+    def saved_composition(self, key: str, entry: dict[str, Any]) -> Family:
+        """A composition saved by ``mergelab compose --save`` (or ``save_pretrained``): one
+        row, its formula and models read from the folder."""
+        from mergelab.compose.composed import CompositionConfig
+
+        extra = sorted(set(entry) - {"family", "name", "path"})
+        if extra:
+            raise self.fail(
+                f"{key}.{extra[0]}",
+                "a saved composition fixes its formula and models: give only name and path",
+            )
+        path = self.path(f"{key}.path", entry["path"])
+        try:
+            saved = CompositionConfig.from_file(path)
+        except (OSError, ValueError) as exc:
+            raise self.fail(f"{key}.path", str(exc)) from exc
+        name = entry.get("name", Path(path).name)
+        if not isinstance(name, str) or not name:
+            raise self.fail(f"{key}.name", f"expected a non-empty string, got {name!r}")
+        return Family(
+            "composition",
+            name,
+            tuple(n for n in saved.composition.components if n != "base"),
+            eos_policy=saved.eos_policy,
+            composition=saved.composition.to_dict(),
+            path=path,
+        )
 
     def composition_family(self, key, fam, name, experts, grid, weights, entry, prefer) -> Family:
         from mergelab.compose.eos import EOS_POLICIES

@@ -1,16 +1,20 @@
-r"""``mergelab compose``: decode from a logit composition of local checkpoints.
+r"""mergelab compose: decode from a logit composition of local checkpoints, or save it.
 
     mergelab compose --base base/ --expert math/ --expert code/ --prompt "2 + 2 =" \
         --max-new-tokens 32
     mergelab compose --base base/ --expert math-lora/ --expert code-lora/ --lora \
         --prompts-file prompts.jsonl --out generations.jsonl --eos-policy base
+    mergelab compose --base base/ --expert math/ --expert code/ --save math-code/
 
-Experts are model folders (or, with ``--lora``, PEFT adapter folders of the base). Prompts come
-from ``--prompt`` (repeatable) or ``--prompts-file``: ``.jsonl`` (one object with a ``"prompt"``
-field per line), ``.json`` (a list of strings or of such objects) or plain text with one prompt per
-line, all UTF-8. Without ``--out`` the generations are printed. Every input is checked before a
-model is loaded; ``--out`` may not be, contain or sit inside an input, and ``--force`` replaces only
-a generations file that mergelab wrote (recognised by its records).
+Experts are model folders (or, with --lora, PEFT adapter folders of the base). Prompts come
+from --prompt (repeatable) or --prompts-file: .jsonl (one object with a "prompt" field per
+line), .json (a list of strings or of such objects) or plain text with one prompt per line, all
+UTF-8. Without --out the generations are printed. --save writes the composition as a small
+folder (the formula and each model's folder, no weights) that ComposedDecoder.from_pretrained,
+mergelab eval run --model, mergelab compare and mergelab-lm-eval load again; with --save the
+prompts are optional. Every input is checked before a model is loaded; --out may not be,
+contain or sit inside an input, and --force replaces only a generations file or a composition
+folder that mergelab wrote.
 """
 
 from __future__ import annotations
@@ -42,22 +46,45 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--lora", action="store_true", help="experts are PEFT LoRA adapters of the base (fast path)"
     )
-    p.add_argument("--eos-policy", default="plain", choices=EOS_POLICIES)
-    src = p.add_mutually_exclusive_group(required=True)
+    p.add_argument(
+        "--eos-policy",
+        default="plain",
+        choices=EOS_POLICIES,
+        help="whose end-of-sequence probability the composition uses: its own (plain, default), "
+        "the base's (base), the largest or smallest over the models (max, min), or the most "
+        "confident model's (most_confident)",
+    )
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or one prompt per line")
     p.add_argument("--out", help="write generations as JSONL here (atomically)")
     p.add_argument(
-        "--force", action="store_true", help="replace an existing --out that mergelab wrote"
+        "--save",
+        metavar="DIR",
+        help="write the composition to this folder (formula and model folders, no weights)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --out or --save that mergelab wrote",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="most tokens generated per prompt (default 128)",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default 1)"
+    )
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep this much mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument(
+        "--batch-size", type=positive_int, default=8, help="prompts decoded together (default 8)"
+    )
     p.add_argument(
         "--component-logprobs", action="store_true", help="also record every model's log-probs"
     )
@@ -77,8 +104,13 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--fixed-gamma", action="store_true", help="with --speculative: do not adapt gamma"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' weights dtype (default float32)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     from ..plugins import add_plugin_argument
 
     add_plugin_argument(p)
@@ -172,6 +204,19 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     for path in [args.base, *args.expert]:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path} not found")
+    from mergelab.lora import is_lora_adapter
+
+    if is_lora_adapter(args.base):
+        raise ValueError(f"--base {args.base} is a PEFT LoRA adapter folder; the base is a model")
+    adapters = [p for p in args.expert if is_lora_adapter(p)]
+    if adapters and not args.lora:
+        raise ValueError(
+            f"expert {adapters[0]} is a PEFT LoRA adapter folder: add --lora (all experts "
+            "adapters of the base)"
+        )
+    if args.lora and len(adapters) < len(args.expert):
+        full = [p for p in args.expert if p not in adapters]
+        raise ValueError(f"--lora: expert {full[0]} is not a PEFT LoRA adapter folder")
     for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what} {path} not found")
@@ -249,16 +294,28 @@ def build_decoder(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..outputs import atomic_output_file, check_output_file
+    from ..outputs import atomic_output_file, check_output_file, check_output_path
     from ..plugins import load_from_args
 
     load_from_args(args)  # a user's code, as for every subcommand (docs/guides/plugins.md)
     inputs = check_inputs(args)
-    prompts = args.prompt if args.prompt else read_prompts(args.prompts_file)
+    if not (args.prompt or args.prompts_file or args.save):
+        raise ValueError("give --prompt or --prompts-file (or --save DIR to save the composition)")
+    if args.out and not (args.prompt or args.prompts_file):
+        raise ValueError("--out holds generations: give --prompt or --prompts-file")
+    prompts = args.prompt or (read_prompts(args.prompts_file) if args.prompts_file else [])
     output = dict(force=args.force, inputs=inputs, written_by_mergelab=is_generations_file)
     if args.out:
         check_output_file(args.out, **output)  # fail before loading any model
+    if args.save:
+        check_output_path(args.save, force=args.force, inputs=inputs)
     decoder = build_decoder(args)
+    if args.save:
+        composed = getattr(decoder, "composed", decoder)  # speculative decoding decodes it
+        composed.save_pretrained(args.save, force=args.force)
+        print(f"saved the composition {composed.name} to {args.save}")
+        if not prompts:
+            return 0
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,

@@ -17,10 +17,16 @@ Conventions:
   ``(seed, prompt index)``, and inverts the CDF. Results do not depend on the batch size or
   the order of batching.
 * A stop string ends a row as soon as it appears in the generated text; ``text`` is cut before
-  it, ``token_ids`` keep the token that completed it.
+  it (lm-eval's ``until``), ``token_ids`` keep the token that completed it (transformers'
+  ``stop_strings``: the ids of ``generate(input_ids=...)`` are transformers' ids).
 
 transformers' conventions (``generate`` takes what ``model.generate`` takes, within reason):
 
+* Two calls: ``generate(prompts, settings)`` returns one ``Generation`` per prompt (text, ids,
+  log-probs); ``generate(input_ids=..., attention_mask=..., generation_config=...)`` returns
+  what ``model.generate`` returns — a ``LongTensor`` of prompt + new tokens, or with
+  ``return_dict_in_generate`` an output object with ``sequences`` (and ``scores``) — see
+  :mod:`mergelab.compose.token_ids`.
 * Settings: a :class:`~mergelab.candidate.GenerationSettings`, a ``GenerationConfig`` or keyword
   arguments, mapped by :func:`mergelab.candidate.generation_settings` (unsupported fields are
   refused by name). Prompts: strings, a tensor of input ids ``[B, T]`` (with ``attention_mask``
@@ -47,6 +53,7 @@ transformers' conventions (``generate`` takes what ``model.generate`` takes, wit
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +64,7 @@ from ..candidate import Generation, GenerationSettings, generation_settings
 from .eos import apply_eos_policy, check_eos_policy
 from .formula import Composition
 from .projective import project_onto_mask
+from .sampling import batch_order, warp_logprobs
 from .vocab import tokenizer_fingerprint, tokenizer_vocab_size
 
 _SEED_STRIDE = 1_000_003  # row i of seed s draws from generator seed s·stride + i
@@ -79,27 +87,6 @@ def left_pad(
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among the row's real tokens; 0 on padding."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def warp_logprobs(
-    logprobs: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None
-) -> torch.Tensor:
-    """Sampling scores ``[B, V]``: temperature, then top-k, then nucleus (top-p) filtering."""
-    if temperature <= 0:
-        raise ValueError(f"sampling temperature must be > 0, got {temperature}")
-    scores = logprobs / temperature if temperature != 1.0 else logprobs
-    if top_k is not None and 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        if top_p <= 0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        mass_before = probs.cumsum(-1) - probs  # the most likely token is always kept
-        sorted_scores = sorted_scores.masked_fill(mass_before >= top_p, float("-inf"))
-        scores = torch.empty_like(scores).scatter_(-1, order, sorted_scores)
-    return scores
 
 
 def sample_tokens(
@@ -161,6 +148,30 @@ class DecodingCandidate:
         self._identity = len(composition.components) == 1 and composition.temperature == 1.0
         self.score_batch_size = 8
         self._identity_cache: dict[str, Any] | None = None
+
+    @property
+    def generation_config(self) -> Any:
+        """transformers' ``GenerationConfig`` that ``generate(input_ids=...)`` starts from when
+        given none (as ``model.generate`` starts from ``model.generation_config``): one model's
+        own, else one naming the candidate's EOS, pad and BOS ids (greedy). Settable."""
+        if getattr(self, "_generation_config", None) is None:
+            from transformers import GenerationConfig
+
+            models = list(self.runner.models.values())
+            own = getattr(models[0], "generation_config", None) if len(models) == 1 else None
+            if own is not None:
+                self._generation_config = copy.deepcopy(own)
+            else:
+                self._generation_config = GenerationConfig(
+                    eos_token_id=list(self.eos_token_ids),
+                    pad_token_id=self.pad_id,
+                    bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
+                )
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: Any) -> None:
+        self._generation_config = value
 
     # ---------------------------------------------------------------- the distribution
     @property
@@ -312,31 +323,55 @@ class DecodingCandidate:
     # ---------------------------------------------------------------- generation
     def generate(
         self,
-        prompts: Sequence[str] | torch.Tensor | Sequence[Sequence[int]],
+        prompts: Sequence[str] | torch.Tensor | Sequence[Sequence[int]] | None = None,
         settings: GenerationSettings | Any | None = None,
         *,
         attention_mask: torch.Tensor | None = None,
         logits_processor: Any = None,
         stopping_criteria: Any = None,
         **kwargs: Any,
-    ) -> list[Generation]:
-        """One :class:`~mergelab.candidate.Generation` per prompt (input order).
+    ) -> Any:
+        """One :class:`~mergelab.candidate.Generation` per prompt (input order), or, called as
+        transformers' ``model.generate(input_ids=..., ...)``, what that returns.
 
         ``settings``: :class:`GenerationSettings`, a transformers ``GenerationConfig`` or None,
         updated by ``kwargs`` (transformers' names, plus ``seed``/``batch_size``); prompts:
         strings, an id tensor with its ``attention_mask``, or id lists; ``logits_processor`` /
-        ``stopping_criteria``: transformers' lists (see the module docstring).
+        ``stopping_criteria``: transformers' lists (see the module docstring). With
+        ``num_return_sequences`` n, the result holds n generations per prompt, prompt by prompt.
         """
+        if prompts is None or "input_ids" in kwargs or "inputs" in kwargs:
+            from .token_ids import generate_token_ids
+
+            return generate_token_ids(
+                self,
+                prompts,
+                settings,
+                attention_mask=attention_mask,
+                logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria,
+                **kwargs,
+            )
+        from .token_ids import refuse_output_options
+
+        refuse_output_options(kwargs)
+        if "generation_config" in kwargs:  # transformers' name for the settings
+            if settings is not None:
+                raise ValueError("pass the settings or generation_config, not both")
+            settings = kwargs.pop("generation_config")
         settings = generation_settings(settings, **kwargs)
         texts, encoded = self.encode_prompts(prompts, attention_mask)
+        if settings.num_return_sequences > 1:
+            n = settings.num_return_sequences
+            texts = [t for t in texts for _ in range(n)]
+            encoded = [e for e in encoded for _ in range(n)]
         hooks = _Hooks(logits_processor, stopping_criteria)
         if (hooks or _needs_processors(settings)) and not self._plain_loop:
             raise NotImplementedError(
                 f"{self.kind} does not apply logits processors, stopping criteria, "
                 "repetition_penalty or min_new_tokens; generate with the composition itself"
             )
-        # Batch prompts of similar length together; results return in input order.
-        order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
+        order = batch_order(encoded)
         results: list[Generation | None] = [None] * len(texts)
         for start in range(0, len(order), settings.batch_size):
             rows = order[start : start + settings.batch_size]
@@ -502,6 +537,7 @@ class RowOutputs:
         self.component_logprobs: list[list[list[float]]] = [[] for _ in range(batch)]
         self.steps = [0] * batch  # tokens decided, EOS included
         self.reason = ["length"] * batch
+        self.eos_token: list[int | None] = [None] * batch  # the EOS id that ended the row
         self.done = [settings.max_new_tokens <= 0] * batch
 
     def add(
@@ -513,6 +549,7 @@ class RowOutputs:
         self.steps[row] += 1
         if token in self.eos:
             self.done[row], self.reason[row] = True, "eos"
+            self.eos_token[row] = token
             return
         self.tokens[row].append(token)
         self.logprobs[row].append(logprob)
@@ -578,6 +615,7 @@ class RowOutputs:
                         "model_evaluations_per_token": per_token,
                         **(cost[row] if cost is not None else {}),
                     },
+                    eos_token_id=self.eos_token[row],
                 )
             )
         return out

@@ -1,4 +1,4 @@
-"""``mergelab eval``: evaluate a candidate, compare two results, check a benchmark's data.
+"""mergelab eval: evaluate a candidate, compare two results, check a benchmark's data.
 
     mergelab eval run --model merged/ --benchmark humaneval --limit 20 --out results/he-merged
     mergelab eval run --model base/ --benchmark gsm8k --data gsm8k_test.jsonl --n-shots 8
@@ -50,8 +50,15 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="weights' dtype (default: the spec's, else as transformers loads the checkpoint)",
     )
     _benchmark_args(run)
-    run.add_argument("--max-new-tokens", type=positive_int, default=512)
-    run.add_argument("--batch-size", type=positive_int, default=8)
+    run.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=512,
+        help="most tokens generated per answer (default 512)",
+    )
+    run.add_argument(
+        "--batch-size", type=positive_int, default=8, help="prompts decoded together (default 8)"
+    )
     run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     run.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     run.add_argument("--top-p", type=float, help="nucleus sampling: keep this much mass")
@@ -66,7 +73,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="k of pass@k for code, each <= --n-samples (repeat; default 1)",
     )
     run.add_argument("--n-shots", type=int, help="few-shot examples (default: the protocol's)")
-    run.add_argument("--chat-template", choices=["never", "auto", "always"], default="never")
+    run.add_argument(
+        "--chat-template",
+        choices=["never", "auto", "always"],
+        default="never",
+        help="wrap prompts in the tokenizer's chat template: never (default), when it has one "
+        "(auto), or always",
+    )
     run.add_argument("--strict", action="store_true", help="GSM8K: strict '####' extraction")
     run.add_argument(
         "--math-checker",
@@ -86,7 +99,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="sandbox for generated code: 'namespaces' (default) is refused where the kernel "
         "has none; 'weak' = resource limits and a socket guard only, programs run as you",
     )
-    run.add_argument("--cache-dir", default="results/eval_cache")
+    run.add_argument(
+        "--cache-dir",
+        default="results/eval_cache",
+        help="generations cached here, keyed on candidate and settings (default "
+        "results/eval_cache)",
+    )
     run.add_argument(
         "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
     )
@@ -106,17 +124,23 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     run.set_defaults(func=_run)
 
     cmp = sub.add_parser("compare", help="paired comparison of two results folders")
-    cmp.add_argument("result_a")
-    cmp.add_argument("result_b")
+    cmp.add_argument("result_a", help="results folder of the first candidate")
+    cmp.add_argument("result_b", help="results folder of the second candidate")
     cmp.add_argument("--metric", help="default: the primary metric of result_a")
-    cmp.add_argument("--n-boot", type=int, default=10_000)
-    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument(
+        "--n-boot", type=int, default=10_000, help="bootstrap resamples (default 10000)"
+    )
+    cmp.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     cmp.set_defaults(func=_compare)
 
     canon = sub.add_parser("canonical", help="run reference solutions through the sandbox")
     _benchmark_args(canon)
-    canon.add_argument("--workers", type=positive_int)
-    canon.add_argument("--timeout", type=float, default=10.0)
+    canon.add_argument(
+        "--workers", type=positive_int, help="parallel test programs (default: all cores)"
+    )
+    canon.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds per test program (default 10)"
+    )
     canon.add_argument(
         "--isolation",
         choices=["namespaces", "weak"],

@@ -4,7 +4,8 @@ The same file drives ``mergelab eval run --spec`` and the lm-evaluation-harness 
 (``lm_eval --model mergelab --model_args spec=compose.yaml``). Exactly one of ``model``,
 ``base`` or ``merge`` says what the candidate is::
 
-    # one model folder (a saved merge is one too)
+    # one model folder (a saved merge is one too), or a composition saved by
+    # `mergelab compose --save` / ComposedDecoder.save_pretrained
     model: models/merged
 
     # a logit composition: base + Σ w_i·(expert_i − base)
@@ -230,6 +231,15 @@ def build_candidate(
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
         return model.to(device).eval()
 
+    from mergelab.compose.composed import is_composition_folder
+
+    if spec.kind == "model" and is_composition_folder(spec.model):  # compose --save wrote it
+        if spec.tokenizer is not None:
+            raise ValueError(f"{spec.model} is a saved composition: it names its own tokenizer")
+        named = {"name": spec.name} if spec.name else {}
+        return ComposedDecoder.from_pretrained(
+            spec.model, dtype=torch_dtype, device=device, **named
+        )
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder(), local_files_only=True)
     if spec.kind == "model":
         return ModelCandidate(load(spec.model), tokenizer, name=spec.default_name())

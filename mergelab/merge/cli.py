@@ -44,6 +44,7 @@ from .config import (
 )
 from .lora import merge_lora_adapters, plan_lora_merge
 from .mergekit_dialect import MergekitConfig, MergekitPlan, plan_mergekit_merge
+from .mergekit_flags import add_mergekit_flags, apply_mergekit_flags
 from .registry import get_merge_method, list_merge_methods
 from .validation import MergeInputError
 
@@ -61,7 +62,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "  mergelab merge --method ties --base base/ --model math/:1.0 --model code/:0.5 \\\n"
         "      --param density=0.2 --param lambda=1.0 --out merged/\n"
         "  mergelab merge --config merge.yaml --dry-run\n"
-        "  mergelab merge --config mergekit.yml --explain   # mergekit's merge_method: its semantics",
+        "  mergelab merge --config mergekit.yml --explain   # mergekit's merge_method: its semantics\n"
+        "  mergelab merge mergekit.yml merged/ --lazy-unpickle   # as mergekit-yaml CONFIG OUT",
     )
     p.add_argument("--config", help="YAML or TOML merge config (see mergelab.merge.config)")
     p.add_argument("--method", help="merge method, e.g. ties")
@@ -109,6 +111,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="dry run: list every tensor")
     add_plugin_argument(p)
+    add_mergekit_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -232,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     load_from_args(args)  # before the method is looked up
+    apply_mergekit_flags(args)
     config = config_from_args(args)
     if isinstance(config, MergekitConfig):
         return _run_mergekit(args, config)

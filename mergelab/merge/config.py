@@ -199,7 +199,28 @@ def config_dialect(raw: Any) -> str:
                 + ", ".join(f"{v} for {k}" for k, v in spelled.items() if v)
                 + ") or mergekit's merge_method to read the whole file as mergekit does"
             )
+    if "method" not in raw:
+        _no_method(raw, theirs)
     return "mergelab"
+
+
+def _no_method(raw: dict[str, Any], theirs: list[str]) -> None:
+    """A config naming no method: a misspelled ``merge_method`` / ``method`` is named as such
+    (rather than reported as mergelab's unknown keys), and so is a mergekit config without one."""
+    import difflib
+
+    for key in map(str, raw):
+        close = difflib.get_close_matches(key, ["merge_method", "method"], n=1, cutoff=0.75)
+        if close:
+            dialect = "mergekit's dialect" if close[0] == "merge_method" else "mergelab's dialect"
+            raise ValueError(
+                f"merge config: unknown key {key!r}: did you mean {close[0]!r} ({dialect})?"
+            )
+    if theirs:
+        raise ValueError(
+            f"merge config has mergekit's keys {theirs} but no merge_method: name the method "
+            "(merge_method: ties, ...)"
+        )
 
 
 def merge_config_from_dict(raw: dict[str, Any], root: str | os.PathLike = ".") -> MergeConfig:
