@@ -33,6 +33,24 @@ def baselines(
     return out
 
 
+def majority_answer_floor(
+    validation: Benchmark, test: Benchmark, settings: EvalSettings, sandbox=None
+) -> dict[str, Any]:
+    """``#### <the most common answer of the validation items>`` for every test item (ties: the
+    smallest number): the floor of a set scored on its final answer whose task declares no
+    baseline of its own (the counting set, whose answers are word counts of a few values)."""
+    answers = [it.answer for it in validation.items if it.answer is not None]
+    if not answers:
+        raise ValueError(f"{validation.name!r} has no answers to take the majority of")
+    counts = {a: answers.count(a) for a in answers}
+    top = max(counts.values())
+    mode = min((a for a, c in counts.items() if c == top), key=lambda a: (len(a), a))
+    completions = {it.item_id: f" #### {mode}" for it in test.items}
+    ok = score_completions(test, completions, settings, sandbox=sandbox)
+    per_item = {i: float(v) for i, v in ok.items()}
+    return {"answer": mode, "score": sum(per_item.values()) / len(per_item), "per_item": per_item}
+
+
 def floors_without_models(scales=("mini", "smollm2"), seeds=(0, 1, 2)) -> dict[str, Any]:
     """The baselines on each scale's synthetic test sets (no model is trained or loaded: the sets
     depend only on the scale's sizes and the seed), and how many test targets are, as strings,
