@@ -99,9 +99,9 @@ SCALE_DEFAULTS: dict[str, dict[str, Any]] = {
     # n = 40 runs had 15-50% for composition vs task arithmetic and vs the experts;
     # docs/llm_power.md, mergelab.eval.stats.mcnemar_power). HumanEval: the first 100 problems
     # (every candidate scores 0-8% there, so few pairs are discordant). The 2-vs-3 study runs on
-    # 50 items of each synthetic set (HumanEval left out), and the LoRA composition row, which is
-    # the same function as the composition (identical outcomes at n = 40, seeds 0 and 1), is left
-    # out to keep a seed within a few hours on a shared 2-core CPU.
+    # 30 items of each synthetic set (HumanEval left out; 90 pairs over 3 seeds), and the LoRA
+    # composition row, which is the same function as the composition (identical outcomes at
+    # n = 40, seeds 0 and 1), is left out: a seed needs about 2.5 CPU-hours as it is.
     "smollm2": {
         "n_test": 150,
         "lora_steps": 40,
@@ -115,7 +115,7 @@ SCALE_DEFAULTS: dict[str, dict[str, Any]] = {
         "dare_lambdas": (0.5, 1.0),
         "eos_policies": ("plain", "base", "most_confident"),
         "remedy_weights": (0.5, 1.0),
-        "termination_items": 50,
+        "termination_items": 30,
         "termination_benchmarks": ("math", "code", "mixed", "count"),
         "lora_composition_row": False,
         "humaneval_items": 100,

@@ -24,7 +24,7 @@ import torch
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
 from mergelab.eval import Benchmark, EvalSettings, build_prompt, evaluate, read_generations
-from mergelab.eval.stats import paired_comparison
+from mergelab.eval.stats import holm, paired_comparison
 
 from .setting import Setting
 
@@ -302,6 +302,15 @@ def remedies_study(
                                      n_boot=bootstrap_samples, seed=seed)
                 for b, r in row["benchmarks"].items()
             }  # fmt: skip
-    return {"experts": names, "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
+    # One family: every remedy against the plain composition on every benchmark (Holm).
+    family = {
+        (label, b): cmp["p_value"]
+        for label, row in rows.items()
+        for b, cmp in row.get("vs_plain", {}).items()
+    }
+    for (label, b), p_adj in holm(family).items():
+        rows[label]["vs_plain"][b]["p_holm"] = p_adj
+    return {"experts": names, "correction": "p_holm: Holm over every remedy × benchmark test",
+            "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
                                                    for (w, p), v in grid.items()],
             "rows": rows}  # fmt: skip
