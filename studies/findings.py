@@ -233,7 +233,9 @@ def toy_notebook_copier(root: Path) -> Finding:
         'the copying base scores; "the copying expert outvotes the rewriting one" is an '
         "inference (no margins were recorded at these settings)",
         "`results/toy/authors_exact.json` (`joint_exact_match_by_length`): product of experts "
-        f"(no base) = base at every length in each of {len(runs)} seeds: {same}",
+        "(no base) "
+        + ("equals the base" if same else "differs from the base")
+        + f" at every length in each of {len(runs)} seeds",
         "not reproduced",
         "equal scores recorded; margins not",
     )
