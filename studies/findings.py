@@ -201,21 +201,43 @@ def toy_length8_control(root: Path) -> Finding:
 
 def toy_length_generative(root: Path) -> Finding:
     rows = load("results/toy/fast/summary.json", root)
-    gen = [r for r in rows if r["part"] == "length-generative" and r["metric"] == "joint"]
+    part = [r for r in rows if r["part"] == "length-generative"]
+    gen = [r for r in part if r["metric"] == "joint"]
     off = [r for r in gen if r["x"] != 16]
     at16 = ", ".join(f"{r['method']} {pct(r['mean'])}" for r in gen if r["x"] == 16)
     zero = all(v == 0.0 for r in off for v in r["per_seed"])
     xs = sorted({r["x"] for r in off})
-    return Finding(
-        "toy",
-        "Every generative row is 0% at every length other than 16 (trained at 16); the "
-        'cause ("the models learned to emit EOS after 16 letters") is asserted: stop '
-        "positions were not recorded in that run",
+    scores = (
         f"`results/toy/fast/summary.json` (part `length-generative`): 0.0 in each seed at "
         f"lengths {xs[0]}–{xs[-1]} except 16, for all {len({r['method'] for r in gen})} rows; "
-        f"at 16: {at16}",
-        "not reproduced" if zero else "contradicted",
-        "0% off length 16; cause not measured",
+        f"at 16: {at16}"
+    )
+    longer = [r for r in part if r["metric"] == "stop: EOS after 16 tokens" and r["x"] > 16]
+    shorter = [r for r in part if r["metric"] == "stop: token limit" and r["x"] < 16]
+    if not longer:  # stop positions not recorded (the committed run before they were)
+        return Finding(
+            "toy",
+            "Every generative row is 0% at every length other than 16 (trained at 16); "
+            'the cause ("the models learned to emit EOS after 16 letters") is asserted: stop '
+            "positions were not recorded in that run",
+            scores,
+            "not reproduced" if zero else "contradicted",
+            "0% off length 16; cause not measured",
+        )
+    low_long = min(v for r in longer for v in r["per_seed"])
+    low_short = min(v for r in shorter for v in r["per_seed"])
+    measured = zero and low_long > 0.5 and low_short > 0.5
+    return Finding(
+        "toy",
+        "Every generative row is 0% at every length other than 16 (trained at 16) because "
+        "the models stop after 16 letters: past 16 they emit EOS after exactly 16 tokens, below "
+        "16 they run into the token limit",
+        f"{scores}; stop positions (same file, metrics `stop: …`): EOS after exactly 16 tokens "
+        f"at lengths > 16 in at least {pct(low_long)}% of outputs of every row and seed; token "
+        f"limit reached at lengths < 16 in at least {pct(low_short)}%",
+        "reproduced" if measured else "not reproduced",
+        f"EOS after 16 tokens ≥ {pct(low_long)}% past 16",
+        headline="toy, generative: 0% off the training length; where the outputs stop",
     )
 
 
