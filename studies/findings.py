@@ -332,6 +332,37 @@ def testbed_lambda(root: Path) -> Finding:
     )
 
 
+def testbed_rerun(root: Path) -> Finding:
+    path = root / "results/testbed/rerun_check.json"
+    if not path.exists():
+        return Finding(
+            "testbed",
+            "A rerun reproduces the committed accuracies exactly and the KL values closely",
+            "no results file records a rerun (`results/testbed/rerun_check.json` is absent)",
+            "not reproduced",
+            "no file",
+            headline="testbed: a rerun reproduces the committed numbers",
+        )
+    check = json.loads(path.read_text())
+    cols = check["columns"]
+    acc = [c for c in cols if c.startswith("acc_")]
+    exact = all(cols[c]["rows_differing"] == 0 for c in acc)
+    kl = cols["kl_to_composition"]
+    return Finding(
+        "testbed",
+        "A rerun reproduces the committed accuracies exactly and the KL values to round-off",
+        f"`results/testbed/rerun_check.json`: {check['rows_shared']} of "
+        f"{check['rows_committed']} rows matched; accuracy columns differing in "
+        f"{max(cols[c]['rows_differing'] for c in acc)} rows; KL to the composition differs in "
+        f"{kl['rows_differing']} rows, by at most {kl['max_abs_diff']:.2g} nats",
+        "reproduced"
+        if exact and check["rows_shared"] == check["rows_committed"]
+        else "not reproduced",
+        f"KL within {kl['max_abs_diff']:.2g} nats",
+        headline="testbed: a rerun reproduces the committed numbers",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # LLM study, mini scale (results/llm/mini_seed{0,1,2}, mini_replay)
 
@@ -713,6 +744,7 @@ CLAIMS: tuple[Callable[[Path], Finding], ...] = (
     toy_four_experts,
     testbed_ranges,
     testbed_lambda,
+    testbed_rerun,
     mini_everything_fails,
     mini_weighted_code,
     mini_replay,
