@@ -4,7 +4,7 @@
     python -m studies.testbed.rerun_check /tmp/rerun/results.csv results/testbed/rerun_check.json
 
 Matches the rows of the rerun's ``results.csv`` to the committed ``results/testbed/results.csv``
-by (run, method, λ, density) and records, per numeric column, the largest absolute difference and
+by (run, fine-tuning, method, λ, density) and records, per numeric column, the largest absolute difference and
 how many rows differ at all; accuracies are compared exactly (they are counts over the same
 items), the KL and log-prob columns by their largest difference (training round-off differs
 between machines and thread counts).
@@ -23,12 +23,17 @@ from mergelab.results import json_with_keys, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = "results/testbed/results.csv"
-KEY = ("run_id", "method", "lambda", "density")
+KEY = ("run_id", "finetune", "method", "lambda", "density")
 
 
 def read_rows(path: Path) -> dict[tuple[str, ...], dict[str, str]]:
+    """The rows of a results.csv by their key; a key that repeats is an error."""
     with open(path, newline="") as f:
-        return {tuple(r[k] for k in KEY): r for r in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    keyed = {tuple(r[k] for k in KEY): r for r in rows}
+    if len(keyed) != len(rows):
+        raise ValueError(f"{path}: {len(rows) - len(keyed)} rows repeat a key {KEY}")
+    return keyed
 
 
 def _num(x: str) -> float | None:
