@@ -224,19 +224,30 @@ def toy_length_generative(root: Path) -> Finding:
             "not reproduced" if zero else "contradicted",
             "0% off length 16; cause not measured",
         )
-    low_long = min(v for r in longer for v in r["per_seed"])
-    low_short = min(v for r in shorter for v in r["per_seed"])
-    measured = zero and low_long > 0.5 and low_short > 0.5
+    at_length = [
+        r for r in part if r["metric"] == "stop: EOS after the input's length" and r["x"] != 16
+    ]
+    share = lambda rs, f: f(v for r in rs for v in r["per_seed"])  # noqa: E731
+    trained = [r for r in part if r["metric"] == "stop: EOS after 16 tokens" and r["x"] == 16]
+    if share(longer, min) > 0.5 and share(shorter, min) > 0.5:
+        status, said = "reproduced", "past 16 they emit EOS after exactly 16 tokens"
+    elif share(longer, max) < 0.5:
+        status, said = "contradicted", "they do not stop after 16 letters"
+    else:
+        status, said = "not reproduced", "some stop after 16 letters, others elsewhere"
     return Finding(
         "toy",
-        "Every generative row is 0% at every length other than 16 (trained at 16) because "
-        "the models stop after 16 letters: past 16 they emit EOS after exactly 16 tokens, below "
-        "16 they run into the token limit",
-        f"{scores}; stop positions (same file, metrics `stop: …`): EOS after exactly 16 tokens "
-        f"at lengths > 16 in at least {pct(low_long)}% of outputs of every row and seed; token "
-        f"limit reached at lengths < 16 in at least {pct(low_short)}%",
-        "reproduced" if measured else "not reproduced",
-        f"EOS after 16 tokens ≥ {pct(low_long)}% past 16",
+        '"Every generative row is 0% at every length other than 16 because the models '
+        f'learned to emit EOS after 16 letters" — measured: {said}; off length 16 an output '
+        "rarely ends at the input's length either, and some run into the token limit",
+        f"{scores}; stop positions (same file, metrics `stop: …`, per row and seed, lengths ≠ "
+        f"16): EOS right after 16 tokens at lengths > 16 in {pct(share(longer, min))}–"
+        f"{pct(share(longer, max))}% of outputs; EOS right after the input's length in "
+        f"{pct(share(at_length, min))}–{pct(share(at_length, max))}%; token limit at lengths "
+        f"< 16 in {pct(share(shorter, min))}–{pct(share(shorter, max))}%; at length 16, EOS "
+        f"after 16 tokens in at least {pct(share(trained, min))}%",
+        status,
+        f"EOS after 16 tokens past 16: ≤ {pct(share(longer, max))}%",
         headline="toy, generative: 0% off the training length; where the outputs stop",
     )
 
