@@ -5,10 +5,8 @@ file, and the site's generated pages cover every public module. (CI also builds 
 
 from __future__ import annotations
 
-import csv
 import json
 import re
-import statistics
 import unicodedata
 from functools import cache
 from pathlib import Path
@@ -110,155 +108,17 @@ def block(text: str, start: str, end: str) -> str:
     return text[text.index(start) : text.index(end)]
 
 
-def findings() -> list[str]:
-    text = block(README.read_text(), "<!-- findings:start -->", "<!-- findings:end -->")
-    return [row for row in text.splitlines() if row.startswith("| ") and "---" not in row][1:]
-
-
 def load(path: str):
     return json.loads((ROOT / path).read_text())
 
 
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+def test_readme_findings_block_is_the_generators_table():
+    """The README's findings table is studies.findings' short table of the committed results
+    (`python -m studies.findings --readme README.md` writes it)."""
+    from studies import findings
 
-
-def toy_row(path, **match):
-    rows = load(path)
-    rows = rows["summary"] if isinstance(rows, dict) else rows
-    (row,) = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
-    seeds = " / ".join(pct(s) for s in row["per_seed"])
-    return row, f"{pct(row['mean'])}% ({seeds}), ", f"[{pct(row['ci_low'])}, {pct(row['ci_high'])}]"
-
-
-def llm_score(run: str, candidate: str, bench: str) -> str:
-    s = load(f"results/llm/{run}/results.json")["candidates"][candidate][bench]["score"]
-    return f"{pct(s['mean'])} [{pct(s['low'])}, {pct(s['high'])}]"
-
-
-def p2(x: float) -> str:
-    return f"{x:.2g}" if x < 0.9995 else "1.0"
-
-
-def expected_findings() -> list[list[str]]:
-    """Per findings row, the strings it must contain, each computed from the results files."""
-    rows = []
-    authors, _, _ = toy_row(
-        "results/toy/fast/summary.json",
-        part="authors",
-        method="composition",
-        pair="A->B + C->D",
-        metric="joint",
-        x=None,
-    )
-    assert authors["per_seed"] == [1.0, 1.0, 1.0]
-    rows.append([f"{pct(authors['mean'])}% in each of seeds 0/1/2", "part `authors`"])
-    _, gen, gen_ci = toy_row(
-        "results/toy/fast/summary.json",
-        part="generative",
-        method="composition",
-        metric="joint",
-        x=None,
-    )
-    rows.append([gen.rstrip(", "), gen_ci])
-    _, four, four_ci = toy_row(
-        "results/toy/many_experts.json",
-        part="aligned, fine-tuned, set 1",
-        method="composition",
-        metric="joint exact match",
-        x=4,
-    )
-    ta, _, _ = toy_row(
-        "results/toy/many_experts.json",
-        part="aligned, fine-tuned, set 1",
-        method="task arithmetic λ=1",
-        metric="joint exact match",
-        x=4,
-    )
-    assert ta["per_seed"] == [1.0, 1.0, 1.0]
-    rows.append([four + four_ci, f"task arithmetic λ = 1: {pct(ta['mean'])}% in each seed"])
-
-    with open(ROOT / "results/testbed/results.csv") as f:
-        kl = {}
-        for r in csv.DictReader(f):
-            if (r["model"], r["finetune"], r["method"], r["lambda"]) == (
-                "mlp",
-                "standard",
-                "task_arithmetic",
-                "1.0",
-            ) and (float(r["overlap"]), float(r["alpha"])) == (0.0, 1.0):
-                kl.setdefault(int(r["depth"]), []).append(float(r["kl_to_composition"]))
-    assert all(len(v) == 3 for v in kl.values())
-    gaps = " / ".join(f"{statistics.mean(kl[d]):.2f}" for d in (1, 2, 3))
-    rows.append([f"{gaps} nats at depth 1 / 2 / 3, mean of 3 seeds"])
-
-    pairs = load("results/llm/smollm2_seeds/summary.json")
-    mc = pairs["mcnemar_vs_best_expert"]["math"]["composition"]
-    rows.append(
-        [
-            f"composition {llm_score('smollm2', 'composition', 'math')} / "
-            f"{llm_score('smollm2_seed1', 'composition', 'math')}",
-            f"math expert {llm_score('smollm2', 'math_expert', 'math')} / "
-            f"{llm_score('smollm2_seed1', 'math_expert', 'math')}",
-            f"p = {mc[0]:.1g} / {mc[1]:.2g}",
-        ]
-    )
-    floors = load("results/llm/floors.json")["committed_vs_floor"]
-    seeds = [
-        floors[f"results/llm/{r}"]["mixed"]["composition"] for r in ("smollm2", "smollm2_seed1")
-    ]
-    rows.append(
-        [
-            f"composition {pct(seeds[0]['score'])} vs the sum-of-numbers floor "
-            f"{pct(seeds[0]['floor'])} (p = {p2(seeds[0]['p_value'])}) / {pct(seeds[1]['score'])} "
-            f"vs {pct(seeds[1]['floor'])} (p = {p2(seeds[1]['p_value'])})"
-        ]
-    )
-    ta_pairs = pairs["pairs"]["composition vs task_arithmetic"]
-    cells = []
-    for bench in ("math", "mixed"):
-        a, b = ta_pairs[bench]
-        cells.append(
-            f"{bench} {pct(a['score_b'])} vs {pct(a['score_a'])} (p = {p2(a['p_value'])}) / "
-            f"{pct(b['score_b'])} vs {pct(b['score_a'])} (p = {p2(b['p_value'])})"
-        )
-    rows.append(cells)
-    term = pairs["termination"]
-    two, three = term["2_experts/plain"]["math"]["score"], term["3_experts/plain"]["math"]["score"]
-    rows.append(
-        [
-            f"math {pct(two['per_seed'][0])} → {pct(three['per_seed'][0])} (seed 0), "
-            f"{pct(two['per_seed'][1])} → {pct(three['per_seed'][1])} (seed 1)",
-            f"EOS policies: {pct(term['3_experts/base']['math']['score']['mean'])} too",
-        ]
-    )
-    assert term["3_experts/most_confident"]["math"]["score"]["per_seed"] == three["per_seed"]
-    combos, experts = [], []
-    for seed in (0, 1, 2):
-        cands = load(f"results/llm/mini_seed{seed}/results.json")["candidates"]
-        experts.append(pct(cands["math_expert"]["math"]["score"]["mean"]))
-        combos += [
-            cands[c]["math"]["score"]["mean"]
-            for c in cands
-            if not c.endswith(("_expert", "_lora")) and c != "base"
-        ]
-    rows.append([f"at most {pct(max(combos))}% on math", f"math expert {' / '.join(experts)}"])
-    rows.append(["not testable here"])
-    return rows
-
-
-def test_findings_numbers_equal_their_results_files():
-    table = findings()
-    expected = expected_findings()
-    assert len(table) == len(expected)
-    for row, wanted in zip(table, expected):
-        for text in wanted:
-            assert text in row, (text, row)
-
-
-def test_findings_page_mirrors_the_readme_table():
-    marks = ("<!-- findings:start -->", "<!-- findings:end -->")
-    assert block((DOCS / "findings.md").read_text(), *marks) == block(README.read_text(), *marks)
+    inside = README.read_text().split(findings.START)[1].split(findings.END)[0]
+    assert inside.strip() == findings.short_table(findings.findings(ROOT)).strip()
 
 
 def test_readme_performance_table_equals_its_results_file():

@@ -112,3 +112,68 @@ def test_t_interval_against_hand_computed_values():
     assert t_interval([0.5, 0.5]) == (0.5, 0.5)
     assert all(math.isnan(v) for v in t_interval([0.7]))
     assert t_interval([0.0, 1.0], confidence=0.5) == pytest.approx((0.0, 1.0))  # t(0.75, 1) = 1
+
+
+def test_holm_against_a_hand_computation():
+    from mergelab.eval.stats import holm
+
+    # sorted: 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 → monotone 0.06
+    adjusted = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    assert adjusted == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06, "d": 0.02})
+    assert list(adjusted) == ["a", "b", "c", "d"]  # the caller's order
+    assert holm({"x": 0.7, "y": 0.6}) == pytest.approx({"x": 1.0, "y": 1.0})  # capped at 1
+    with pytest.raises(ValueError, match="not in"):
+        holm({"x": 1.5})
+
+
+def test_mcnemar_power_matches_a_simulation_of_the_test():
+    from mergelab.eval.stats import mcnemar_power
+
+    n, rate, diff = 60, 0.3, 0.15
+    rng = np.random.default_rng(0)
+    p10, p01 = (rate + diff) / 2, (rate - diff) / 2
+    rejected = 0
+    trials = 2000
+    for _ in range(trials):
+        cells = rng.multinomial(n, [p10, p01, 1 - rate])
+        d = cells[0] + cells[1]
+        rejected += d > 0 and binomtest(int(cells[0]), int(d), 0.5).pvalue <= 0.05
+    simulated = rejected / trials
+    exact = mcnemar_power(n, rate, diff)
+    assert abs(exact - simulated) < 3 * math.sqrt(exact * (1 - exact) / trials) + 0.005
+    # more items, more power; more discordant pairs for the same difference, less power
+    assert mcnemar_power(120, rate, diff) > exact > mcnemar_power(60, 0.45, diff)
+    with pytest.raises(ValueError, match="difference"):
+        mcnemar_power(60, 0.1, 0.15)
+
+
+def test_items_for_power_is_the_first_size_that_reaches_it():
+    from mergelab.eval.stats import items_for_power, mcnemar_power
+
+    n = items_for_power(0.25, 0.15)
+    assert mcnemar_power(n, 0.25, 0.15) >= 0.8 > mcnemar_power(n - 1, 0.25, 0.15)
+    assert 80 < n < 110  # the normal approximation's (z.975·√r + z.8·√(r − d²))² / d² ≈ 85
+    assert items_for_power(0.4, 0.15) > n
+
+
+def test_tost_paired_shows_equivalence_only_inside_the_margin():
+    from scipy.stats import ttest_1samp
+
+    from mergelab.eval.stats import tost_paired
+
+    rng = np.random.default_rng(1)
+    a = (rng.random(400) < 0.6).astype(float)
+    same = a.copy()
+    same[:8] = 1 - same[:8]  # a few items flipped: a difference near zero
+    close = tost_paired(a, same, margin=0.1)
+    assert close["equivalent"] and close["interval"][0] > -0.1 and close["interval"][1] < 0.1
+    # each one-sided p is a one-sample t-test of the differences shifted by the margin
+    d = a - same
+    lower = ttest_1samp(d + 0.1, 0.0, alternative="greater").pvalue
+    upper = ttest_1samp(d - 0.1, 0.0, alternative="less").pvalue
+    assert close["p_lower"] == pytest.approx(lower) and close["p_upper"] == pytest.approx(upper)
+    far = np.where(rng.random(400) < 0.25, 0.0, a)  # about 15 points lower
+    assert not tost_paired(a, far, margin=0.1)["equivalent"]
+    assert not tost_paired(a[:20], same[:20], margin=0.1)["equivalent"]  # 8 of 20 differ
+    with pytest.raises(ValueError, match="margin"):
+        tost_paired(a, same, margin=0.0)

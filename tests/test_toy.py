@@ -512,3 +512,25 @@ def test_parts_update_only_a_finished_seed_run_with_the_same_settings(tmp_path):
     assert previous_run(path, Settings(seeds=[0]))["records"] == []
     with pytest.raises(UserInputError, match="other settings"):
         previous_run(path, Settings(n_train=1000))
+
+
+def test_stop_outcomes_read_where_each_generation_stopped():
+    from studies.toy.evaluate import stop_outcomes
+
+    results = {
+        "seeds": [0],
+        "splits": {"0": {"joint": {"test": ["b", "a", "c"]}}},
+        "runs": [
+            {"split": "validation", "row": "composition", "benchmark": "joint", "stops": {}},
+            {
+                "split": "test",
+                "row": "composition",
+                "benchmark": "joint",
+                "stops": {"a": [16, "eos"], "b": [8, "eos"], "c": [9, "length"]},
+            },
+        ],
+    }
+    out = stop_outcomes(results, "composition", "joint", 8)
+    assert out["stop: EOS after the input's length"] == [1.0, 0.0, 0.0]  # split order b, a, c
+    assert out["stop: EOS after 16 tokens"] == [0.0, 1.0, 0.0]
+    assert out["stop: token limit"] == [0.0, 0.0, 1.0]

@@ -151,6 +151,15 @@ def job_record(job: Job, result, candidate) -> dict[str, Any]:
             "stop_rate": sum(g["finish_reason"] != "length" for g in gens) / max(1, len(gens)),
             "eos_rate": sum(g["finish_reason"] == "eos" for g in gens) / max(1, len(gens)),
         },
+        # where each item's first sample stopped: [new tokens, "eos" | "stop" | "length"]
+        "stops": {
+            it["item_id"]: [
+                records[it["item_id"], 0]["n_tokens"],
+                records[it["item_id"], 0]["finish_reason"],
+            ]
+            for it in result.items
+            if (it["item_id"], 0) in records
+        },
     }
 
 

@@ -6,6 +6,10 @@ every row against the best single expert (chosen on validation) and every pair o
 each other, paired on the same items: the mean difference with a paired bootstrap CI, and — when
 every per-item outcome is 0/1 — the exact McNemar test, whose p-value is the one reported.
 
+Every p-value also comes Holm-adjusted (``p_holm``, :func:`mergelab.eval.stats.holm`) over
+its family: the rows against the best expert on one benchmark and seed, and all pairs of rows on
+one benchmark and seed. A claim picked from a family is judged by ``p_holm``.
+
 With several seeds, each row's per-seed scores and a seed-level interval: ``t`` — mean ± t(0.975,
 n−1)·sd/√n over the seeds' scores (seeds are the unit; items are not pooled); ``percentile`` —
 the percentile interval of the seeds' scores resampled with replacement. Differences to the best
@@ -20,12 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from mergelab.eval.stats import bootstrap_ci, paired_comparison, t_interval
+from mergelab.eval.stats import bootstrap_ci, holm, paired_comparison, t_interval
 
 SEED_INTERVAL_KINDS = {
     "t": "Student-t interval over seeds: mean ± t(1−α/2, n−1)·sd/√n of the per-seed scores",
     "percentile": "percentile bootstrap interval of the per-seed scores (seeds resampled)",
 }
+
+
+HOLM = (
+    "p_holm: Holm step-down over the family (rows vs the best expert; all pairs), per benchmark "
+    "and seed"
+)
 
 
 def seed_interval(values: Sequence[float], kind: str, confidence: float, seed: int = 0) -> dict:
@@ -58,7 +68,7 @@ def per_seed_statistics(
 ) -> dict[str, Any]:
     """``test[benchmark][row]`` = {item id: score}. Returns per benchmark: ``scores`` (row →
     bootstrap CI), ``vs_best_expert`` (row → paired comparison), ``pairwise`` ("a vs b" → paired
-    comparison, a before b in row order)."""
+    comparison, a before b in row order), each with ``p_holm`` over its family; ``correction``."""
     out = {}
     for bench, rows in test.items():
         entry: dict[str, Any] = {
@@ -80,6 +90,11 @@ def per_seed_statistics(
             entry["pairwise"][f"{a} vs {b}"] = paired_comparison(
                 rows[a], rows[b], n_boot, confidence, seed
             )
+        for family in ("vs_best_expert", "pairwise"):
+            tests = entry[family]
+            for key, p in holm({k: t["p_value"] for k, t in tests.items()}).items():
+                tests[key]["p_holm"] = p
+        entry["correction"] = HOLM
         out[bench] = entry
     return out
 

@@ -10,6 +10,13 @@
 * :func:`compare` — the same for two evaluation results (``EvalResult`` or their items).
 * :func:`t_interval` — Student-t interval of a mean over a few independent replicates (e.g. one
   score per training seed), where resampling a handful of values would undercover.
+* :func:`holm` — Holm's step-down adjustment of a family of p-values (family-wise error rate);
+  a claim picked from many tests is judged by its adjusted p-value.
+* :func:`tost_paired` — two one-sided tests of equivalence of two candidates on the same items
+  within a margin stated in advance; without it, a non-significant difference is only "not
+  distinguished", never "equal".
+* :func:`mcnemar_power` / :func:`items_for_power` — the power of the exact McNemar test for a
+  given difference and discordant-pair rate, and the test-set size that reaches a target power.
 
 A difference like 39.4 vs 38.1 on MBPP+ (378 items) is about 5 items; whether that means anything
 is exactly what these answer.
@@ -186,3 +193,116 @@ def compare(
     scores_b = {it["item_id"]: float(it["scores"][metric]) for it in items_b}
     out = paired_comparison(scores_a, scores_b, n_boot, confidence, seed)
     return {"metric": metric, "n_shared": out["n"], **out}
+
+
+def holm(p_values: Mapping[str, float]) -> dict[str, float]:
+    """Holm's step-down adjusted p-values of one family of tests (same keys): sort ascending,
+    multiply the i-th smallest (0-based) by ``m − i``, make the sequence non-decreasing, cap at 1.
+    Rejecting where the adjusted p ≤ α keeps the family-wise error rate at α."""
+    keys = sorted(p_values, key=lambda k: p_values[k])
+    m, running, out = len(keys), 0.0, {}
+    for i, k in enumerate(keys):
+        p = float(p_values[k])
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p-value of {k!r} is {p}, not in [0, 1]")
+        running = max(running, min(1.0, (m - i) * p))
+        out[k] = running
+    return {k: out[k] for k in p_values}
+
+
+def tost_paired(
+    a: Sequence[float], b: Sequence[float], margin: float, alpha: float = 0.05
+) -> dict[str, Any]:
+    """Two one-sided paired t-tests of |mean(a − b)| < ``margin`` (same items, in order).
+
+    ``p_value`` is the larger one-sided p; equivalence is shown when it is ≤ ``alpha`` — the same
+    as the (1 − 2α) t-interval of the mean difference lying inside (−margin, margin), which is
+    returned too. The margin must be fixed before looking at the data."""
+    from scipy.stats import t as student_t
+
+    xa, xb = _as_array(a), _as_array(b)
+    if xa.shape != xb.shape:
+        raise ValueError("tost_paired needs two sequences of equal length")
+    if margin <= 0:
+        raise ValueError(f"margin must be positive, got {margin}")
+    d = xa - xb
+    n = d.size
+    if n < 2:
+        raise ValueError("tost_paired needs at least 2 pairs")
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    se = sd / np.sqrt(n)
+    if se == 0.0:  # every pair differs by the same amount: equivalent iff inside the margin
+        p_lower = p_upper = 0.0 if abs(mean) < margin else 1.0
+        low = high = mean
+    else:
+        p_lower = float(student_t.sf((mean + margin) / se, n - 1))  # H0: mean ≤ −margin
+        p_upper = float(student_t.cdf((mean - margin) / se, n - 1))  # H0: mean ≥ +margin
+        q = float(student_t.ppf(1 - alpha, n - 1))
+        low, high = mean - q * se, mean + q * se
+    p = max(p_lower, p_upper)
+    return {
+        "n": n,
+        "mean_diff": mean,
+        "margin": margin,
+        "alpha": alpha,
+        "interval": [low, high],
+        "interval_level": 1 - 2 * alpha,
+        "p_lower": p_lower,
+        "p_upper": p_upper,
+        "p_value": p,
+        "equivalent": p <= alpha,
+    }
+
+
+def _mcnemar_rejects(n_discordant: int, alpha: float) -> np.ndarray:
+    """For each count k = 0..n of discordant pairs won by the first candidate, whether the
+    two-sided exact McNemar test rejects at ``alpha``."""
+    from scipy.stats import binom
+
+    k = np.arange(n_discordant + 1)
+    lower = binom.cdf(np.minimum(k, n_discordant - k), n_discordant, 0.5)
+    return np.minimum(1.0, 2.0 * lower) <= alpha
+
+
+def mcnemar_power(n: int, discordant_rate: float, difference: float, alpha: float = 0.05) -> float:
+    """Power of the two-sided exact McNemar test on ``n`` paired items when a fraction
+    ``discordant_rate`` of the pairs disagree and the accuracies differ by ``difference``
+    (so p10 = (rate + difference)/2, p01 = (rate − difference)/2): the sum over the number of
+    discordant pairs D ~ Binomial(n, rate) of P(the test rejects | D), the split of the D pairs
+    being Binomial(D, p10 / rate). Exact (no normal approximation)."""
+    from scipy.stats import binom
+
+    if not 0 < difference <= discordant_rate <= 1:
+        raise ValueError(
+            f"need 0 < difference ≤ discordant_rate ≤ 1, got {difference} and {discordant_rate}"
+        )
+    q = (discordant_rate + difference) / (2 * discordant_rate)
+    power = 0.0
+    for d in range(1, n + 1):
+        weight = float(binom.pmf(d, n, discordant_rate))
+        if weight < 1e-15:
+            continue
+        rejects = _mcnemar_rejects(d, alpha)
+        power += weight * float(binom.pmf(np.arange(d + 1), d, q)[rejects].sum())
+    return power
+
+
+def items_for_power(
+    discordant_rate: float,
+    difference: float,
+    power: float = 0.8,
+    alpha: float = 0.05,
+    max_items: int = 5000,
+) -> int:
+    """The fewest paired items at which :func:`mcnemar_power` reaches ``power``. The power of an
+    exact test is not monotone in n (it saw-tooths), so this is the first n that reaches it and
+    every n from there up to 20 % more also do."""
+    n = 2
+    while n <= max_items:
+        if mcnemar_power(n, discordant_rate, difference, alpha) >= power and all(
+            mcnemar_power(m, discordant_rate, difference, alpha) >= power
+            for m in range(n + 1, n + 1 + n // 5, max(1, n // 50))
+        ):
+            return n
+        n += 1
+    raise ValueError(f"power {power} is not reached within {max_items} items")

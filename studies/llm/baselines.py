@@ -33,8 +33,35 @@ def baselines(
     return out
 
 
-def floors_without_models(scales=("mini", "smollm2"), seeds=(0, 1, 2)) -> dict[str, Any]:
-    """The baselines on each scale's synthetic test sets (no model is trained or loaded: the sets
+def majority_answer_floor(
+    validation: Benchmark, test: Benchmark, settings: EvalSettings, sandbox=None
+) -> dict[str, Any]:
+    """``#### <the most common answer of the validation items>`` for every test item (ties: the
+    smallest number): the floor of a set scored on its final answer whose task declares no
+    baseline of its own (the counting set, whose answers are word counts of a few values)."""
+    answers = [it.answer for it in validation.items if it.answer is not None]
+    if not answers:
+        raise ValueError(f"{validation.name!r} has no answers to take the majority of")
+    counts = {a: answers.count(a) for a in answers}
+    top = max(counts.values())
+    mode = min((a for a, c in counts.items() if c == top), key=lambda a: (len(a), a))
+    completions = {it.item_id: f" #### {mode}" for it in test.items}
+    ok = score_completions(test, completions, settings, sandbox=sandbox)
+    per_item = {i: float(v) for i, v in ok.items()}
+    return {"answer": mode, "score": sum(per_item.values()) / len(per_item), "per_item": per_item}
+
+
+# The sets floors are computed on: (label, scale, size overrides). "smollm2" keeps the 40 test
+# items per set of the smollm2 runs committed first; "smollm2_n150" is the scale's default now.
+FLOOR_SETS = (
+    ("mini", "mini", {}),
+    ("smollm2", "smollm2", {"n_test": 40, "n_fresh": 40}),
+    ("smollm2_n150", "smollm2", {}),
+)
+
+
+def floors_without_models(sets=FLOOR_SETS, seeds=(0, 1, 2)) -> dict[str, Any]:
+    """The baselines on each set's synthetic test sets (no model is trained or loaded: the sets
     depend only on the scale's sizes and the seed), and how many test targets are, as strings,
     some training target."""
     from mergelab.eval.sandbox import Sandbox
@@ -44,14 +71,22 @@ def floors_without_models(scales=("mini", "smollm2"), seeds=(0, 1, 2)) -> dict[s
 
     out: dict[str, Any] = {}
     with Sandbox(workers=2) as sandbox:
-        for scale in scales:
+        for label, scale, sizes in sets:
             for seed in seeds:
-                _, held = synthetic_data(scale_config(scale, seed=seed))
+                _, held = synthetic_data(scale_config(scale, seed=seed, **sizes))
                 benches = {**held.test, **held.fresh}
                 floors = baselines(benches, held.eval_settings, sandbox)
+                # the counting set declares no baseline: the validation set's majority answer
+                count = majority_answer_floor(
+                    held.third_validation["count"],
+                    held.third_test["count"],
+                    held.eval_settings["count"],
+                )
+                floors["majority_answer"] = {"count": count}
+                benches["count"] = held.third_test["count"]
                 seen = {b: sum(t in held.train_targets for t in refs.values()) / len(refs)
                         for b, refs in held.reference.items()}  # fmt: skip
-                out[f"{scale}/seed{seed}"] = {
+                out[f"{label}/seed{seed}"] = {
                     "n_test": {b: len(bench.items) for b, bench in benches.items()},
                     "baselines": {k: {b: v["score"] for b, v in per.items()} for k, per in floors.items()},
                     "test_targets_seen_in_training": seen,
@@ -93,7 +128,9 @@ def main(out_path: str) -> None:
     with Sandbox(workers=2) as sandbox:
         for folder in ("mini", "mini_replay", "smollm2", "smollm2_seed1"):
             res = json.loads((root / folder / "results.json").read_text())
-            cfg = scale_config(res["config"]["scale"], seed=res["config"]["seed"])
+            # the sets as that run drew them (its sizes, not the scale's current defaults)
+            sizes = {k: res["config"][k] for k in ("n_train", "n_validation", "n_test")}
+            cfg = scale_config(res["config"]["scale"], seed=res["config"]["seed"], **sizes)
             _, held = synthetic_data(cfg)
             per = baselines({"mixed": held.test["mixed"]}, held.eval_settings, sandbox)
             floor = per["sum_of_numbers"]["mixed"]["per_item"]

