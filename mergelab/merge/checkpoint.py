@@ -16,17 +16,17 @@ How memory stays bounded by a few tensors, not by the model, and the merge near 
   unmapped when the tensor is done: nothing is copied to read it, no shard is mapped whole
   (mapped pages count toward the resident memory while mapped), and a shard shorter than its
   header says is an error, checked before mapping;
-* methods registered with ``chunked=True`` (linear, task arithmetic, TIES, DARE, breadcrumbs)
-  get the inputs in their stored dtype and cast them chunk by chunk, in cache, on every core
-  (``ctx.dtype``), writing the rounded result straight into the output buffer (``ctx.out``): no
-  float32 copy of a whole tensor exists. Other methods get the inputs cast to the compute dtype
-  in reused buffers, as before;
+* methods with a fast path that takes stored inputs (the accelerator's: linear, task
+  arithmetic, TIES, DARE, breadcrumbs) get the inputs in their stored dtype and cast them chunk
+  by chunk, in cache, on every core (``ctx.dtype``), writing the rounded result straight into
+  the output buffer (``ctx.out``): no float32 copy of a whole tensor exists. Other methods get
+  the inputs cast to the compute dtype in reused buffers;
 * each output shard's header is known before any tensor is merged (names, shapes and dtypes are
   fixed by the inputs), so shards are written front to back, one merged tensor at a time, with
   ``O_DIRECT`` where the file system allows it (:class:`DirectStream`: the kernel neither copies
   the output into its page cache, which cost more CPU than a linear merge's arithmetic, nor keeps
   it there);
-* with more than one core, a ``chunked`` method's tensors are merged whole, one per core, the
+* with more than one core, such a fast path's tensors are merged whole, one per core, the
   next ones while the writer waits for the current one (``CheckpointMergePlan._merge_ahead``;
   a tensor over 1/(``WHOLE_SHARE`` · cores) of the model is merged in its turn on every core):
   at most the inputs of one tensor per core (and one large one) and ``OUTPUT_SLOTS`` + cores
@@ -92,9 +92,16 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
-from . import kernels, ops
+from .accelerator import chunks, kernels
 from .model_card import MODEL_CARD_NAME, model_card
-from .registry import LoopChecks, MergeMethod, TensorContext, get_merge_method, result_finite
+from .registry import (
+    FastPath,
+    MergeMethod,
+    TensorContext,
+    fast_path,
+    get_merge_method,
+    result_finite,
+)
 from .validation import (
     VOCAB_PADDING_RULES,
     MergeInputError,
@@ -792,6 +799,17 @@ class CheckpointMergePlan:
     _whole_tensors: bool = False
 
     @property
+    def fast(self) -> FastPath | None:
+        """The method's active fast path (the accelerator's), if any."""
+        return fast_path(self.method.name)
+
+    @property
+    def fast_stored(self) -> bool:
+        """Whether a fast path takes the inputs in their stored dtype (``ctx.dtype``, ``ctx.out``)."""
+        fast = self.fast
+        return fast is not None and fast.stored_dtype
+
+    @property
     def output_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
@@ -875,7 +893,7 @@ class CheckpointMergePlan:
     ) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
         """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
         reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
-        dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
+        dtype as read-only memory maps (for a fast path's prepare pass, which casts
         chunk by chunk), with ``sparse`` not populated ahead (a pass that reads few pages)."""
         for t in self.tensors:
             loaded = self.load(t, "-pass", check=False, stored=stored, sparse=sparse)
@@ -884,8 +902,9 @@ class CheckpointMergePlan:
 
     def streams_stored(self, name: str) -> bool:
         """Whether tensor ``name`` reaches the method in its stored dtype (``ctx.dtype`` set): a
-        ``chunked`` method, and no rounding or row alignment of the inputs before the merge."""
-        if not self.method.chunked:
+        fast path that takes them so, and no rounding or row alignment of the inputs before the
+        merge."""
+        if not self.fast_stored:
             return False
         recipe = self.recipes.get(name) if self.recipes is not None else None
         return self.input_dtype is None and (recipe is None or recipe.align is None)
@@ -919,7 +938,7 @@ class CheckpointMergePlan:
 
         def cast(x: torch.Tensor, key: str, folder: CheckpointFolder) -> torch.Tensor:
             buffer = pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype)
-            if not ops.parallel_copy_(buffer, x, check="dst" if check else None):
+            if not kernels.parallel_copy_(buffer, x, check="dst" if check else None):
                 raise _nonfinite_input(t.name, folder)
             return buffer
 
@@ -942,7 +961,7 @@ class CheckpointMergePlan:
         t: OutputTensor,
         base: torch.Tensor | None,
         experts: list[torch.Tensor],
-        checks: LoopChecks | None,
+        checks: Any,
     ) -> None:
         """NaN/Inf in stored inputs is an error naming the model: from what the method's compiled
         loop saw of these very tensors (``checks``), else by a pass over them; either way each
@@ -951,7 +970,7 @@ class CheckpointMergePlan:
         if checks is not None and checks.covers_inputs(inputs) and checks.inputs_finite:
             return
         for x, folder in zip(inputs, self._input_folders(t.name)):
-            if not ops.all_finite(x):
+            if not kernels.all_finite(x):
                 raise _nonfinite_input(t.name, folder)
 
     def _as_inputs(
@@ -979,7 +998,7 @@ class CheckpointMergePlan:
 
         Called in plan order (as :func:`write_sharded` does), on more than one thread, with
         every phase known (:meth:`expect_phases`) and the method taking every tensor in its
-        stored dtype (``chunked``): each tensor is read and merged whole on one chunk worker
+        stored dtype (a fast path's ``stored_dtype``): each tensor is read and merged whole on one chunk worker
         thread, the next ones on the others at the same time (:meth:`_merge_ahead`), so the
         cores need not wait for each other between the chunks of a tensor. Otherwise each
         tensor is merged on every core in turn, and the next tensor's inputs are read (mapped;
@@ -999,7 +1018,8 @@ class CheckpointMergePlan:
             )
             self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
             self._ahead = (
-                self.method.ahead is not None
+                self.fast is not None
+                and self.fast.ahead is not None
                 and torch.get_num_threads() > 1
                 and not self._whole_tensors
             )
@@ -1031,7 +1051,7 @@ class CheckpointMergePlan:
         and those merged ahead). A tensor holding more than 1/(WHOLE_SHARE · workers) of all
         entries is merged in its turn on every core instead, so one large tensor never leaves the
         other cores idle."""
-        workers = ops.chunk_workers()
+        workers = chunks.chunk_workers()
         n = torch.get_num_threads()
         if index != self._next_turn:  # not called in plan order: merge in turn from now on
             futures_wait(list(self._jobs.values()))
@@ -1076,7 +1096,7 @@ class CheckpointMergePlan:
         base, experts = loaded
         ctx = self._context(t)
         try:
-            return loaded, self.method.ahead(base, experts, ctx, self._params(t))
+            return loaded, self.fast.ahead(base, experts, ctx, self._params(t))
         except Exception:
             return loaded, {}
 
@@ -1139,11 +1159,11 @@ class CheckpointMergePlan:
         if self.round_to is not None:
             merged = merged.to(self.round_to)
         if rows is not None and t.shape[0] > rows:  # the template's extra vocabulary rows
-            if not ops.all_finite(merged):
+            if not kernels.all_finite(merged):
                 raise self.method.nonfinite_error(t.name)
             return torch.cat([merged.to(t.dtype), self.template.read(t.name)[rows:].to(t.dtype)])
         out = pool.take(slot, merged.shape, t.dtype, phase)
-        if not ops.parallel_copy_(out, merged, check="src"):  # cast and check on every core
+        if not kernels.parallel_copy_(out, merged, check="src"):  # cast and check on every core
             raise self.method.nonfinite_error(t.name)
         return out
 
@@ -1441,9 +1461,11 @@ def run_checkpoint_merge(
         # Whole-model statistics first (e.g. a global top-k threshold); may stream many passes.
         if plan.recipes is None:  # recipes carry their own parameters, and need no first pass
             params = {**plan.params, **plan.per_model}
-            if m.chunked and plan.input_dtype is None:  # cast chunk by chunk, in cache
+            if plan.fast_stored and plan.input_dtype is None:  # a fast path casts in cache
                 stored = functools.partial(plan.iter_inputs, stored=True)
-                plan.stats = m.compute_stats(params, stored, plan.compute_dtype)
+                plan.stats = m.compute_stats(
+                    params, plan.iter_inputs, stored_iter=stored, dtype=plan.compute_dtype
+                )
             else:
                 plan.stats = m.compute_stats(params, plan.iter_inputs)
         write_sharded(
