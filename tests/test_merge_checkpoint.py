@@ -22,7 +22,7 @@ from mergelab.merge import (
     merge_state_dicts,
     unregister_merge_method,
 )
-from mergelab.merge.accelerator import kernels, thresholds
+from mergelab.merge.accelerator import chunks, kernels, scheduler, thresholds
 from mergelab.merge.checkpoint import (
     INDEX_NAME,
     CheckpointFolder,
@@ -427,9 +427,7 @@ def test_read_ahead_on_or_off_gives_the_same_merge(
     ckpts, tmp_path, monkeypatch, prefetch_max_bytes
 ):
     """No read-ahead at all, or only for some tensors."""
-    from mergelab.merge import checkpoint
-
-    monkeypatch.setattr(checkpoint, "PREFETCH_MAX_BYTES", prefetch_max_bytes)
+    monkeypatch.setattr(scheduler, "PREFETCH_MAX_BYTES", prefetch_max_bytes)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     params = {"density": 0.3, "trim_scope": "tensor"}
     expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
@@ -612,19 +610,18 @@ def test_whole_tensors_ahead_give_the_merge_in_turn(
     """Two threads: tensors merged whole on the chunk workers, several at once (and the
     largest, here those over 1/64 of all entries, in their turn on every core) store what
     merging each in turn stores, and what the in-memory engine computes, bit for bit."""
-    from mergelab.merge import checkpoint
 
     torch_threads(2)
-    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    monkeypatch.setattr(scheduler, "WHOLE_SHARE", 32)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     merged_by: list[int] = []
-    real = checkpoint.CheckpointMergePlan._merge_one
+    real = scheduler.LookAhead._merge_one
 
     def spy(self, index, phase, ahead):
         merged_by.append(index)
         return real(self, index, phase, ahead)
 
-    monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", spy)
+    monkeypatch.setattr(scheduler.LookAhead, "_merge_one", spy)
     whole = stored_state_dict(
         merge_checkpoints(
             method, base, [e0, e1], output=tmp_path / "a", params=params, seed=3, progress=False
@@ -649,10 +646,8 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
     core), whatever their order."""
     from concurrent.futures import Future
 
-    from mergelab.merge import checkpoint
-
     torch_threads(2)
-    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    monkeypatch.setattr(scheduler, "WHOLE_SHARE", 32)
     (base, e0, e1), _ = ckpts
     plan = plan_checkpoint_merge("linear", base, [e0, e1])
     try:
@@ -665,7 +660,7 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
         def fake_merge(self, index, phase, ahead):
             return index
 
-        monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", fake_merge)
+        monkeypatch.setattr(scheduler.LookAhead, "_merge_one", fake_merge)
 
         class Inline:
             def submit(self, fn, *args):
@@ -674,7 +669,7 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
                 future.set_result(fn(*args))
                 return future
 
-        monkeypatch.setattr(checkpoint.chunks, "chunk_workers", lambda: Inline())
+        monkeypatch.setattr(chunks, "chunk_workers", lambda: Inline())
         plan.expect_phases([0] * len(plan.tensors))
         got = [plan.merge_tensor(t, 0) for t in plan.tensors]
         assert got == list(range(len(sizes)))
