@@ -21,6 +21,12 @@ class BuildLoops(build_ext):
 
 
 setup(
-    ext_modules=[Extension("mergelab.merge.accelerator._loops", ["mergelab/merge/accelerator/_loops.c"], optional=True)],
+    ext_modules=[
+        Extension(
+            "mergelab.merge.accelerator._loops",
+            ["mergelab/merge/accelerator/_loops.c"],
+            optional=True,
+        )
+    ],
     cmdclass={"build_ext": BuildLoops},
 )
