@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     gc.disable()
     import torch  # noqa: F401  (what both tools load first)
 
-    gc.freeze()  # torch's objects out of the young collections: a floor leaves Python's costs out
+    gc.freeze()  # torch's objects into the oldest generation, as `import mergelab` does
     gc.unfreeze()
     if collecting:
         gc.enable()

@@ -300,3 +300,46 @@ def test_one_subcommand_is_loaded_and_the_help_lists_them_all(monkeypatch, capsy
     assert imported == list(cli.SUBCOMMAND_MODULES.values())
     shown = capsys.readouterr().out
     assert all(name in shown for name in cli.SUBCOMMAND_MODULES)
+
+
+def _after_import(before: str, shown: str) -> list[str]:
+    """What ``print(shown)`` prints in a fresh interpreter that ran ``before`` (with ``gc``
+    imported), then ``import mergelab``."""
+    code = f"import gc\n{before}\nimport mergelab\nprint({shown})\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_import_leaves_torch_objects_out_of_the_young_collections():
+    """After `import mergelab`, torch's objects sit in the collector's oldest generation, not
+    in the youngest (where the next two collections would each walk them all), and nothing new
+    is frozen; a process that had frozen objects of its own keeps them frozen."""
+    shown = "len(gc.get_objects(generation=0)), len(gc.get_objects(generation=2)), "
+    young, old, frozen, enabled = _after_import("", shown + "gc.get_freeze_count(), gc.isenabled()")
+    assert int(young) < 1000 < 100_000 < int(old)
+    assert (frozen, enabled) == ("0", "True")
+    kept = _after_import(
+        "gc.freeze()", "gc.get_freeze_count() > 1000, len(gc.get_objects(generation=2)) < 100_000"
+    )
+    assert kept == ["True", "True"]
+
+
+def test_the_command_leaves_torch_out_of_the_last_collection():
+    """Run as a program, `mergelab` freezes the collector's objects before exiting (the exit's
+    full collection would walk all of torch's); called from Python, it leaves them alone."""
+    import gc
+
+    before = gc.get_freeze_count()
+    code = (
+        "import gc, sys\n"
+        "from mergelab.cli import main\n"
+        "sys.argv = ['mergelab', 'merge', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(gc.get_freeze_count() > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip().endswith("True"), done.stderr
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert gc.get_freeze_count() == before
