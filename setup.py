@@ -1,6 +1,6 @@
-"""Builds mergelab's one C extension, the compiled merge loops (mergelab/merge/_loops.c); every
+"""Builds mergelab's one C extension, the compiled merge loops (mergelab/merge/accelerator/_loops.c); every
 other setting is in pyproject.toml. Without a C compiler the package still installs and the
-merges run the torch path (mergelab.merge.kernels says which is active)."""
+merges run the plain torch methods (mergelab.merge.accelerator.enabled() says which is active)."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -21,6 +21,12 @@ class BuildLoops(build_ext):
 
 
 setup(
-    ext_modules=[Extension("mergelab.merge._loops", ["mergelab/merge/_loops.c"], optional=True)],
+    ext_modules=[
+        Extension(
+            "mergelab.merge.accelerator._loops",
+            ["mergelab/merge/accelerator/_loops.c"],
+            optional=True,
+        )
+    ],
     cmdclass={"build_ext": BuildLoops},
 )

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from io_floor import shard_files
 from merge_speed import (
+    LOOPS_IMPORT,
     VARIANTS,
     Resident,
     add_set_arguments,
@@ -77,8 +78,9 @@ def prepare(tree: Path, env: dict[str, str]) -> None:
         build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
         subprocess.run(build, cwd=tree, env=env, check=True, capture_output=True)
     code = (
-        "import compileall, mergelab; compileall.compile_dir(mergelab.__path__[0], quiet=1); "
-        "from mergelab.merge import kernels; getattr(kernels, 'warm_up', kernels.loops)()"
+        "import compileall, mergelab; compileall.compile_dir(mergelab.__path__[0], quiet=1)\n"
+        + LOOPS_IMPORT
+        + "getattr(kernels, 'warm_up', kernels.loops)()"
     )
     subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
 

@@ -340,9 +340,13 @@ for line in open("/proc/self/maps"):
         files.add(os.path.realpath(parts[5].strip()))
 print(json.dumps(sorted(f for f in files if os.path.isfile(f))))
 """
+# mergelab's compiled loops, where this revision keeps them (merge_ab.py runs older ones too)
+LOOPS_IMPORT = (
+    "try:\n    from mergelab.merge.accelerator import kernels\n"
+    "except ImportError:\n    from mergelab.merge import kernels\n"
+)
 TOOL_IMPORTS = {
-    "mergelab": "import mergelab.cli, mergelab.merge.cli\n"
-    "from mergelab.merge import kernels\nkernels.loops()",
+    "mergelab": "import mergelab.cli, mergelab.merge.cli\n" + LOOPS_IMPORT + "kernels.loops()",
     "mergekit": "import mergekit.scripts.run_yaml",
 }
 
@@ -454,11 +458,8 @@ def compile_sources() -> None:
 
 def compiled_loops(env: dict[str, str]) -> str | None:
     """The file of mergelab's compiled loops a merge process loads (``None``: they were not
-    built, or are turned off, and the merges run the torch path)."""
-    code = (
-        "from mergelab.merge import kernels\n"
-        "print(kernels.loops().__file__ if kernels.active() else '')"
-    )
+    built, or are switched off, and the merges run the plain torch methods)."""
+    code = LOOPS_IMPORT + "print(kernels.loops().__file__ if kernels.active() else '')"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

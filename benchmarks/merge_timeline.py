@@ -21,7 +21,7 @@ phase whose workers are busy for about twice its length waits on the CPU; one wh
 busy for about all of it waits on writing the output.
 
 The timing comes from a wrapper that runs in the merge's process (``--child``): it wraps
-``CheckpointMergePlan._merge_loaded`` (one tensor's merge, on whichever thread merges it) and
+``CheckpointMergePlan.merge_loaded`` (one tensor's merge, on whichever thread merges it) and
 ``ShardWriter.write`` (engine
 internals: if they are renamed, this script stops with the AttributeError) and then runs the
 ``mergelab`` command as the console script does, ending the same way. Both processes read the
@@ -71,7 +71,7 @@ def child(argv: list[str]) -> None:
 
         setattr(cls, name, wrapper)
 
-    timed(checkpoint.CheckpointMergePlan, "_merge_loaded", "merge")
+    timed(checkpoint.CheckpointMergePlan, "merge_loaded", "merge")
     timed(checkpoint.ShardWriter, "write", "write")
 
     def dump() -> None:

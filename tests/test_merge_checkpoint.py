@@ -17,18 +17,19 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from mergelab.merge import (
     MergeInputError,
     get_merge_method,
-    kernels,
     list_merge_methods,
     merge_method,
     merge_state_dicts,
     unregister_merge_method,
 )
+from mergelab.merge.accelerator import chunks, kernels, scheduler, thresholds
 from mergelab.merge.checkpoint import (
     INDEX_NAME,
     CheckpointFolder,
     merge_checkpoints,
     plan_checkpoint_merge,
 )
+from mergelab.merge.registry import register_fast_path
 from mergelab.outputs import MARKER_NAME, ForeignOutputError, OutputExistsError
 
 
@@ -426,9 +427,7 @@ def test_read_ahead_on_or_off_gives_the_same_merge(
     ckpts, tmp_path, monkeypatch, prefetch_max_bytes
 ):
     """No read-ahead at all, or only for some tensors."""
-    from mergelab.merge import checkpoint
-
-    monkeypatch.setattr(checkpoint, "PREFETCH_MAX_BYTES", prefetch_max_bytes)
+    monkeypatch.setattr(scheduler, "PREFETCH_MAX_BYTES", prefetch_max_bytes)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     params = {"density": 0.3, "trim_scope": "tensor"}
     expected = merge_state_dicts("ties", base_sd, [sd0, sd1], params=params)
@@ -562,20 +561,18 @@ def test_per_tensor_thresholds_are_computed_once_per_tensor(
     reader would be a second core working)."""
     import threading
 
-    from mergelab.merge import ops
-
     torch_threads(threads)
     if not whole:
         merge_in_turn(monkeypatch)
 
     calls: list[tuple[int, str]] = []
-    real = ops.tau_kth_largest_abs
+    real = thresholds.tau_kth_largest_abs
 
     def counted(base, experts, ranks, dtype=None):
         calls.append((base.numel(), threading.current_thread().name))
         return real(base, experts, ranks, dtype)
 
-    monkeypatch.setattr(ops, "tau_kth_largest_abs", counted)
+    monkeypatch.setattr(thresholds, "tau_kth_largest_abs", counted)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     out = merge_checkpoints(
         method, base, [e0, e1], output=tmp_path / "o", params=params, progress=False
@@ -590,7 +587,7 @@ def test_per_tensor_thresholds_are_computed_once_per_tensor(
         assert not any(on_reader) and len(on_workers) == 2
     else:
         assert any(on_reader)
-    monkeypatch.setattr(ops, "tau_kth_largest_abs", real)
+    monkeypatch.setattr(thresholds, "tau_kth_largest_abs", real)
     expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params)
     got = stored_state_dict(out)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
@@ -613,19 +610,18 @@ def test_whole_tensors_ahead_give_the_merge_in_turn(
     """Two threads: tensors merged whole on the chunk workers, several at once (and the
     largest, here those over 1/64 of all entries, in their turn on every core) store what
     merging each in turn stores, and what the in-memory engine computes, bit for bit."""
-    from mergelab.merge import checkpoint
 
     torch_threads(2)
-    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    monkeypatch.setattr(scheduler, "WHOLE_SHARE", 32)
     (base, e0, e1), (base_sd, sd0, sd1) = ckpts
     merged_by: list[int] = []
-    real = checkpoint.CheckpointMergePlan._merge_one
+    real = scheduler.LookAhead._merge_one
 
     def spy(self, index, phase, ahead):
         merged_by.append(index)
         return real(self, index, phase, ahead)
 
-    monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", spy)
+    monkeypatch.setattr(scheduler.LookAhead, "_merge_one", spy)
     whole = stored_state_dict(
         merge_checkpoints(
             method, base, [e0, e1], output=tmp_path / "a", params=params, seed=3, progress=False
@@ -650,10 +646,8 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
     core), whatever their order."""
     from concurrent.futures import Future
 
-    from mergelab.merge import checkpoint
-
     torch_threads(2)
-    monkeypatch.setattr(checkpoint, "WHOLE_SHARE", 32)
+    monkeypatch.setattr(scheduler, "WHOLE_SHARE", 32)
     (base, e0, e1), _ = ckpts
     plan = plan_checkpoint_merge("linear", base, [e0, e1])
     try:
@@ -666,7 +660,7 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
         def fake_merge(self, index, phase, ahead):
             return index
 
-        monkeypatch.setattr(checkpoint.CheckpointMergePlan, "_merge_one", fake_merge)
+        monkeypatch.setattr(scheduler.LookAhead, "_merge_one", fake_merge)
 
         class Inline:
             def submit(self, fn, *args):
@@ -675,7 +669,7 @@ def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_thread
                 future.set_result(fn(*args))
                 return future
 
-        monkeypatch.setattr(checkpoint.ops, "chunk_workers", lambda: Inline())
+        monkeypatch.setattr(chunks, "chunk_workers", lambda: Inline())
         plan.expect_phases([0] * len(plan.tensors))
         got = [plan.merge_tensor(t, 0) for t in plan.tensors]
         assert got == list(range(len(sizes)))
@@ -706,8 +700,8 @@ def test_whole_tensors_ahead_nan_names_its_tensor_and_nothing_is_left(
 
 
 def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):
-    """A method's ``ahead`` statistics reach it in ctx.stats; a hook that fails leaves the
-    method to compute them itself, with the same result."""
+    """A fast path's ``ahead`` statistics reach the method in ctx.stats; a hook that fails leaves
+    the method to compute them itself, with the same result."""
     torch_threads(2)
     seen: list[bool] = []
 
@@ -716,13 +710,16 @@ def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):
             raise RuntimeError("not now")
         return {"mean_tau": (experts[0].float() - base.float()).mean().item()}
 
-    @merge_method("ahead_probe", per_model=(), ahead=ahead)
+    @merge_method("ahead_probe", per_model=())
     def ahead_probe(base, experts, *, fail: bool = False, ctx):
         seen.append("mean_tau" in ctx.stats)
         mean = ctx.stats.get("mean_tau")
         if mean is None:
             mean = (experts[0] - base).mean().item()
         return base + mean
+
+    # a fast path that only computes statistics ahead (its merge declines every tensor)
+    register_fast_path("ahead_probe", lambda *args: None, ahead=ahead)
 
     try:
         (base, e0, _), _ = ckpts
@@ -747,7 +744,7 @@ def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):
 def test_thresholds_for_other_ranks_are_not_used(ckpts):
     """ctx.stats entries computed for other ranks than the method needs are ignored."""
     from mergelab.merge import TensorContext
-    from mergelab.merge.methods import _TAU_KTH
+    from mergelab.merge.accelerator.fast_paths import TAU_KTH as _TAU_KTH
 
     _, (base_sd, sd0, sd1) = ckpts
     name = "model.layers.0.mlp.up_proj.weight"

@@ -1,6 +1,6 @@
 """The fast paths of the merge methods give the same bits as the plain ones.
 
-* chunked work on several worker threads == on one (``ops.for_chunks``);
+* chunked work on several worker threads == on one (``chunks.for_chunks``);
 * inputs handed over in their stored dtype (``ctx.dtype``, ``ctx.out``: the streaming engine's
   path) == inputs cast to the compute dtype first (the in-memory engine's);
 * the sampled first pass of the exact k-th largest |x| == a sort, also when the sample misleads
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergelab.merge import TensorContext, get_merge_method, kernels, merge_state_dicts, ops
+from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts
+from mergelab.merge.accelerator import chunks, kernels, sampling, thresholds
 from mergelab.merge.checkpoint import (
     DIRECT_ALIGN,
     HUGE_PAGE_MIN_BYTES,
@@ -31,6 +32,7 @@ from mergelab.merge.checkpoint import (
     huge_page_empty,
     merge_checkpoints,
 )
+from mergelab.merge.methods import steps
 
 CHUNKED = {
     "linear": {"weight": [0.3, 0.7]},
@@ -72,7 +74,7 @@ def threads():
 
 
 # 3 chunks and a bit: several workers, a partial last chunk
-NUMEL = 3 * ops.CHUNK + 64 * 37
+NUMEL = 3 * chunks.CHUNK + 64 * 37
 
 
 @pytest.mark.parametrize("variant", sorted(CHUNKED))
@@ -99,8 +101,8 @@ def test_stored_dtype_inputs_and_output_buffer_give_the_cast_result(variant):
 
 def test_chunk_results_come_back_in_order(threads):
     threads(2)
-    parts = ops.for_chunks(10 * ops.CHUNK + 5, lambda part: (part.start, part.stop))
-    assert parts == [(p.start, p.stop) for p in ops.chunks(10 * ops.CHUNK + 5)]
+    parts = chunks.for_chunks(10 * chunks.CHUNK + 5, lambda part: (part.start, part.stop))
+    assert parts == [(p.start, p.stop) for p in chunks.chunks(10 * chunks.CHUNK + 5)]
 
 
 # --- exact k-th largest with a sampled first pass ------------------------------------------------
@@ -112,7 +114,7 @@ def kth_by_sort(x: torch.Tensor, k: int) -> float:
 
 @pytest.mark.parametrize("kind", ["continuous", "ties", "bf16-differences"])
 def test_sampled_selection_is_exact(kind):
-    n = ops.SAMPLE_MIN_NUMEL + 12345  # large enough to be sampled
+    n = sampling.SAMPLE_MIN_NUMEL + 12345  # large enough to be sampled
     g = torch.Generator().manual_seed(7)
     if kind == "continuous":
         x = torch.randn(n, generator=g)
@@ -122,25 +124,25 @@ def test_sampled_selection_is_exact(kind):
         b = (0.02 * torch.randn(n, generator=g)).bfloat16()
         x = (b.float() + 0.002 * torch.randn(n, generator=g)).bfloat16().float() - b.float()
     ks = [1, 7, n // 5, n // 2, n - 3, n]
-    assert ops.kth_largest_abs_many(x, ks) == [kth_by_sort(x, k) for k in ks]
+    assert thresholds.kth_largest_abs_many(x, ks) == [kth_by_sort(x, k) for k in ks]
 
 
 def test_a_misleading_sample_falls_back_to_exact_passes(monkeypatch):
-    n = ops.SAMPLE_MIN_NUMEL
+    n = sampling.SAMPLE_MIN_NUMEL
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     # every sampled entry (stride 8) tiny: the sample puts the band far too low
-    x[:: ops.SAMPLE_STRIDE] *= 1e-6
+    x[:: sampling.SAMPLE_STRIDE] *= 1e-6
     k = n // 5
-    assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
-    monkeypatch.setattr(ops, "_MAX_BAND_BUCKETS", 0)  # no band at all: the two exact passes
-    assert ops.kth_largest_abs(x, k) == kth_by_sort(x, k)
+    assert thresholds.kth_largest_abs(x, k) == kth_by_sort(x, k)
+    monkeypatch.setattr(sampling, "MAX_BAND_BUCKETS", 0)  # no band at all: the two exact passes
+    assert thresholds.kth_largest_abs(x, k) == kth_by_sort(x, k)
 
 
 def count_passes(monkeypatch) -> list[int]:
     """Record the passes a tensor's threshold search makes (one entry per pass over a tensor):
-    ``ops._find_many``'s, or those one compiled call reports (``kernels.tau_kth``)."""
+    ``thresholds._find_many``'s, or those one compiled call reports (``kernels.tau_kth``)."""
     passes: list[int] = []
-    original, compiled = ops.for_chunks, kernels.tau_kth
+    original, compiled = chunks.for_chunks, kernels.tau_kth
 
     def counting(numel, fn, size=None):
         passes.append(numel)
@@ -151,7 +153,7 @@ def count_passes(monkeypatch) -> list[int]:
         passes.extend([base.numel()] * made)
         return found, made
 
-    monkeypatch.setattr(ops, "for_chunks", counting)
+    monkeypatch.setattr(chunks, "for_chunks", counting)
     monkeypatch.setattr(kernels, "tau_kth", counting_compiled)
     return passes
 
@@ -160,7 +162,7 @@ def count_passes(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("structure", ["column scales", "row scales", "low rank"])
 def test_structured_task_vectors_take_two_passes(monkeypatch, compiled, structure):
     """Task vectors of weight matrices whose rows or columns differ in scale: the sampled pass
-    (hashed runs, ops.run_offsets) brackets the k-th largest, and the band is collected, also
+    (hashed runs, sampling.run_offsets) brackets the k-th largest, and the band is collected, also
     where it spans more buckets than a histogram may (density 0.9): two passes, exact."""
     monkeypatch.setattr(kernels, "enabled", compiled)
     g = torch.Generator().manual_seed(12)
@@ -176,9 +178,9 @@ def test_structured_task_vectors_take_two_passes(monkeypatch, compiled, structur
     expert = base + 0.002 * tau
     flat = (expert - base).reshape(-1)
     n = flat.numel()
-    ranks = [ops.kept_count(0.2, n), ops.kept_count(0.9, n)]
+    ranks = [steps.kept_count(0.2, n), steps.kept_count(0.9, n)]
     passes = count_passes(monkeypatch)
-    found = ops.tau_kth_largest_abs(base, [expert], [ranks], torch.float32)[0]
+    found = thresholds.tau_kth_largest_abs(base, [expert], [ranks], torch.float32)[0]
     assert found == [kth_by_sort(flat, k) for k in ranks]
     assert len(passes) == 2
 
@@ -186,18 +188,18 @@ def test_structured_task_vectors_take_two_passes(monkeypatch, compiled, structur
 def test_a_first_run_of_every_period_misleads_the_sample_on_column_scales(monkeypatch):
     """Why the runs are hashed: reading the same run of every period (the same columns of every
     row) on a matrix like the one above misplaces the band, and the exact passes follow (on the
-    torch path, whose sample ``ops.run_offsets`` places; the compiled loops place it the same
+    torch path, whose sample ``sampling.run_offsets`` places; the compiled loops place it the same
     way)."""
     monkeypatch.setattr(kernels, "enabled", False)
     g = torch.Generator().manual_seed(12)
     tau = torch.randn(1024, 1024, generator=g) * torch.exp(0.7 * torch.randn(1, 1024, generator=g))
     flat = tau.reshape(-1)
-    ranks = [ops.kept_count(0.2, flat.numel())]
+    ranks = [steps.kept_count(0.2, flat.numel())]
     for fixed, n_passes in ((False, 2), (True, 4)):
         if fixed:
-            monkeypatch.setattr(ops, "run_offsets", lambda periods, stride: periods * 0)
+            monkeypatch.setattr(sampling, "run_offsets", lambda periods, stride: periods * 0)
         passes = count_passes(monkeypatch)
-        found = ops.tau_kth_largest_abs(torch.zeros_like(tau), [tau], [ranks], torch.float32)
+        found = thresholds.tau_kth_largest_abs(torch.zeros_like(tau), [tau], [ranks], torch.float32)
         assert found == [[kth_by_sort(flat, ranks[0])]]
         assert len(passes) == n_passes
 
@@ -209,17 +211,17 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
     """The sample sees normal values, but every entry it skips equals the k-th: the band holds
     far more than ``COLLECT_MAX`` values, none is kept past that, and the exact passes follow."""
     monkeypatch.setattr(kernels, "enabled", compiled)
-    n = 2 * ops.SAMPLE_MIN_NUMEL
+    n = 2 * sampling.SAMPLE_MIN_NUMEL
     tau = torch.randn(n, generator=torch.Generator().manual_seed(5))
     sampled = torch.zeros(n, dtype=torch.bool)
     index = torch.arange(n)
-    for part in ops.chunks(n, ops.histogram_chunk(n)):
-        sampled[ops._sample_runs(index, part, ops.sample_stride(n))] = True
-    k = ops.kept_count(0.3, n)
+    for part in chunks.chunks(n, sampling.histogram_chunk(n)):
+        sampled[thresholds._sample_runs(index, part, sampling.sample_stride(n))] = True
+    k = steps.kept_count(0.3, n)
     kth = kth_by_sort(tau[sampled], math.ceil(0.3 * int(sampled.sum())))
     tau[~sampled] = kth
     passes = count_passes(monkeypatch)
-    found = ops.tau_kth_largest_abs(torch.zeros(n), [tau], [[k]], torch.float32)
+    found = thresholds.tau_kth_largest_abs(torch.zeros(n), [tau], [[k]], torch.float32)
     assert found == [[kth_by_sort(tau, k)]] == [[kth]]
     assert len(passes) == 4  # sampled, collecting (too many), the two exact passes
 
@@ -227,9 +229,9 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
 needs_loops = pytest.mark.skipif(not kernels.available(), reason="the compiled loops are not built")
 
 
-def bits_of(thresholds: list[list[float]]) -> list[list[int]]:
+def bits_of(values: list[list[float]]) -> list[list[int]]:
     """Thresholds as float32 bit patterns (NaN equal to NaN)."""
-    return [np.array(t, dtype=np.float32).view(np.int32).tolist() for t in thresholds]
+    return [np.array(t, dtype=np.float32).view(np.int32).tolist() for t in values]
 
 
 def one_call_inputs(n: int, dtype: torch.dtype, seed: int, odd: bool = False):
@@ -250,19 +252,28 @@ def one_call_inputs(n: int, dtype: torch.dtype, seed: int, odd: bool = False):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("odd", [False, True], ids=["normal", "nan-inf-zero"])
 def test_one_compiled_call_finds_what_the_chunked_passes_find(monkeypatch, dtype, odd):
-    """kernels.tau_kth (every pass of a tensor in one compiled call) against ops._find_many's
+    """kernels.tau_kth (every pass of a tensor in one compiled call) against thresholds._find_many's
     chunked passes and a sort, on tensors collected whole (up to 65536 entries), searched by
     two radix passes (not sampled) and sampled, with ranks 1, numel, beyond numel, 0 and none:
     the same values, and on the sampled tensors the same passes."""
-    for n in (1, 999, 65536, 65537, ops.SAMPLE_MIN_NUMEL - 1, 3 * ops.SAMPLE_MIN_NUMEL + 17):
+    for n in (
+        1,
+        999,
+        65536,
+        65537,
+        sampling.SAMPLE_MIN_NUMEL - 1,
+        3 * sampling.SAMPLE_MIN_NUMEL + 17,
+    ):
         base, experts = one_call_inputs(n, dtype, seed=n, odd=odd)
-        k = ops.kept_count(0.2, n)
-        ranks = [[k, 1, n], [], [ops.kept_count(0.9, n), n + 5, 0, -1]]
-        assert ops._in_one_call(base, experts)
+        k = steps.kept_count(0.2, n)
+        ranks = [[k, 1, n], [], [steps.kept_count(0.9, n), n + 5, 0, -1]]
+        assert thresholds._in_one_call(base, experts)
         counted = count_passes(monkeypatch)
-        found = ops.tau_kth_largest_abs(base, experts, ranks, torch.float32)
+        found = thresholds.tau_kth_largest_abs(base, experts, ranks, torch.float32)
         one_call = len(counted)
-        chunked = ops._find_many(n, ranks, ops._tau_histograms(base, experts, torch.float32))
+        chunked = thresholds._find_many(
+            n, ranks, thresholds._tau_histograms(base, experts, torch.float32)
+        )
         assert bits_of(found) == bits_of(chunked)
         whole = n <= kernels.loops().TAU_KTH_WHOLE  # collected whole: one pass
         assert one_call == (1 if whole else len(counted) - one_call)
@@ -279,17 +290,17 @@ def test_one_compiled_call_histograms_the_band_or_takes_two_exact_passes(
 ):
     """A band too full to collect is histogrammed (at most ``widest`` buckets: two passes in
     all), or the two exact radix passes follow the sample (three); exact either way."""
-    n = ops.SAMPLE_MIN_NUMEL * 2
+    n = sampling.SAMPLE_MIN_NUMEL * 2
     base, experts = one_call_inputs(n, torch.bfloat16, seed=8)
-    ranks = [ops.kept_count(0.2, n), ops.kept_count(0.5, n)]
+    ranks = [steps.kept_count(0.2, n), steps.kept_count(0.5, n)]
     out = np.zeros(2, dtype=np.int64)
     made = kernels.loops().tau_kth(
         np.array([base.data_ptr(), experts[1].data_ptr()], dtype=np.int64),
         True,
         n,
-        ops.sample_stride(n),
-        ops.SAMPLE_RUN,
-        ops.histogram_chunk(n),
+        sampling.sample_stride(n),
+        sampling.SAMPLE_RUN,
+        sampling.histogram_chunk(n),
         collect_max,
         widest,
         np.zeros(2, dtype=np.int64),
@@ -297,7 +308,7 @@ def test_one_compiled_call_histograms_the_band_or_takes_two_exact_passes(
         out,
     )
     tau = experts[1].float() - base.float()
-    assert [ops._bits_to_float(b) for b in out.tolist()] == [kth_by_sort(tau, k) for k in ranks]
+    assert [steps.bits_to_float(b) for b in out.tolist()] == [kth_by_sort(tau, k) for k in ranks]
     assert made == passes
 
 
@@ -306,15 +317,15 @@ def test_a_large_tensor_on_the_calling_thread_takes_the_chunked_passes(monkeypat
     """From ONE_CALL_MAX entries, with worker threads and off them, the passes run chunked on
     every core; on a worker thread, or smaller, in one call."""
     base, experts = one_call_inputs(4096, torch.bfloat16, seed=2)
-    monkeypatch.setattr(ops, "ONE_CALL_MAX", 4096)
-    workers = ops.chunk_workers()
-    assert ops._in_one_call(base, experts) == (workers is None)
-    monkeypatch.setattr(ops, "ONE_CALL_MAX", 4097)
-    assert ops._in_one_call(base, experts)
+    monkeypatch.setattr(thresholds, "ONE_CALL_MAX", 4096)
+    workers = chunks.chunk_workers()
+    assert thresholds._in_one_call(base, experts) == (workers is None)
+    monkeypatch.setattr(thresholds, "ONE_CALL_MAX", 4097)
+    assert thresholds._in_one_call(base, experts)
     if workers is not None:
-        monkeypatch.setattr(ops, "ONE_CALL_MAX", 4096)
-        assert workers.submit(ops._in_one_call, base, experts).result()
-    assert not ops._in_one_call(base.half(), [e.half() for e in experts])  # cast: chunked
+        monkeypatch.setattr(thresholds, "ONE_CALL_MAX", 4096)
+        assert workers.submit(thresholds._in_one_call, base, experts).result()
+    assert not thresholds._in_one_call(base.half(), [e.half() for e in experts])  # cast: chunked
 
 
 def whole_model(sizes, seed, row=None, row_sigma=0.0):
@@ -343,14 +354,14 @@ def thresholds_and_passes(base, experts, densities):
         calls.append(1)
         return ((f"t{i}", b, [e[i] for e in experts]) for i, b in enumerate(base))
 
-    return ops.global_magnitude_thresholds(make_iter, densities), len(calls)
+    return thresholds.global_magnitude_thresholds(make_iter, densities), len(calls)
 
 
-def assert_kth_of_the_model(base, experts, densities, thresholds):
+def assert_kth_of_the_model(base, experts, densities, found):
     n = sum(b.numel() for b in base)
-    for e, d, threshold in zip(experts, densities, thresholds):
+    for e, d, threshold in zip(experts, densities, found):
         flat = torch.cat([x - b for x, b in zip(e, base)])
-        assert threshold == kth_by_sort(flat, ops.kept_count(d, n))
+        assert threshold == kth_by_sort(flat, steps.kept_count(d, n))
 
 
 def small_clusters(monkeypatch, cluster, period, run, budget):
@@ -364,14 +375,14 @@ def small_clusters(monkeypatch, cluster, period, run, budget):
         ],
         [cluster, period, run, budget],
     ):
-        monkeypatch.setattr(ops, name, value)
+        monkeypatch.setattr(sampling, name, value)
 
 
 def test_whole_model_thresholds_of_a_large_model_take_two_passes():
-    base, experts = whole_model([ops.CHUNK * 5, 1000, ops.CHUNK * 3 + 17], seed=4)
-    thresholds, passes = thresholds_and_passes(base, experts, [0.2, 0.3])
+    base, experts = whole_model([chunks.CHUNK * 5, 1000, chunks.CHUNK * 3 + 17], seed=4)
+    found, passes = thresholds_and_passes(base, experts, [0.2, 0.3])
     assert passes == 2  # the sample, then one exact pass over its band
-    assert_kth_of_the_model(base, experts, [0.2, 0.3], thresholds)
+    assert_kth_of_the_model(base, experts, [0.2, 0.3], found)
 
 
 @pytest.mark.parametrize("seed", [5, 6])
@@ -385,18 +396,18 @@ def test_whole_model_sample_brackets_the_kth_where_rows_differ(monkeypatch, seed
     small_clusters(monkeypatch, 16384, 1024, 32, 64)
     row = 1024
     base, experts = whole_model([row * 600, row * 400, row * 1048], seed, row, row_sigma=sigma)
-    thresholds, passes = thresholds_and_passes(base, experts, [0.2, 0.35])
-    assert_kth_of_the_model(base, experts, [0.2, 0.35], thresholds)
+    found, passes = thresholds_and_passes(base, experts, [0.2, 0.35])
+    assert_kth_of_the_model(base, experts, [0.2, 0.35], found)
     assert passes == 2 if sigma == 0 else passes in (2, 3)
-    sample = ops.ClusterSample(1)
+    sample = thresholds.ClusterSample(1)
     for i, b in enumerate(base):
         sample.add(b, [experts[0][i]], torch.float32)
     rows = sample.rows(0)
     assert rows.shape == (64, 512)
-    finder = ops.KthLargestAbs()
+    finder = thresholds.KthLargestAbs()
     n = sum(b.numel() for b in base)
-    finder.from_sample(n, ops.kept_count(0.2, n), rows)
-    kth_bits = np.float32(thresholds[0]).view(np.int32) >> 16
+    finder.from_sample(n, steps.kept_count(0.2, n), rows)
+    kth_bits = np.float32(found[0]).view(np.int32) >> 16
     low, high = finder._bucket, finder._bucket + (finder._width >> 16) - 1  # noqa: SLF001
     assert low <= kth_bits <= high
     above = (rows >= np.quantile(rows, 0.8)).sum(axis=1)
@@ -412,7 +423,7 @@ def test_cluster_sample_is_the_clusters_of_smallest_hash_however_it_was_cut(monk
     clusters = sum(-(-b.numel() // 64) for b in base)
     rows = []
     for told in (None, clusters):
-        sample = ops.ClusterSample(2, told)
+        sample = thresholds.ClusterSample(2, told)
         for i, b in enumerate(base):
             sample.add(b, [e[i] for e in experts], torch.float32)
         assert sample.count == sum(b.numel() for b in base)
@@ -449,22 +460,22 @@ def test_checkpoint_whole_model_sample_reads_unpopulated_maps(wide_ckpts, tmp_pa
 
 
 def test_dare_masks_are_reproducible_and_differ_by_seed_expert_and_block():
-    n = 2 * ops.DARE_BLOCK
-    a = ops.dare_keep_mask((n,), 0.3, seed=11, expert=0)
-    assert torch.equal(a, ops.dare_keep_mask((n,), 0.3, seed=11, expert=0))
-    for other in (ops.dare_keep_mask((n,), 0.3, 12, 0), ops.dare_keep_mask((n,), 0.3, 11, 1)):
+    n = 2 * steps.DARE_BLOCK
+    a = steps.dare_keep_mask((n,), 0.3, seed=11, expert=0)
+    assert torch.equal(a, steps.dare_keep_mask((n,), 0.3, seed=11, expert=0))
+    for other in (steps.dare_keep_mask((n,), 0.3, 12, 0), steps.dare_keep_mask((n,), 0.3, 11, 1)):
         assert not torch.equal(a, other)
-    first, second = a[: ops.DARE_BLOCK], a[ops.DARE_BLOCK :]
+    first, second = a[: steps.DARE_BLOCK], a[steps.DARE_BLOCK :]
     assert not torch.equal(first, second)  # blocks have streams of their own
     # a block drawn alone is the same block of the whole mask (the chunked methods draw so)
-    alone = ops.dare_keep_range(11, 0, ops.DARE_BLOCK, ops.DARE_BLOCK, 0.3) > 0
+    alone = steps.dare_keep_range(11, 0, steps.DARE_BLOCK, steps.DARE_BLOCK, 0.3) > 0
     assert torch.equal(alone, second)
 
 
 @pytest.mark.parametrize("density", [0.01, 0.1, 0.5, 0.9])
 def test_dare_masks_keep_each_entry_independently_with_probability_density(density):
-    n = 4 * ops.DARE_BLOCK
-    masks = [ops.dare_keep_mask((n,), density, seed=5, expert=i).float() for i in range(2)]
+    n = 4 * steps.DARE_BLOCK
+    masks = [steps.dare_keep_mask((n,), density, seed=5, expert=i).float() for i in range(2)]
     sd = math.sqrt(density * (1 - density) / n)
     for mask in masks:
         assert abs(mask.mean().item() - density) < 5 * sd
@@ -472,7 +483,7 @@ def test_dare_masks_keep_each_entry_independently_with_probability_density(densi
         both = (mask[1:] * mask[:-1]).mean().item()
         assert abs(both - density**2) < 5 * math.sqrt(density**2 * (1 - density**2) / n)
         # every block on its own keeps about density too
-        for block in mask.split(ops.DARE_BLOCK):
+        for block in mask.split(steps.DARE_BLOCK):
             assert abs(block.mean().item() - density) < 6 * sd * 2
     # the two experts' masks are independent
     together = (masks[0] * masks[1]).mean().item()
@@ -481,11 +492,11 @@ def test_dare_masks_keep_each_entry_independently_with_probability_density(densi
 
 def test_dare_keep_probability_resolution():
     """Keep probabilities are density rounded to a multiple of 2⁻²³: exact for dyadic ones."""
-    n = ops.DARE_BLOCK
-    u = ops.dare_keep_range(9, 0, 0, n, 0.5)
+    n = steps.DARE_BLOCK
+    u = steps.dare_keep_range(9, 0, 0, n, 0.5)
     assert set(u.unique().tolist()) == {0.0, 1.0}
-    assert ops.dare_keep_range(9, 0, 0, n, 1e-9).sum() == 0  # rounds to 0: nothing kept
-    assert ops.dare_keep_range(9, 0, 0, n, 1 - 1e-9).sum() == n  # rounds to 1: all kept
+    assert steps.dare_keep_range(9, 0, 0, n, 1e-9).sum() == 0  # rounds to 0: nothing kept
+    assert steps.dare_keep_range(9, 0, 0, n, 1 - 1e-9).sum() == n  # rounds to 1: all kept
 
 
 # --- writing and reading ------------------------------------------------------------------------
@@ -626,7 +637,7 @@ def wide_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
     g = torch.Generator().manual_seed(0)
     shapes = {"embed.weight": (20000, 32), "layer.weight": (64, 64), "norm.weight": (32,)}
-    assert 20000 * 32 > 2 * ops.CHUNK
+    assert 20000 * 32 > 2 * chunks.CHUNK
     base = {k: (0.02 * torch.randn(s, generator=g)).bfloat16() for k, s in shapes.items()}
     paths, sds = [], []
     for i, name in enumerate(["base", "expert_0", "expert_1"]):
@@ -674,14 +685,14 @@ def test_multi_chunk_tensors_stream_to_the_in_memory_bits(wide_ckpts, tmp_path, 
 def test_sample_stride_grows_with_the_tensor_up_to_one_row_per_period():
     """1/8 from SAMPLE_MIN_NUMEL entries, sparser while the sample keeps SAMPLE_VALUES values,
     at most 1/32 (a period of 1024 entries: every row of a 1024-wide matrix sampled)."""
-    assert ops.sample_stride(ops.SAMPLE_MIN_NUMEL - 1) == 1
-    assert ops.sample_stride(1 << 19) == 8  # 512×1024: 2¹⁶ sampled values
-    assert ops.sample_stride(1 << 20) == 16  # 1024×1024: 2¹⁶ sampled values
-    assert ops.sample_stride(1 << 22) == ops.sample_stride(32000 * 1024) == 32
-    assert ops.SAMPLE_RUN * ops.SAMPLE_STRIDE_MAX == 1024
+    assert sampling.sample_stride(sampling.SAMPLE_MIN_NUMEL - 1) == 1
+    assert sampling.sample_stride(1 << 19) == 8  # 512×1024: 2¹⁶ sampled values
+    assert sampling.sample_stride(1 << 20) == 16  # 1024×1024: 2¹⁶ sampled values
+    assert sampling.sample_stride(1 << 22) == sampling.sample_stride(32000 * 1024) == 32
+    assert sampling.SAMPLE_RUN * sampling.SAMPLE_STRIDE_MAX == 1024
     for numel in (1 << 19, 1 << 20, 3 << 20, 1 << 22, 1 << 25):
-        stride = ops.sample_stride(numel)
+        stride = sampling.sample_stride(numel)
         assert (
-            numel // stride >= ops.SAMPLE_VALUES
-            and ops.histogram_chunk(numel) % (ops.SAMPLE_RUN * stride) == 0
+            numel // stride >= sampling.SAMPLE_VALUES
+            and sampling.histogram_chunk(numel) % (sampling.SAMPLE_RUN * stride) == 0
         )  # every chunk starts a period

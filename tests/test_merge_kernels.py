@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mergelab.merge import MergeInputError, TensorContext, get_merge_method, kernels, ops
+from mergelab.merge import MergeInputError, TensorContext, get_merge_method
+from mergelab.merge.accelerator import chunks, kernels, sampling, thresholds
+from mergelab.merge.methods import steps
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="the compiled loops were not built (no C compiler)"
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 # a chunk and a bit (two chunks, the second partial, ending in a partial tile), in rows of 67
 ROW = 67
-NUMEL = ROW * (ops.CHUNK // ROW + 20)
+NUMEL = ROW * (chunks.CHUNK // ROW + 20)
 
 
 def inputs(n_experts: int, dtype: torch.dtype, seed: int = 0, numel: int = NUMEL):
@@ -140,7 +142,7 @@ def test_ties_whole_model_thresholds_compiled_equal_torch(monkeypatch):
         def make_iter():
             return ((f"t{i}", b, e) for i, (b, e) in enumerate(tensors))
 
-        found.append(ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32))
+        found.append(thresholds.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32))
     assert found[0] == found[1]
     assert all(0 < t < 1 for t in found[0])
 
@@ -158,7 +160,9 @@ def test_whole_model_thresholds_fetching_ahead_are_the_same(monkeypatch, compile
             yield f"t{i}", b.clone(), [x.clone() for x in e]
 
     found = [
-        ops.global_magnitude_thresholds(make_iter, [0.2, 0.35], torch.float32, fetch_ahead=ahead)
+        thresholds.global_magnitude_thresholds(
+            make_iter, [0.2, 0.35], torch.float32, fetch_ahead=ahead
+        )
         for ahead in (False, True)
     ]
     assert found[0] == found[1]
@@ -166,7 +170,7 @@ def test_whole_model_thresholds_fetching_ahead_are_the_same(monkeypatch, compile
     n = flat[0].numel()
     for x, density, threshold in zip(flat, [0.2, 0.35], found[1]):
         assert threshold == float(
-            x.abs().sort(descending=True).values[ops.kept_count(density, n) - 1]
+            x.abs().sort(descending=True).values[steps.kept_count(density, n) - 1]
         )
     assert fetched == [0, 1, 2] * (len(fetched) // 3)
 
@@ -178,7 +182,7 @@ def test_pass_counts_move_to_int64_and_keep_every_count(monkeypatch):
     for widen_after in (kernels.WIDEN_ENTRIES, 1000):
         monkeypatch.setattr(kernels, "WIDEN_ENTRIES", widen_after)
         counter = kernels.TauHistograms(base, experts).pass_counts(finders)
-        for part in ops.chunks(NUMEL, NUMEL // 7):
+        for part in chunks.chunks(NUMEL, NUMEL // 7):
             counter(part)
         counted.append([c.numpy().copy() for c in counter.totals()])
     for plain, widened in zip(*counted):
@@ -187,10 +191,10 @@ def test_pass_counts_move_to_int64_and_keep_every_count(monkeypatch):
 
 
 def test_start_chunks_returns_what_for_chunks_does():
-    n = ops.GRAIN * 9 + 5
-    started = ops.start_chunks(n, lambda part: (part.start, part.stop), ops.GRAIN)
-    assert started() == ops.for_chunks(n, lambda part: (part.start, part.stop), ops.GRAIN)
-    assert started()[-1] == (ops.GRAIN * 9, n)
+    n = chunks.GRAIN * 9 + 5
+    started = chunks.start_chunks(n, lambda part: (part.start, part.stop), chunks.GRAIN)
+    assert started() == chunks.for_chunks(n, lambda part: (part.start, part.stop), chunks.GRAIN)
+    assert started()[-1] == (chunks.GRAIN * 9, n)
 
 
 DARE = [
@@ -453,7 +457,7 @@ def test_kth_largest_tau_compiled_equals_torch_and_sort(monkeypatch, dtype):
     found = []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        found.append(ops.tau_kth_largest_abs(base, experts, ranks, torch.float32))
+        found.append(thresholds.tau_kth_largest_abs(base, experts, ranks, torch.float32))
     assert found[0] == found[1]
     for e, ks, values in zip(experts, ranks, found[0]):
         magnitudes = (e.float() - base.float()).abs().flatten().sort(descending=True).values
@@ -480,17 +484,21 @@ def test_the_torch_path_runs_without_the_loops(monkeypatch):
 def test_histogram_passes_count_what_torch_counts(monkeypatch, dtype):
     """Same counts in every pass kind (sampled runs, top bits, a band), chunk by chunk."""
     base, experts = inputs(2, dtype, seed=6)
-    part = slice(ops.CHUNK, base.numel())  # a partial last chunk: a partial last run
-    finders = [ops.KthLargestAbs(ops.SAMPLE_STRIDE), ops.KthLargestAbs(1), ops.KthLargestAbs(1)]
+    part = slice(chunks.CHUNK, base.numel())  # a partial last chunk: a partial last run
+    finders = [
+        thresholds.KthLargestAbs(sampling.SAMPLE_STRIDE),
+        thresholds.KthLargestAbs(1),
+        thresholds.KthLargestAbs(1),
+    ]
     finders[2]._mode, finders[2]._bucket, finders[2]._width = "band", 0x3A80, 3 << 16
-    collecting = ops.KthLargestAbs(1)  # a binade around the median |τ|, its values kept
+    collecting = thresholds.KthLargestAbs(1)  # a binade around the median |τ|, its values kept
     tau = (experts[1].float() - base.float()).abs().view(-1)[part]
     middle = int(tau.median().view(torch.int32)) >> 16
     collecting._mode, collecting._bucket, collecting._width = "collect", middle - 64, 128 << 16
     counted = []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        count = ops._tau_histograms(base, experts, torch.float32)(
+        count = thresholds._tau_histograms(base, experts, torch.float32)(
             [*finders, collecting], [1, 0, 1, 1]
         )
         per_chunk = count(part)
@@ -556,8 +564,10 @@ def check_band_passes(monkeypatch):
     assert any(bool(((t.view(torch.int32) & 0xFFFF) != 0).any()) for t in tau)  # both kinds
     middle = [int(t.median().view(torch.int32)) >> 16 for t in tau]
 
-    def band(expert: int, offset: int, buckets: int, mode: str = "band") -> ops.KthLargestAbs:
-        finder = ops.KthLargestAbs(1)
+    def band(
+        expert: int, offset: int, buckets: int, mode: str = "band"
+    ) -> thresholds.KthLargestAbs:
+        finder = thresholds.KthLargestAbs(1)
         finder._mode, finder._bucket = mode, middle[expert] + offset
         finder._width = buckets << 16
         return finder
@@ -573,10 +583,10 @@ def check_band_passes(monkeypatch):
     counted = []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        count = ops._tau_histograms(base, experts, torch.float32)(
+        count = thresholds._tau_histograms(base, experts, torch.float32)(
             [f for _, f in passes], [e for e, _ in passes]
         )
-        per_chunk = [count(part) for part in ops.chunks(base.numel())]
+        per_chunk = [count(part) for part in chunks.chunks(base.numel())]
         if compiled:
             counted.append(count.totals())
         else:
@@ -610,14 +620,16 @@ def test_band_counts_at_the_ends_of_the_range(monkeypatch, bucket):
     expert[spots[100:200]] = float("nan")
     expert[spots[200:300]] = 3e38 * torch.sign(torch.randn(100, generator=g))
     expert[spots[300:]] = base[spots[300:]] + 1e-42  # denormal τ
-    finder, collecting = ops.KthLargestAbs(1), ops.KthLargestAbs(1)
+    finder, collecting = thresholds.KthLargestAbs(1), thresholds.KthLargestAbs(1)
     finder._mode, finder._bucket, finder._width = "band", bucket, 2 << 16
     collecting._mode, collecting._bucket, collecting._width = "collect", bucket, 2 << 16
     counted, collected = [], []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "enabled", compiled)
-        count = ops._tau_histograms(base, [expert], torch.float32)([finder, collecting], [0, 0])
-        per_chunk = [count(part) for part in ops.chunks(base.numel())]
+        count = thresholds._tau_histograms(base, [expert], torch.float32)(
+            [finder, collecting], [0, 0]
+        )
+        per_chunk = [count(part) for part in chunks.chunks(base.numel())]
         if compiled:  # totals() adds the worker threads' arrays up: once
             histogram, kept = count.totals()
             counted.append(histogram.long())
@@ -655,8 +667,8 @@ def test_dare_chunks_of_several_blocks_compiled_equal_torch(
     """Chunks of several DARE blocks (their streams advanced together in the lanes of a vector,
     two vectors' worth with five experts), the last block partial and ending in a partial tile:
     the torch path's bits, whose masks NumPy draws block by block."""
-    numel = ROW * (5 * ops.DARE_BLOCK // ROW + 33)  # five blocks and a bit
-    monkeypatch.setattr(kernels, "dare_chunk", lambda numel, n: blocks * ops.DARE_BLOCK)
+    numel = ROW * (5 * steps.DARE_BLOCK // ROW + 33)  # five blocks and a bit
+    monkeypatch.setattr(kernels, "dare_chunk", lambda numel, n: blocks * steps.DARE_BLOCK)
     base, experts = inputs(n_experts, torch.bfloat16, seed=9, numel=numel)
     for method in ("dare_linear", "dare_ties"):
         params = {"density": density}
@@ -665,7 +677,7 @@ def test_dare_chunks_of_several_blocks_compiled_equal_torch(
 
 
 def test_dare_chunks_fill_the_lanes_and_leave_each_thread_work(monkeypatch):
-    block = ops.DARE_BLOCK
+    block = steps.DARE_BLOCK
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert kernels.dare_chunk(16 * block, 2) == 4 * block  # 8 streams: one vector
     assert kernels.dare_chunk(16 * block, 3) == 2 * block
@@ -685,7 +697,7 @@ def test_finiteness_check_compiled_equals_torch(monkeypatch, dtype):
         y = x.clone()
         y[4321] = bad
         assert kernels.all_finite_compiled(y) is False
-        assert ops.all_finite_chunk(y) is False
+        assert kernels.all_finite_chunk(y) is False
     monkeypatch.setattr(kernels, "enabled", False)
     assert kernels.all_finite_compiled(x) is None
     assert kernels.all_finite_compiled(torch.randn(10, dtype=torch.float16)) is None
@@ -704,11 +716,11 @@ def test_locate_compiled_equals_numpy(monkeypatch):
             total = int(counts.sum())
             edge = int(counts[::-1].cumsum()[min(2, bins - 1)])  # the last item of a bucket
             for k in sorted({1, max(1, total // 3), edge, total}):
-                compiled = ops._locate(counts, k)
+                compiled = thresholds._locate(counts, k)
                 with monkeypatch.context() as m:
                     m.setattr(kernels, "active_loops", lambda: None)  # the fallback _locate takes
-                    assert compiled == ops._locate(counts, k), (bins, density, k)
-                assert compiled == ops._locate_numpy(counts, k)
+                    assert compiled == thresholds._locate(counts, k), (bins, density, k)
+                assert compiled == thresholds._locate_numpy(counts, k)
 
 
 @pytest.mark.skipif(kernels.file_mapping() is None, reason="no mmap on this system")

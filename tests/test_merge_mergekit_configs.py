@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from test_merge_config_dialects import WORDS, tiny_tokenizer, write_model  # tiny checkpoints
 
 from mergelab.cli import main
-from mergelab.merge import TensorContext, list_merge_methods, ops
+from mergelab.merge import TensorContext, list_merge_methods
+from mergelab.merge.methods import steps
 
 require("mergekit")
 from mergekit.config import MergeConfiguration  # noqa: E402
@@ -92,7 +93,7 @@ def mergekit_draws_like_mergelab(seed: int):
     """mergekit's task-arithmetic merges draw what mergelab draws for the same tensor: DELLA's
     masks by seeding torch's global generator as mergelab's per-tensor torch generator (both call
     ``torch.bernoulli`` on the same probabilities), DARE's by handing mergekit's
-    ``torch.bernoulli`` mergelab's masks (``ops.dare_keep_mask``, its own faster generator), one
+    ``torch.bernoulli`` mergelab's masks (``steps.dare_keep_mask``, its own faster generator), one
     per model with density < 1, in order."""
     original = GeneralizedTaskArithmeticMerge.merge_group
 
@@ -105,7 +106,7 @@ def mergekit_draws_like_mergelab(seed: int):
                 densities = [parameters["density"][e.id] for e in group.non_base]
                 masks = iter(
                     [
-                        ops.dare_keep_mask(shape, d, ctx.tensor_seed, i)
+                        steps.dare_keep_mask(shape, d, ctx.tensor_seed, i)
                         for i, d in enumerate(densities)
                         if d < 1
                     ]

@@ -1,4 +1,5 @@
-"""The steps of the merge methods (mergelab.merge.ops) and the engine's input checks."""
+"""The steps of the merge methods (mergelab.merge.methods.steps, and the accelerator's exact
+threshold finders) and the engine's input checks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergelab.merge import MergeInputError, merge_models, merge_state_dicts, ops
+from mergelab.merge import MergeInputError, merge_models, merge_state_dicts
+from mergelab.merge.accelerator import sampling, thresholds
+from mergelab.merge.methods import steps
 from mergelab.merge.validation import check_same_architecture, common_vocab_rows
 
 
@@ -35,10 +38,11 @@ def kth_largest_by_sort(x: torch.Tensor, k: int) -> float:
     ],
     ids=["normal", "wide-range", "ties", "denormal", "bf16", "float64"],
 )
-def test_kth_largest_abs_equals_sorting(values):
+@pytest.mark.parametrize("find", [steps.kth_largest_abs, thresholds.kth_largest_abs])
+def test_kth_largest_abs_equals_sorting(values, find):
     n = values.numel()
     for k in [1, 2, 3, 100, n // 5, n // 2, n - 1, n, n + 10]:
-        assert ops.kth_largest_abs(values, k) == kth_largest_by_sort(values, k), k
+        assert find(values, k) == kth_largest_by_sort(values, k), k
 
 
 @settings(max_examples=25, deadline=None)
@@ -62,15 +66,16 @@ def test_global_thresholds_are_the_kth_of_the_concatenated_model(sizes, density,
     names.append("MODEL_SAMPLE_CLUSTERS")
     with contextlib.ExitStack() as stack:  # the default clusters, or clusters of a few entries
         for name, value in zip(names, clusters or ()):
-            stack.enter_context(mock.patch.object(ops, name, value))
-        thresholds = ops.global_magnitude_thresholds(make_iter, [density, 0.5])
+            stack.enter_context(mock.patch.object(sampling, name, value))
+        found = thresholds.global_magnitude_thresholds(make_iter, [density, 0.5])
     # the sample, then one exact pass over its band; or (a sample of a few clusters rarely pins
     # the band down) the two exact radix passes, straight away (3) or after a band that missed (4)
     assert len(calls) in (2, 3, 4)
     n = sum(sizes)
-    for e, d, threshold in zip(experts, [density, 0.5], thresholds):
+    for e, d, threshold in zip(experts, [density, 0.5], found):
         flat = torch.cat([x - b for x, b in zip(e, base)])
-        assert threshold == kth_largest_by_sort(flat, ops.kept_count(d, n))
+        assert threshold == kth_largest_by_sort(flat, steps.kept_count(d, n))
+    assert steps.model_magnitude_thresholds(make_iter, [density, 0.5]) == found  # the spec
 
 
 def test_global_thresholds_take_no_pass_when_nothing_is_trimmed():
@@ -80,33 +85,34 @@ def test_global_thresholds_take_no_pass_when_nothing_is_trimmed():
         calls.append(1)
         return [("w", torch.zeros(3), [torch.ones(3)])]
 
-    assert ops.global_magnitude_thresholds(make_iter, [1.0]) == [0.0]
+    assert thresholds.global_magnitude_thresholds(make_iter, [1.0]) == [0.0]
+    assert steps.model_magnitude_thresholds(make_iter, [1.0]) == [0.0]
     assert not calls
 
 
 def test_kept_count_follows_mergekit():
-    assert ops.kept_count(0.2, 100) == 20
-    assert ops.kept_count(0.001, 100) == 1  # a positive density keeps at least one entry
-    assert ops.kept_count(0.0, 100) == 0
-    assert ops.kept_count(1.0, 100) == 100
-    assert ops.kept_count(0.29, 100) == 28  # int(0.29 * 100) = int(28.999...) as in both tools
+    assert steps.kept_count(0.2, 100) == 20
+    assert steps.kept_count(0.001, 100) == 1  # a positive density keeps at least one entry
+    assert steps.kept_count(0.0, 100) == 0
+    assert steps.kept_count(1.0, 100) == 100
+    assert steps.kept_count(0.29, 100) == 28  # int(0.29 * 100) = int(28.999...) as in both tools
 
 
 def test_magnitude_trim_keeps_top_k_and_all_ties_at_the_threshold():
     tau = torch.tensor([0.5, -3.0, 2.0, -2.0, 0.1, 2.0])
-    threshold = ops.magnitude_threshold(tau, 0.5)  # k = 3: |−3|, then 2 (three entries tie at 2)
+    threshold = steps.magnitude_threshold(tau, 0.5)  # k = 3: |−3|, then 2 (three entries tie at 2)
     assert threshold == 2.0
     expected = [0.0, -3.0, 2.0, -2.0, 0.0, 2.0]
-    assert ops.magnitude_trim_(tau.clone(), 0.5).tolist() == expected
-    assert ops.threshold_trim_(tau.clone(), threshold).tolist() == expected
-    assert ops.threshold_trim_(tau.clone(), math.inf).abs().sum() == 0
-    assert ops.magnitude_trim_(tau.clone(), 0.0).abs().sum() == 0
-    assert ops.magnitude_trim_(tau.clone(), 1.0).tolist() == tau.tolist()
+    assert steps.magnitude_trim_(tau.clone(), 0.5).tolist() == expected
+    assert steps.threshold_trim_(tau.clone(), threshold).tolist() == expected
+    assert steps.threshold_trim_(tau.clone(), math.inf).abs().sum() == 0
+    assert steps.magnitude_trim_(tau.clone(), 0.0).abs().sum() == 0
+    assert steps.magnitude_trim_(tau.clone(), 1.0).tolist() == tau.tolist()
 
 
 def test_magnitude_outlier_trim_keeps_the_middle_band():
     tau = torch.arange(1, 101, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(50)
-    kept = ops.magnitude_outlier_trim_(tau.clone(), density=0.3, gamma=0.1)
+    kept = steps.magnitude_outlier_trim_(tau.clone(), density=0.3, gamma=0.1)
     magnitudes = kept.abs()[kept != 0]
     assert magnitudes.min() == 61 and magnitudes.max() == 90  # drop top 10, keep next 30
 
@@ -114,19 +120,19 @@ def test_magnitude_outlier_trim_keeps_the_middle_band():
 def test_random_drop_rescale_rules():
     tau = torch.tensor([1.0, -2.0, 3.0, -4.0])
     keep = torch.tensor([True, False, True, False])
-    assert ops.random_drop_(tau.clone(), keep, 0.5, "keep_rate").tolist() == [2.0, 0.0, 6.0, 0.0]
-    l1 = ops.random_drop_(tau.clone(), keep, 0.5, "l1")
+    assert steps.random_drop_(tau.clone(), keep, 0.5, "keep_rate").tolist() == [2.0, 0.0, 6.0, 0.0]
+    l1 = steps.random_drop_(tau.clone(), keep, 0.5, "l1")
     torch.testing.assert_close(l1, torch.tensor([2.5, 0.0, 7.5, 0.0]))  # |·|₁ 4 → 10
-    assert ops.random_drop_(tau.clone(), keep, 0.5, "none").tolist() == [1.0, 0.0, 3.0, 0.0]
-    assert ops.random_drop_(tau.clone(), keep, 1.0, "keep_rate").tolist() == tau.tolist()
-    assert ops.random_drop_(tau.clone(), keep, 0.0, "keep_rate").abs().sum() == 0
+    assert steps.random_drop_(tau.clone(), keep, 0.5, "none").tolist() == [1.0, 0.0, 3.0, 0.0]
+    assert steps.random_drop_(tau.clone(), keep, 1.0, "keep_rate").tolist() == tau.tolist()
+    assert steps.random_drop_(tau.clone(), keep, 0.0, "keep_rate").abs().sum() == 0
 
 
 def test_elect_sign_by_sum_and_by_count():
     stack = torch.tensor([[3.0, 1.0, 0.0, 1.0], [-1.0, -1.0, 0.0, -1.0], [-1.0, -5.0, 0.0, 0.5]])
-    assert ops.elect_sign(stack, "sum").tolist() == [1.0, -1.0, 1.0, 1.0]  # sums 1, −5, 0, 0.5
-    assert ops.elect_sign(stack, "count").tolist() == [-1.0, -1.0, 1.0, 1.0]  # 1:2, 1:2, 0:0, 2:1
-    weighted = ops.elect_sign(stack, "sum", sign_weights=[1.0, 1.0, -1.0])  # third expert flipped
+    assert steps.elect_sign(stack, "sum").tolist() == [1.0, -1.0, 1.0, 1.0]  # sums 1, −5, 0, 0.5
+    assert steps.elect_sign(stack, "count").tolist() == [-1.0, -1.0, 1.0, 1.0]  # 1:2, 1:2, 0:0, 2:1
+    weighted = steps.elect_sign(stack, "sum", sign_weights=[1.0, 1.0, -1.0])  # third expert flipped
     assert weighted.tolist() == [1.0, 1.0, 1.0, -1.0]
 
 
@@ -135,7 +141,7 @@ def test_disjoint_merge_divisors():
     elected = torch.tensor([1.0, 1.0, 1.0])
 
     def merge(weights, **kw):
-        return ops.disjoint_merge_(stack.clone(), elected, weights, **kw).tolist()
+        return steps.disjoint_merge_(stack.clone(), elected, weights, **kw).tolist()
 
     assert merge(None, divide_by="count") == [3.0, 1.0, 0.0]
     assert merge(None, divide_by="none") == [6.0, 1.0, 0.0]

@@ -27,7 +27,9 @@ import pytest
 import torch
 from _reference import require
 
-from mergelab.merge import TensorContext, merge_models, ops
+from mergelab.merge import TensorContext, merge_models
+from mergelab.merge.accelerator import thresholds
+from mergelab.merge.methods import steps
 
 mk_registry = require("mergekit.merge_methods.registry")
 from mergekit.merge_methods.karcher import karcher_merge_tensors  # noqa: E402
@@ -94,7 +96,7 @@ def test_magprune_equals_mergekit_in_every_dtype(dtype, shape, rescale):
         ref = mk_sparsify.della_magprune(
             tau, 0.6, 0.15, mk_sparsify.RescaleNorm.l1 if rescale else None
         )
-    ours = ops.magprune_(
+    ours = steps.magprune_(
         tau.clone(), 0.6, 0.15, torch.Generator().manual_seed(11), "l1" if rescale else "none"
     )
     assert ours.dtype == dtype and torch.equal(ours, ref)
@@ -123,13 +125,13 @@ def test_della_draws_differ_per_tensor_and_seed():
 
 def test_magprune_keep_probabilities_are_rank_linear():
     tau = torch.randn(7, 33)
-    p = ops.magprune_keep_probabilities(tau, 0.6, 0.15)
+    p = steps.magprune_keep_probabilities(tau, 0.6, 0.15)
     ranks = tau.abs().argsort(1).argsort(1).float()
     torch.testing.assert_close(p, 0.45 + 0.3 * ranks / 32, **TOL)
     torch.testing.assert_close(p.mean(1), torch.full((7,), 0.6), **TOL)
-    one_row = ops.magprune_keep_probabilities(torch.randn(33), 0.6, 0.15)
+    one_row = steps.magprune_keep_probabilities(torch.randn(33), 0.6, 0.15)
     assert one_row.min() == pytest.approx(0.45) and one_row.max() == pytest.approx(0.75)
-    assert torch.all(ops.magprune_keep_probabilities(torch.randn(5, 1), 0.6, 0.15) == 0.6)
+    assert torch.all(steps.magprune_keep_probabilities(torch.randn(5, 1), 0.6, 0.15) == 0.6)
 
 
 def test_magprune_paper_rescale_is_unbiased_and_follows_the_probabilities():
@@ -137,8 +139,8 @@ def test_magprune_paper_rescale_is_unbiased_and_follows_the_probabilities():
     rank ≈ p(rank). 4000 rows × 50: binomial standard errors ≈ 0.008 per rank."""
     rows, n, density, epsilon = 4000, 50, 0.5, 0.2
     tau = torch.randn(rows, n, generator=torch.Generator().manual_seed(9))
-    p = ops.magprune_keep_probabilities(tau, density, epsilon)
-    out = ops.magprune_(tau.clone(), density, epsilon, torch.Generator().manual_seed(1))
+    p = steps.magprune_keep_probabilities(tau, density, epsilon)
+    out = steps.magprune_(tau.clone(), density, epsilon, torch.Generator().manual_seed(1))
     kept = out != 0
     torch.testing.assert_close(out[kept], (tau / p)[kept], **TOL)  # each survivor over its own p
     ratio = (out / tau).mean()  # E[keep / p] = 1, standard error ≈ 0.002
@@ -177,7 +179,7 @@ def test_sce_equals_mergekit(shape, k, select_topk):
     if select_topk < 1:  # the premise of exact agreement (module docstring)
         variance = torch.stack([e - base for e in experts]).var(0, correction=0)
         n_kept = int(torch.count_nonzero(variance) * select_topk)
-        assert int((variance == ops.kth_largest_abs(variance, n_kept)).sum()) == 1
+        assert int((variance == thresholds.kth_largest_abs(variance, n_kept)).sum()) == 1
     ref = mergekit("sce", base, experts, select_topk=select_topk)
     torch.testing.assert_close(run("sce", base, experts, select_topk=select_topk), ref, **TOL)
 
@@ -185,7 +187,7 @@ def test_sce_equals_mergekit(shape, k, select_topk):
 def test_sce_tiny_task_vectors_fall_back_to_equal_coefficients():
     base, experts = make((48, 40), 3, scale=1e-4)  # Σ mean(τ²) < 1e-6: mergekit's uniform η
     taus = torch.stack([e - base for e in experts])
-    assert torch.equal(ops.sce_coefficients(taus), torch.full((3,), 1 / 3))
+    assert torch.equal(steps.sce_coefficients(taus), torch.full((3,), 1 / 3))
     torch.testing.assert_close(run("sce", base, experts), mergekit("sce", base, experts), **TOL)
 
 

@@ -10,7 +10,7 @@ test asserts there is no tie at its threshold, so the results must agree everywh
 
 DARE: no two libraries share a random stream, so the tests pin the maths after the draw by giving
 every implementation the same keep masks: ours come from the tensor's seed (reproduced here
-with the same seed and tensor name through ``ops.dare_keep_mask``), and PEFT's and mergekit's
+with the same seed and tensor name through ``steps.dare_keep_mask``), and PEFT's and mergekit's
 ``torch.bernoulli`` draw is replaced for the duration of the call by a stand-in that returns
 those masks in expert order (and checks it was asked for the right shape and keep rate).
 """
@@ -25,8 +25,8 @@ from mergelab.merge import (
     TensorContext,
     merge_models,
     merge_state_dicts,
-    ops,
 )
+from mergelab.merge.methods import steps
 
 peft_merge = require("peft.utils.merge_utils")
 mk_registry = require("mergekit.merge_methods.registry")
@@ -59,7 +59,7 @@ def mergekit_ties_count(normalize: bool):
 def our_dare_masks(name, seed, shape, densities):
     """The keep masks our DARE draws for tensor ``name`` (same seed, expert by expert)."""
     seed = TensorContext(name=name, seed=seed).tensor_seed
-    return [ops.dare_keep_mask(shape, d, seed, i) for i, d in enumerate(densities) if d < 1]
+    return [steps.dare_keep_mask(shape, d, seed, i) for i, d in enumerate(densities) if d < 1]
 
 
 class InjectedBernoulli:
@@ -91,7 +91,7 @@ def with_masks(monkeypatch, masks, densities, fn, *args, **kwargs):
 def assert_no_tie_at_threshold(taus, densities):
     """The premise under which trims must agree exactly (see module docstring)."""
     for tau, d in zip(taus, densities):
-        threshold = ops.magnitude_threshold(tau, d)
+        threshold = steps.magnitude_threshold(tau, d)
         assert int((tau.abs() == threshold).sum()) == 1
 
 
@@ -142,11 +142,11 @@ class TestAgainstPeft:
         taus = [e - base for e in experts]
         for tau in taus:
             ref = peft_merge.prune(tau, 0.25, "magnitude")
-            ours = ops.magnitude_trim_(tau.clone(), 0.25)
+            ours = steps.magnitude_trim_(tau.clone(), 0.25)
             assert torch.equal(ours != 0, ref != 0)  # the same entries survive
             torch.testing.assert_close(ours, ref, rtol=0, atol=0)
         ref = peft_merge.magnitude_prune(taus, torch.tensor(WEIGHTS), 0.25)
-        kept = [ops.magnitude_trim_(t.clone(), 0.25) for t in taus]
+        kept = [steps.magnitude_trim_(t.clone(), 0.25) for t in taus]
         torch.testing.assert_close(sum(w * t for w, t in zip(WEIGHTS, kept)), ref, **TOL)
 
     def test_dare_linear(self, tensors, monkeypatch):

@@ -16,7 +16,7 @@ from mergelab.merge import (
     merge_state_dicts,
     unregister_merge_method,
 )
-from mergelab.merge.ops import task_vectors
+from mergelab.merge.methods.steps import task_vectors
 
 
 @pytest.fixture

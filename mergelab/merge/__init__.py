@@ -1,6 +1,12 @@
-"""Weight-space merges: a registry of per-tensor methods and engines that apply them."""
+"""Weight-space merges in three layers: the methods (``methods/``: plain torch maths, the
+specification), the engines that stream checkpoints through them (``state_dict``, ``checkpoint``,
+``lora``), and the optional accelerator (``accelerator/``: faster equivalents, the same bits).
+docs/architecture.md draws the layers."""
 
-from . import methods, methods_mergekit, ops  # noqa: F401  (importing registers the methods)
+from . import (
+    accelerator,  # noqa: F401  (importing registers the fast paths)
+    methods,  # noqa: F401  (importing registers the methods)
+)
 from .registry import (
     MergeMethod,
     TensorContext,

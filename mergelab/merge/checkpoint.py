@@ -16,18 +16,18 @@ How memory stays bounded by a few tensors, not by the model, and the merge near 
   unmapped when the tensor is done: nothing is copied to read it, no shard is mapped whole
   (mapped pages count toward the resident memory while mapped), and a shard shorter than its
   header says is an error, checked before mapping;
-* methods registered with ``chunked=True`` (linear, task arithmetic, TIES, DARE, breadcrumbs)
-  get the inputs in their stored dtype and cast them chunk by chunk, in cache, on every core
-  (``ctx.dtype``), writing the rounded result straight into the output buffer (``ctx.out``): no
-  float32 copy of a whole tensor exists. Other methods get the inputs cast to the compute dtype
-  in reused buffers, as before;
+* methods with a fast path that takes stored inputs (the accelerator's: linear, task
+  arithmetic, TIES, DARE, breadcrumbs) get the inputs in their stored dtype and cast them chunk
+  by chunk, in cache, on every core (``ctx.dtype``), writing the rounded result straight into
+  the output buffer (``ctx.out``): no float32 copy of a whole tensor exists. Other methods get
+  the inputs cast to the compute dtype in reused buffers;
 * each output shard's header is known before any tensor is merged (names, shapes and dtypes are
   fixed by the inputs), so shards are written front to back, one merged tensor at a time, with
   ``O_DIRECT`` where the file system allows it (:class:`DirectStream`: the kernel neither copies
   the output into its page cache, which cost more CPU than a linear merge's arithmetic, nor keeps
   it there);
-* with more than one core, a ``chunked`` method's tensors are merged whole, one per core, the
-  next ones while the writer waits for the current one (``CheckpointMergePlan._merge_ahead``;
+* with more than one core, such a fast path's tensors are merged whole, one per core, the
+  next ones while the writer waits for the current one (the accelerator's ``scheduler.LookAhead``;
   a tensor over 1/(``WHOLE_SHARE`` · cores) of the model is merged in its turn on every core):
   at most the inputs of one tensor per core (and one large one) and ``OUTPUT_SLOTS`` + cores
   outputs are alive, each buffer the size of the largest tensor it has held. Otherwise each tensor
@@ -92,9 +92,18 @@ from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
-from . import kernels, ops
+from . import accelerator
+from .accelerator import kernels
+from .accelerator.scheduler import OUTPUT_SLOTS, WRITE_BEHIND, LookAhead
 from .model_card import MODEL_CARD_NAME, model_card
-from .registry import LoopChecks, MergeMethod, TensorContext, get_merge_method, result_finite
+from .registry import (
+    FastPath,
+    MergeMethod,
+    TensorContext,
+    fast_path,
+    get_merge_method,
+    result_finite,
+)
 from .validation import (
     VOCAB_PADDING_RULES,
     MergeInputError,
@@ -625,9 +634,8 @@ class ShardWriter:
 
 
 # Writes run in one background thread, at most this many tensors behind the merge, so disk time
-# overlaps compute. A producer that reuses output buffers needs WRITE_BEHIND + 1 of them.
-WRITE_BEHIND = 2
-OUTPUT_SLOTS = WRITE_BEHIND + 1
+# overlaps compute (WRITE_BEHIND, and the OUTPUT_SLOTS = WRITE_BEHIND + 1 buffers a producer
+# that reuses them needs, are the scheduler's: accelerator/scheduler.py).
 SHARD_METADATA = {"format": "pt"}  # the header metadata of every output shard
 
 
@@ -774,22 +782,21 @@ class CheckpointMergePlan:
     copied_files: tuple[str, ...] = COPIED_FILES
     other_folders: list[CheckpointFolder] = field(default_factory=list)  # recipes' other inputs
     buffers: BufferPool | None = None  # reused across tensors by merge_tensor
-    _n_produced: int = 0
-    _order: dict[str, int] | None = None
-    _largest_numel: int | None = None
-    _loader: ThreadPoolExecutor | None = None
-    _prefetched: tuple[int, Future] | None = None
-    # Whether the method's ``ahead`` statistics are computed before the merge (on more than one
-    # thread only: with one, the reader thread would be a second core working)
-    _ahead: bool = False
-    # Each tensor's phase in the output (write_sharded's ``expect``), and the merges running
-    # ahead, one tensor each on a chunk worker thread (see merge_tensor): index -> future
-    _phases: list[int] | None = None
-    _jobs: dict[int, Future] = field(default_factory=dict)
-    _next_job: int = 0
-    _next_turn: int = 0
-    _total_numel: int = 0  # the entries of all tensors (set with _whole_tensors)
-    _whole_tensors: bool = False
+    # Each tensor's phase in the output (write_sharded's ``expect``), once known
+    phases: list[int] | None = None
+    # Which tensor is read and merged when (merge_tensor): made at the first call
+    scheduler: LookAhead | InTurn | None = None
+
+    @property
+    def fast(self) -> FastPath | None:
+        """The method's active fast path (the accelerator's), if any."""
+        return fast_path(self.method.name)
+
+    @property
+    def fast_stored(self) -> bool:
+        """Whether a fast path takes the inputs in their stored dtype (``ctx.dtype``, ``ctx.out``)."""
+        fast = self.fast
+        return fast is not None and fast.stored_dtype
 
     @property
     def output_bytes(self) -> int:
@@ -825,11 +832,9 @@ class CheckpointMergePlan:
         }
 
     def close(self) -> None:
-        futures_wait(list(self._jobs.values()))  # merges running ahead of one that failed
-        self._jobs.clear()
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader, self._prefetched, self._order = None, None, None
+        if self.scheduler is not None:
+            self.scheduler.close()
+            self.scheduler = None
         for folder in self.folders:
             folder.close()
 
@@ -875,7 +880,7 @@ class CheckpointMergePlan:
     ) -> Iterator[tuple[str, torch.Tensor | None, list[torch.Tensor]]]:
         """Every floating tensor as (name, base, experts) — one pass: in the compute dtype, in
         reused buffers (each valid until the next is yielded), or with ``stored`` in their stored
-        dtype as read-only memory maps (for a ``chunked`` method's prepare pass, which casts
+        dtype as read-only memory maps (for a fast path's prepare pass, which casts
         chunk by chunk), with ``sparse`` not populated ahead (a pass that reads few pages)."""
         for t in self.tensors:
             loaded = self.load(t, "-pass", check=False, stored=stored, sparse=sparse)
@@ -884,8 +889,9 @@ class CheckpointMergePlan:
 
     def streams_stored(self, name: str) -> bool:
         """Whether tensor ``name`` reaches the method in its stored dtype (``ctx.dtype`` set): a
-        ``chunked`` method, and no rounding or row alignment of the inputs before the merge."""
-        if not self.method.chunked:
+        fast path that takes them so, and no rounding or row alignment of the inputs before the
+        merge."""
+        if not self.fast_stored:
             return False
         recipe = self.recipes.get(name) if self.recipes is not None else None
         return self.input_dtype is None and (recipe is None or recipe.align is None)
@@ -919,7 +925,7 @@ class CheckpointMergePlan:
 
         def cast(x: torch.Tensor, key: str, folder: CheckpointFolder) -> torch.Tensor:
             buffer = pool.take(f"compute-{key}{slot}", x.shape, self.compute_dtype)
-            if not ops.parallel_copy_(buffer, x, check="dst" if check else None):
+            if not kernels.parallel_copy_(buffer, x, check="dst" if check else None):
                 raise _nonfinite_input(t.name, folder)
             return buffer
 
@@ -942,7 +948,7 @@ class CheckpointMergePlan:
         t: OutputTensor,
         base: torch.Tensor | None,
         experts: list[torch.Tensor],
-        checks: LoopChecks | None,
+        checks: Any,
     ) -> None:
         """NaN/Inf in stored inputs is an error naming the model: from what the method's compiled
         loop saw of these very tensors (``checks``), else by a pass over them; either way each
@@ -951,7 +957,7 @@ class CheckpointMergePlan:
         if checks is not None and checks.covers_inputs(inputs) and checks.inputs_finite:
             return
         for x, folder in zip(inputs, self._input_folders(t.name)):
-            if not ops.all_finite(x):
+            if not kernels.all_finite(x):
                 raise _nonfinite_input(t.name, folder)
 
     def _as_inputs(
@@ -970,115 +976,22 @@ class CheckpointMergePlan:
     def expect_phases(self, phases: list[int]) -> None:
         """Every tensor's phase in the output, in plan order (:func:`write_sharded`'s
         ``expect``): with it, :meth:`merge_tensor` may merge tensors ahead."""
-        self._phases = list(phases)
+        self.phases = list(phases)
 
     def merge_tensor(self, t: OutputTensor, phase: int | None = None) -> torch.Tensor:
         """The merged tensor ``t``, in its output dtype; NaN/Inf in an input or the result is an
         error naming the tensor and the model. ``phase``: as :func:`write_sharded` passes it,
         the remainder the result's address should have (:meth:`BufferPool.take`).
 
-        Called in plan order (as :func:`write_sharded` does), on more than one thread, with
-        every phase known (:meth:`expect_phases`) and the method taking every tensor in its
-        stored dtype (``chunked``): each tensor is read and merged whole on one chunk worker
-        thread, the next ones on the others at the same time (:meth:`_merge_ahead`), so the
-        cores need not wait for each other between the chunks of a tensor. Otherwise each
-        tensor is merged on every core in turn, and the next tensor's inputs are read (mapped;
-        cast and checked unless the method takes them in their stored dtype) in a background
-        thread while this one is merged (two alternating buffer sets, except for the largest
-        tensors, see ``_buffer_set``), and, with more than one thread, the method's ``ahead``
-        statistics of them computed there too.
+        Called in plan order (as :func:`write_sharded` does). Which tensor is read and merged
+        when, and on which thread, is the scheduler's: the accelerator's look-ahead
+        (:class:`mergelab.merge.accelerator.scheduler.LookAhead`) where it runs, else
+        :class:`InTurn`. Either way every tensor is merged by the same call
+        (:meth:`merge_loaded`), so the results are the same.
         """
-        if self._order is None:
-            self._order = {x.name: i for i, x in enumerate(self.tensors)}
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-reader")
-            self._whole_tensors = (
-                torch.get_num_threads() > 1
-                and self._phases is not None
-                and len(self._phases) == len(self.tensors)
-                and all(self.streams_stored(x.name) for x in self.tensors)
-            )
-            self._total_numel = sum(math.prod(x.shape) for x in self.tensors)
-            self._ahead = (
-                self.method.ahead is not None
-                and torch.get_num_threads() > 1
-                and not self._whole_tensors
-            )
-        index = self._order[t.name]
-        if self._whole_tensors:
-            return self._merge_ahead(index, phase)
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == index:
-            loaded, ahead = prefetched[1].result()
-        else:
-            if prefetched is not None:
-                futures_wait([prefetched[1]])  # a background read must not outlive its turn
-            loaded, ahead = self._load_ahead(t, self._buffer_set(index))
-        if index + 1 < len(self.tensors):
-            slot = self._buffer_set(index + 1)
-            if slot != "-large":  # large inputs are read in turn, not ahead
-                future = self._loader.submit(self._load_ahead, self.tensors[index + 1], slot)
-                self._prefetched = (index + 1, future)
-        # write_sharded may still be writing the last WRITE_BEHIND outputs: rotate buffers
-        self._n_produced += 1
-        slot = f"output-{self._n_produced % OUTPUT_SLOTS}"
-        return self._merge_loaded(t, loaded, slot, phase, ahead)
-
-    def _merge_ahead(self, index: int, phase: int | None) -> torch.Tensor:
-        """:meth:`merge_tensor` of tensor ``index`` with tensors merged ahead: the tensors up to
-        ``index + MERGE_AHEAD · workers`` are each merged on one chunk worker thread
-        (single-threaded, so the same result), in output buffers that rotate over
-        ``OUTPUT_SLOTS + MERGE_AHEAD · workers`` slots (those write_sharded may still be writing,
-        and those merged ahead). A tensor holding more than 1/(WHOLE_SHARE · workers) of all
-        entries is merged in its turn on every core instead, so one large tensor never leaves the
-        other cores idle."""
-        workers = ops.chunk_workers()
-        n = torch.get_num_threads()
-        if index != self._next_turn:  # not called in plan order: merge in turn from now on
-            futures_wait(list(self._jobs.values()))
-            self._jobs.clear()
-            self._whole_tensors = False
-            return self.merge_tensor(self.tensors[index], phase)
-        self._next_turn = index + 1
-
-        def whole(j: int) -> bool:
-            return WHOLE_SHARE * n * math.prod(self.tensors[j].shape) <= self._total_numel
-
-        ahead = MERGE_AHEAD * n
-        while self._next_job <= index + ahead and self._next_job < len(self.tensors):
-            j = self._next_job
-            if not whole(j) and j > index:
-                break  # merged in its turn
-            if whole(j):
-                self._jobs[j] = workers.submit(self._merge_one, j, self._phases[j], ahead)
-            self._next_job += 1
-        job = self._jobs.pop(index, None)
-        if job is None:  # the same slots: one of them is free for it (see _merge_one)
-            return self._merge_one(index, phase, ahead)
-        return job.result()
-
-    def _merge_one(self, index: int, phase: int | None, ahead: int) -> torch.Tensor:
-        """Read and merge tensor ``index`` (inputs mapped in their stored dtype) into output
-        slot ``index`` mod (OUTPUT_SLOTS + ``ahead``) (slots of their own: none that merging in
-        turn rotates through)."""
-        t = self.tensors[index]
-        slot = f"whole-output-{index % (OUTPUT_SLOTS + ahead)}"
-        return self._merge_loaded(t, self.load(t), slot, phase)
-
-    def _load_ahead(
-        self, t: OutputTensor, slot: str
-    ) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, dict[str, Any]]:
-        """:meth:`load`, then the method's ``ahead`` statistics of the inputs (``{}`` without the
-        hook, on one thread, or if it failed: the method then computes them itself, inside the
-        merge, where its error is reported as usual, after the inputs' NaN/Inf check)."""
-        loaded = self.load(t, slot)
-        if loaded is None or not self._ahead:
-            return loaded, {}
-        base, experts = loaded
-        ctx = self._context(t)
-        try:
-            return loaded, self.method.ahead(base, experts, ctx, self._params(t))
-        except Exception:
-            return loaded, {}
+        if self.scheduler is None:
+            self.scheduler = LookAhead(self) if accelerator.enabled() else InTurn(self)
+        return self.scheduler.merge_tensor(t, phase)
 
     def _context(self, t: OutputTensor) -> TensorContext:
         """Tensor ``t``'s context for the method (``dtype`` set when it gets stored inputs)."""
@@ -1095,7 +1008,7 @@ class CheckpointMergePlan:
         )
         return {**params, **per_model}
 
-    def _merge_loaded(
+    def merge_loaded(
         self,
         t: OutputTensor,
         loaded: tuple[torch.Tensor | None, list[torch.Tensor]] | None,
@@ -1139,50 +1052,19 @@ class CheckpointMergePlan:
         if self.round_to is not None:
             merged = merged.to(self.round_to)
         if rows is not None and t.shape[0] > rows:  # the template's extra vocabulary rows
-            if not ops.all_finite(merged):
+            if not kernels.all_finite(merged):
                 raise self.method.nonfinite_error(t.name)
             return torch.cat([merged.to(t.dtype), self.template.read(t.name)[rows:].to(t.dtype)])
         out = pool.take(slot, merged.shape, t.dtype, phase)
-        if not ops.parallel_copy_(out, merged, check="src"):  # cast and check on every core
+        if not kernels.parallel_copy_(out, merged, check="src"):  # cast and check on every core
             raise self.method.nonfinite_error(t.name)
         return out
-
-    def _buffer_set(self, index: int) -> str:
-        """Which buffers tensor ``index`` is loaded into: one of two alternating sets (so one can
-        be read ahead while the other is merged), or a third set, not read ahead, for the
-        largest tensors (inputs over half the largest's, e.g. embeddings, or over
-        ``PREFETCH_MAX_BYTES``). Each set grows to the largest tensor it holds, so the three
-        together hold at most about twice the largest tensor's inputs."""
-        if self._largest_numel is None:
-            self._largest_numel = max((math.prod(t.shape) for t in self.tensors), default=0)
-        numel = math.prod(self.tensors[index].shape)
-        recipe = self.recipes.get(self.tensors[index].name) if self.recipes is not None else None
-        n_inputs = len(recipe.sources) if recipe else len(self.experts) + (self.base is not None)
-        size = numel * self.compute_dtype.itemsize * n_inputs
-        if size <= PREFETCH_MAX_BYTES and 2 * numel <= self._largest_numel:
-            return f"-{index % 2}"
-        return "-large"
 
     @property
     def _pool(self) -> BufferPool:
         if self.buffers is None:
             self.buffers = BufferPool()
         return self.buffers
-
-
-# With tensors merged whole, one per chunk worker (CheckpointMergePlan._merge_ahead), a tensor
-# holding more than 1/(WHOLE_SHARE · workers) of the model's entries is merged on every core:
-# 16 puts a 1B Llama's embedding and output head (3.3% each) there, which merged whole kept one
-# core busy alone at the start and the end of the merge (docs/merge_performance.md).
-WHOLE_SHARE = 16
-# ... and while the writer wants tensor k, tensors up to k + MERGE_AHEAD · workers are merged or
-# queued: with tensors of different sizes (a layer's 4M-entry MLP matrices beside its 0.5M-entry
-# key and value projections), a window of one tensor per worker can leave a worker waiting while
-# the other finishes a large one (docs/merge_performance.md).
-MERGE_AHEAD = 2
-# Inputs (all models, compute dtype) of at most this size are read ahead in the background; the
-# two read-ahead buffer sets then add at most twice this to the peak memory.
-PREFETCH_MAX_BYTES = 2**30
 
 
 # Pool buffers of at least this many bytes are asked for in transparent huge pages.
@@ -1249,6 +1131,24 @@ class BufferPool:
         if start % dtype.itemsize:  # the dtype cannot sit there: an ordinary buffer
             return self.take(slot, shape, dtype)
         return flat[start : start + n * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
+class InTurn:
+    """The plain schedule of :meth:`CheckpointMergePlan.merge_tensor`: each tensor's inputs read
+    (mapped, and cast), then merged, one tensor after the other."""
+
+    def __init__(self, plan: CheckpointMergePlan) -> None:
+        self.plan = plan
+        self.produced = 0
+
+    def merge_tensor(self, t: OutputTensor, phase: int | None = None) -> torch.Tensor:
+        # write_sharded may still be writing the last WRITE_BEHIND outputs: rotate buffers
+        self.produced += 1
+        slot = f"output-{self.produced % OUTPUT_SLOTS}"
+        return self.plan.merge_loaded(t, self.plan.load(t, "-0"), slot, phase)
+
+    def close(self) -> None:
+        pass
 
 
 def _nonfinite_input(name: str, folder: CheckpointFolder) -> MergeInputError:
@@ -1441,9 +1341,11 @@ def run_checkpoint_merge(
         # Whole-model statistics first (e.g. a global top-k threshold); may stream many passes.
         if plan.recipes is None:  # recipes carry their own parameters, and need no first pass
             params = {**plan.params, **plan.per_model}
-            if m.chunked and plan.input_dtype is None:  # cast chunk by chunk, in cache
+            if plan.fast_stored and plan.input_dtype is None:  # a fast path casts in cache
                 stored = functools.partial(plan.iter_inputs, stored=True)
-                plan.stats = m.compute_stats(params, stored, plan.compute_dtype)
+                plan.stats = m.compute_stats(
+                    params, plan.iter_inputs, stored_iter=stored, dtype=plan.compute_dtype
+                )
             else:
                 plan.stats = m.compute_stats(params, plan.iter_inputs)
         write_sharded(

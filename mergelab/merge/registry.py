@@ -34,31 +34,18 @@ returns a FRESH iterable of ``(name, base, experts)`` (compute dtype, as the met
 them) on every call, so a prepare hook may take several passes without the engine ever holding
 the model. The result reaches the method as ``ctx.stats``.
 
-Methods that are element-wise passes over chunks can say so with ``chunked=True``: the streaming
-engine then hands them the inputs in their stored dtype with ``ctx.dtype`` (the compute dtype, to
-cast each chunk to) and ``ctx.out`` (the output buffer, to round each chunk's result into), so no
-full-size compute-dtype copy of a tensor is ever made; their ``prepare`` hook gets
-``dtype=`` too, and its ``make_iter()`` then yields read-only memory maps, fresh on every yield
-(one stays valid after the next is yielded); ``make_iter(sparse=True)`` yields the same maps
-without populating them ahead, for a pass that reads only a few of their pages. Without
-``ctx.dtype`` (the in-memory engine, a direct call) everything arrives in the compute dtype as
-above.
-
-Per-tensor statistics that need only the tensor's inputs (e.g. TIES' per-tensor thresholds, which
-take passes over the inputs before the merge) can come from an optional hook
-``ahead(base, experts, ctx, params) -> dict``: where the streaming engine merges tensors in turn
-on every core (inputs cast to the compute dtype first) with more than one thread, it runs the
-hook as soon as a tensor's inputs are read, in its reader thread while the previous tensor merges,
-and hands the result to the method in ``ctx.stats`` (over the whole-model ones); where it merges
-a whole tensor per core (``chunked`` methods in their stored dtype), or on one thread, the method
-computes them itself. It is an optimisation only: the method must return the same result when the
-entries are missing, and it must never trust entries it did not ask for.
+Faster equivalents come from elsewhere: :func:`register_fast_path` (the accelerator,
+:mod:`mergelab.merge.accelerator`, registers its compiled loops there) gives a method a function
+that returns the same bits, or ``None`` where it does not apply; the method itself never knows.
 
 For engine writers, per model: ``globals_, lists = method.resolve(n, params, per_model_params)``
 and ``params = {**globals_, **lists}``; ``stats = method.compute_stats(params, make_iter)``
 (``{}`` if not needed); then per tensor
-``method.apply(base, experts, TensorContext(name, seed, stats), params)``, which runs the method
-and checks its result (shape, dtype, NaN/Inf) the same way for every engine.
+``method.apply(base, experts, TensorContext(name, seed, stats), params)``, which runs the fast
+path where one is registered and applies, else the method, and checks the result (shape, dtype,
+NaN/Inf) the same way for every engine. An engine that streams tensors in their stored dtype
+(``fast_path(name).stored_dtype``) sets ``ctx.dtype`` and ``ctx.out``; see
+:class:`TensorContext`.
 """
 
 from __future__ import annotations
@@ -74,15 +61,11 @@ from typing import Any, Literal
 
 import torch
 
-from . import ops
-from .kernels import FOUND_IN_INPUT, FOUND_IN_RESULT
 from .validation import MergeInputError
 
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 # A first-pass hook: (resolved params, make_iter) -> statistics dict; make_iter() is a fresh pass.
 PrepareFn = Callable[[dict[str, Any], Callable[[], TensorTriples]], dict]
-# A per-tensor hook: (base, experts, ctx, resolved params) -> entries for ctx.stats.
-AheadFn = Callable[[torch.Tensor, list[torch.Tensor], "TensorContext", dict[str, Any]], dict]
 
 
 class UnknownMergeMethodError(KeyError, ValueError):
@@ -138,42 +121,13 @@ def _shown(key: str) -> str:
     return "lambda" if key == "lambda_" else key
 
 
-def _where(x: torch.Tensor) -> tuple[int, int, torch.dtype]:
-    return (x.data_ptr(), x.numel(), x.dtype)
-
-
-@dataclass(frozen=True)
-class LoopChecks:
-    """Whether a compiled merge loop met NaN or Inf among its inputs and among the result
-    entries it stored, and which tensors those were (so a check is only reused for them)."""
-
-    inputs_finite: bool
-    result_finite: bool
-    inputs: tuple[tuple[int, int, torch.dtype], ...]
-    result: tuple[int, int, torch.dtype]
-
-    @classmethod
-    def of(cls, found: int, inputs: Iterable[torch.Tensor], result: torch.Tensor) -> LoopChecks:
-        """From the loops' flags (``kernels.FOUND_IN_INPUT`` / ``FOUND_IN_RESULT`` bits)."""
-        return cls(
-            inputs_finite=not found & FOUND_IN_INPUT,
-            result_finite=not found & FOUND_IN_RESULT,
-            inputs=tuple(_where(x) for x in inputs),
-            result=_where(result),
-        )
-
-    def covers_inputs(self, inputs: Iterable[torch.Tensor]) -> bool:
-        return self.inputs == tuple(_where(x) for x in inputs)
-
-    def covers_result(self, result: torch.Tensor) -> bool:
-        return self.result == _where(result)
-
-
 def result_finite(merged: torch.Tensor, ctx: TensorContext) -> bool:
-    """No NaN/Inf in a method's result: what its compiled loop saw, else a pass over it."""
+    """No NaN/Inf in a method's result: what a fast path saw of it (``ctx.checks``), else a
+    check (a sum is finite whenever the entries are, unless it overflows: only then the exact,
+    element-wise check)."""
     if ctx.checks is not None and ctx.checks.covers_result(merged):
         return ctx.checks.result_finite
-    return ops.all_finite(merged)
+    return bool(torch.isfinite(merged.sum())) or bool(torch.isfinite(merged).all())
 
 
 @dataclass
@@ -184,15 +138,16 @@ class TensorContext:
     seed: int = 0
     # Whole-model statistics from the method's ``prepare`` pass (e.g. global top-k thresholds).
     stats: dict[str, Any] = field(default_factory=dict)
-    # Only for methods registered with ``chunked=True``, which the streaming engine may hand
-    # inputs in their stored dtype: ``dtype`` is then the compute dtype (each chunk is cast to
-    # it), and ``out``, if set, the buffer (shape of the inputs, its own dtype) the result is
-    # written into, rounded chunk by chunk. ``None``: the inputs' dtype, a new output.
+    # Set by an engine that hands a fast path (``FastPath.stored_dtype``) the inputs in their
+    # stored dtype: ``dtype`` is the compute dtype, and ``out``, if set, the buffer (the inputs'
+    # shape, its own dtype) the result is written into. Methods never see them: where the fast
+    # path declines, :meth:`MergeMethod.apply` casts the inputs and copies the result.
     dtype: torch.dtype | None = None
     out: torch.Tensor | None = None
-    # Set by a method whose compiled loop read every input entry and wrote every result entry:
-    # what it saw, so the engines skip their own NaN/Inf passes over the same memory.
-    checks: LoopChecks | None = None
+    # Set by a fast path that read every input entry and wrote every result entry: whether it met
+    # NaN/Inf (``inputs_finite``, ``result_finite``, ``covers_inputs(tensors)``,
+    # ``covers_result(tensor)``), so the engines skip their own passes over the same memory.
+    checks: Any = None
 
     @property
     def tensor_seed(self) -> int:
@@ -202,7 +157,7 @@ class TensorContext:
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A torch generator seeded with :attr:`tensor_seed` (DELLA's and Arcee Fusion's draws;
-        DARE's masks use the same seed with :func:`mergelab.merge.ops.dare_keep_block`)."""
+        DARE's masks use the same seed with :func:`mergelab.merge.methods.steps.dare_keep_block`)."""
         g = torch.Generator(device=device)
         g.manual_seed(self.tensor_seed)
         return g
@@ -228,12 +183,6 @@ class MergeMethod:
     check: Callable[[dict[str, Any]], None] | None = None
     # How many models besides the base the method takes: (at least, at most or None for any).
     n_experts: tuple[int, int | None] = (1, None)
-    # Reads its inputs chunk by chunk, each cast to ``ctx.dtype``, and writes into ``ctx.out``
-    # when given (see TensorContext): the engine then needs no full-size compute-dtype copies.
-    chunked: bool = False
-    # Optional per-tensor statistics computed before the merge (module docstring): ``ahead(base,
-    # experts, ctx, params)`` returns entries for ``ctx.stats``.
-    ahead: AheadFn | None = None
 
     def resolve(
         self,
@@ -359,19 +308,24 @@ class MergeMethod:
         self,
         params: dict[str, Any],
         make_iter: Callable[[], TensorTriples],
+        *,
+        stored_iter: Callable[..., TensorTriples] | None = None,
         dtype: torch.dtype | None = None,
     ) -> dict[str, Any]:
         """Run the whole-model first pass if this method needs one for ``params``; else ``{}``.
 
-        ``params``: resolved global parameters and per-model lists merged into one dict. An
-        engine may pass ``dtype`` (the compute dtype) for a ``chunked`` method, whose
-        ``make_iter`` then yields the tensors in their stored dtype; the hook receives it as
-        ``prepare(params, make_iter, dtype=dtype)``.
+        ``params``: resolved global parameters and per-model lists merged into one dict.
+        ``make_iter()`` yields the tensors in the compute dtype. An engine that can also stream
+        them in their stored dtype passes ``stored_iter`` (and the compute ``dtype``): a fast
+        path's ``prepare`` then gets those (the same statistics, sooner).
         """
         if not self.has_first_pass(params):
             return {}
-        if dtype is not None:
-            return self.prepare(params, make_iter, dtype=dtype)
+        fast = fast_path(self.name)
+        if fast is not None and fast.prepare is not None:
+            if stored_iter is not None:
+                return fast.prepare(params, stored_iter, dtype)
+            return fast.prepare(params, make_iter, None)
         return self.prepare(params, make_iter)
 
     def apply(
@@ -385,12 +339,36 @@ class MergeMethod:
     ) -> torch.Tensor:
         """Merge one tensor — what every engine calls. ``params``: resolved global parameters and
         per-model lists in one dict (from :meth:`resolve`); ``ctx.stats`` from
-        :meth:`compute_stats`. The result is checked by :meth:`check_result`; an engine that
-        checks finiteness itself while copying the result (the streaming one) passes
+        :meth:`compute_stats`. Runs the method's fast path where one is registered and applies
+        to these tensors, else the method. The result is checked by :meth:`check_result`; an
+        engine that checks finiteness itself while copying the result (the streaming one) passes
         ``check_finite=False`` and raises :meth:`nonfinite_error`."""
-        merged = self.fn(base, experts, ctx=ctx, **params)
+        fast = fast_path(self.name)
+        merged = fast.merge(base, experts, ctx, params) if fast is not None else None
+        if merged is None:
+            merged = self._reference(base, experts, ctx, params)
         self.check_result(merged, experts[0], ctx, check_finite=check_finite)
         return merged
+
+    def _reference(
+        self,
+        base: torch.Tensor | None,
+        experts: list[torch.Tensor],
+        ctx: TensorContext,
+        params: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """The method itself, on whole tensors in the compute dtype: inputs an engine streamed in
+        their stored dtype for a fast path (``ctx.dtype``) are cast first, and the result is
+        copied into ``ctx.out`` when that is set."""
+        if ctx.dtype is not None:
+            base = base.to(ctx.dtype) if base is not None else None
+            experts = [e.to(ctx.dtype) for e in experts]
+        merged = self.fn(base, experts, ctx=ctx, **params)
+        if ctx.out is None or not isinstance(merged, torch.Tensor):
+            return merged
+        if merged.shape != ctx.out.shape:
+            return merged  # check_result names the wrong shape
+        return ctx.out.copy_(merged)
 
     def check_result(
         self,
@@ -471,8 +449,6 @@ def merge_method(
     prepare: PrepareFn | None = None,
     needs_prepare: Callable[[dict[str, Any]], bool] | None = None,
     n_experts: tuple[int, int | None] = (1, None),
-    chunked: bool = False,
-    ahead: AheadFn | None = None,
     replace: bool = False,
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Register ``fn`` as a merge method. See the module docstring for the function's contract.
@@ -482,10 +458,8 @@ def merge_method(
     :class:`Interval`, or ``(low, high)`` for a closed one); ``check(params)`` a rule over several
     resolved parameters that raises ``ValueError``; ``prepare``/``needs_prepare`` a whole-model
     first pass (module docstring); ``n_experts`` how many models besides the base it takes
-    (at least, at most or None), checked with the parameters; ``chunked`` that it honours
-    ``ctx.dtype`` and ``ctx.out`` (see :class:`TensorContext`); ``ahead`` per-tensor statistics
-    an engine may compute before the merge (module docstring). The decorated function is
-    returned unchanged.
+    (at least, at most or None), checked with the parameters. The decorated function is returned
+    unchanged.
     """
     defaults = {"weight": 1.0, **(per_model_defaults or {})}
 
@@ -537,8 +511,6 @@ def merge_method(
             },
             check=check,
             n_experts=n_experts,
-            chunked=chunked,
-            ahead=ahead,
         )
         _ORIGINS[method_name] = origin
         return fn
@@ -578,3 +550,58 @@ def merge_method_origins() -> dict[str, str]:
 def unregister_merge_method(name: str) -> None:
     _REGISTRY.pop(name, None)
     _ORIGINS.pop(name, None)
+    _FAST_PATHS.pop(name, None)
+
+
+# --- fast paths -----------------------------------------------------------------------------------
+
+# (base, experts, ctx, resolved params) -> the merged tensor, or None where the fast path does
+# not apply to these tensors (the method then runs).
+FastMergeFn = Callable[
+    [torch.Tensor | None, list[torch.Tensor], TensorContext, dict[str, Any]], torch.Tensor | None
+]
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """A faster equivalent of one registered method: the same bits, proven by tests.
+
+    ``merge`` replaces the method per tensor (``None``: not for these tensors). With
+    ``stored_dtype`` it takes the inputs in their stored dtype, ``ctx.dtype`` the compute dtype,
+    and writes into ``ctx.out`` when set. ``prepare(params, make_iter, dtype)`` replaces the
+    method's whole-model ``prepare`` (``make_iter`` yields stored-dtype tensors when ``dtype`` is
+    given). ``ahead(base, experts, ctx, params)`` returns per-tensor entries for ``ctx.stats`` an
+    engine may compute before the merge, e.g. while the previous tensor merges (``merge`` must
+    give the same result without them). ``active()`` says whether it runs at all (the
+    accelerator's one switch).
+    """
+
+    merge: FastMergeFn
+    stored_dtype: bool = False
+    prepare: Callable[..., dict] | None = None
+    ahead: Callable[..., dict] | None = None
+    active: Callable[[], bool] = lambda: True
+
+
+_FAST_PATHS: dict[str, FastPath] = {}
+
+
+def register_fast_path(
+    method: str,
+    merge: FastMergeFn,
+    *,
+    stored_dtype: bool = False,
+    prepare: Callable[..., dict] | None = None,
+    ahead: Callable[..., dict] | None = None,
+    active: Callable[[], bool] = lambda: True,
+) -> None:
+    """Use ``merge`` (and the other parts of a :class:`FastPath`) for the registered method
+    ``method`` wherever ``active()``."""
+    get_merge_method(method)  # an unknown name is an error here, not a silent no-op
+    _FAST_PATHS[method] = FastPath(merge, stored_dtype, prepare, ahead, active)
+
+
+def fast_path(method: str) -> FastPath | None:
+    """The active fast path of ``method``, or ``None``."""
+    fast = _FAST_PATHS.get(method)
+    return fast if fast is not None and fast.active() else None

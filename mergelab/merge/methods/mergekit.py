@@ -2,7 +2,7 @@
 
 Each is registered under mergekit's method name with mergekit's parameter names (``lambda`` is
 ``lambda_`` in Python), so a mergekit config maps onto it one to one. Conventions are those of
-:mod:`mergelab.merge.methods`: ``base`` is θ_b, ``experts`` are θ_i, τ_i = θ_i − θ_b, every tensor
+:mod:`mergelab.merge.methods.standard`: ``base`` is θ_b, ``experts`` are θ_i, τ_i = θ_i − θ_b, every tensor
 arrives in the compute dtype and has the parameter's shape ``S``; the result has shape ``S``.
 
 Where mergekit departs from the method's paper (DELLA's rescaling) the paper's variant is the
@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from . import ops
-from .methods import add_scaled_, elect_merge, weighted_sum
-from .ops import DareRescale
-from .registry import Interval, TensorContext, merge_method
+from ..registry import Interval, TensorContext, merge_method
+from . import interpolation, steps
+from .steps import DareRescale, add_scaled_, elect_merge, weighted_sum
 
 _POSITIVE = Interval(0.0, math.inf, low_open=True)
 _MAGPRUNE_RANGES = {
@@ -58,15 +57,15 @@ def _magprune(
     ctx: TensorContext,
 ) -> torch.Tensor:
     """Stack ``[n, *S]`` of MAGPRUNE-d task vectors, drawn from ``ctx.generator()`` in order."""
-    tv = ops.task_vectors(base, experts)
+    tv = steps.task_vectors(base, experts)
     generator = ctx.generator(base.device)
     for tau, d, e in zip(tv, density, epsilon):
-        ops.magprune_(tau, d, e, generator, rescale)
+        steps.magprune_(tau, d, e, generator, rescale)
     return tv
 
 
 _MAGPRUNE_DOC = """\
-    MAGPRUNE (``ops.magprune_``) drops each entry of τ_i at random, keeping it with probability
+    MAGPRUNE (``steps.magprune_``) drops each entry of τ_i at random, keeping it with probability
     density_i − epsilon_i for the smallest |τ| of its row up to density_i + epsilon_i for the
     largest (linear in the rank; a 1-D τ is one row), then rescales the survivors:
     ``rescale="keep_rate"`` divides each by its own keep probability (DELLA paper and its
@@ -178,11 +177,11 @@ def sce(
     clamped to ≥ 1e-6), i.e. an η-weighted mean of the agreeing τ_i. Same as mergekit's ``sce``;
     no per-model weights (mergekit has none either).
     """
-    tv = ops.task_vectors(base, experts)
+    tv = steps.task_vectors(base, experts)
     if select_topk < 1:
-        tv.mul_(ops.variance_selection_mask(tv, select_topk))
-    elected = ops.elect_sign(tv, "sum")
-    coefficients = ops.sce_coefficients(tv).view(-1, *([1] * base.dim()))
+        tv.mul_(steps.variance_selection_mask(tv, select_topk))
+    elected = steps.elect_sign(tv, "sum")
+    coefficients = steps.sce_coefficients(tv).view(-1, *([1] * base.dim()))
     kept = coefficients * (tv * elected > 0)  # η_i m_i; a zero never agrees
     merged = (tv * kept).sum(dim=0).div_(kept.sum(dim=0).clamp_(min=1e-6))
     return merged.add_(base)
@@ -204,14 +203,14 @@ def nuslerp(
     a base it interpolates the task vectors and adds them back: θ_b + slerp(t, τ_0, τ_1);
     without, slerp(t, θ_0, θ_1). ``nuslerp_flatten`` (default) treats the tensor as one vector;
     otherwise every row (last axis) is interpolated on its own, or with ``nuslerp_row_wise``
-    every slice along axis 0. Colinear pairs are interpolated linearly (``ops.nuslerp``).
+    every slice along axis 0. Colinear pairs are interpolated linearly (``interpolation.nuslerp``).
     """
     total = sum(weight)
     t = 0.5 if abs(total) < 1e-6 else weight[1] / total
     options = {"row_wise": nuslerp_row_wise, "flatten": nuslerp_flatten}
     if base is None:
-        return ops.nuslerp(t, experts[0], experts[1], **options)
-    return ops.nuslerp(t, experts[0] - base, experts[1] - base, **options).add_(base)
+        return interpolation.nuslerp(t, experts[0], experts[1], **options)
+    return interpolation.nuslerp(t, experts[0] - base, experts[1] - base, **options).add_(base)
 
 
 def _check_multislerp(params: dict[str, Any]) -> None:
@@ -239,7 +238,7 @@ def multislerp(
 
     The tensors (the task vectors τ_i when a base is given, added back to it afterwards) are
     averaged on the hypersphere with weights w_i, divided by Σ w_i when ``normalize_weights``:
-    see ``ops.multislerp`` (tangent-space mean at the weighted mean direction, one
+    see ``interpolation.multislerp`` (tangent-space mean at the weighted mean direction, one
     exponential-map step, scaled to the weighted mean norm; ``eps`` guards the norms). One model
     is returned unchanged. Refused when the weighted mean direction vanishes for > 2 models.
     Reference: https://goddard.blog/posts/multislerp-wow-what-a-cool-idea
@@ -247,7 +246,7 @@ def multislerp(
     if len(experts) == 1:
         return experts[0].clone()
     tensors = experts if base is None else [e - base for e in experts]
-    merged = ops.multislerp(tensors, weight, normalize_weights=normalize_weights, eps=eps)
+    merged = interpolation.multislerp(tensors, weight, normalize_weights=normalize_weights, eps=eps)
     return merged if base is None else merged.add_(base)
 
 
@@ -270,12 +269,12 @@ def karcher(
 
     Per tensor: the weighted Riemannian (Karcher) mean of the directions θ_i/‖θ_i‖, by at most
     ``max_iter`` fixed-point steps until the tangent norm is < ``tol``, scaled by Σ α_i ‖θ_i‖
-    with α_i = w_i / Σ w_i (``ops.karcher_mean``). Equal weights (the default) are mergekit's
+    with α_i = w_i / Σ w_i (``interpolation.karcher_mean``). Equal weights (the default) are mergekit's
     ``karcher``, which takes no weights; other weights give the paper's weighted mean. As for
     ``linear``, a base, if given, is not part of the mean (mergekit counts a configured base
     model as one more input, with equal weight).
     """
-    return ops.karcher_mean(experts, weight, max_iter=max_iter, tol=tol)
+    return interpolation.karcher_mean(experts, weight, max_iter=max_iter, tol=tol)
 
 
 @merge_method("nearswap", per_model=(), ranges={"t": Interval(0.0, math.inf)}, n_experts=(1, 1))
@@ -309,14 +308,14 @@ def arcee_fusion(
     """Arcee Fusion (mergekit): take the other model's values only where they changed markedly.
 
     Importance per entry s = |θ_1 − θ_b| · KL(softmax(θ_1) ‖ softmax(θ_b)) (softmax along the last
-    axis, ``ops.fusion_importance``); the entries with s ≥ median + 1.5 · IQR of s (Tukey's
-    fence, ``ops.iqr_outlier_threshold``) take θ_1's value, the rest keep θ_b's. One model
+    axis, ``steps.fusion_importance``); the entries with s ≥ median + 1.5 · IQR of s (Tukey's
+    fence, ``steps.iqr_outlier_threshold``) take θ_1's value, the rest keep θ_b's. One model
     besides the base; no parameters. Tensors over 10⁶ entries estimate the quantiles from 10⁶
     entries drawn from the per-tensor generator (mergekit: from torch's global RNG).
     """
     other = experts[0]
-    importance = ops.fusion_importance(other, base)
-    threshold = ops.iqr_outlier_threshold(importance, ctx.generator(base.device))
+    importance = steps.fusion_importance(other, base)
+    threshold = steps.iqr_outlier_threshold(importance, ctx.generator(base.device))
     return base + (other - base) * (importance >= threshold)
 
 

@@ -3,26 +3,27 @@ operation per step (about forty for TIES), with bit-identical results. The merge
 report whether they loaded or stored a NaN/Inf (``FOUND_IN_INPUT``, ``FOUND_IN_RESULT``), so the
 engines need no separate pass to check.
 
-The loops are C (``mergelab/merge/_loops.c``, the extension module ``mergelab.merge._loops``),
-built when the package is installed (``setup.py``); importing them costs about a millisecond.
-The torch code in :mod:`ops` and :mod:`methods` stays the reference and the fallback: where the
-package was installed without a C compiler, or with ``MERGELAB_KERNELS=torch`` in the
-environment, it runs unchanged. With the loops, the same chunks (:func:`ops.for_chunks`, so the
-same worker threads and chunk boundaries) run compiled loops that release the GIL:
+The loops are C (``mergelab/merge/accelerator/_loops.c``, the extension module
+``mergelab.merge.accelerator._loops``), built when the package is installed (``setup.py``);
+importing them costs about a millisecond. The plain torch methods (:mod:`mergelab.merge.methods`)
+are the specification and run wherever the loops do not: where the package was installed without
+a C compiler, or with the accelerator switched off (:mod:`mergelab.merge.accelerator`). The
+loops run over the chunks of :func:`.chunks.for_chunks` (fixed chunk boundaries, every core) and
+release the GIL:
 
 * ``_loops.merge_chunk`` — per position: widen the stored inputs (bfloat16 or float32) to
   float32, τ_i = θ_i − θ_b, trim (|τ| threshold, or breadcrumbs' band), DARE's random drop and
   rescale, then either the weighted sum (DARE-linear, breadcrumbs) or TIES' sign election and
   disjoint merge, θ_b + λ·…, rounded to the output dtype (bfloat16 round-to-nearest-even, as torch);
-* ``_loops.sum_chunk`` — linear's and task arithmetic's weighted sum (``methods._combine``), per
+* ``_loops.sum_chunk`` — linear's and task arithmetic's weighted sum, per
   position: widen, θ_i − θ_b, Σ w_i ·, ÷ Σ w_i, θ_b + λ ·, round;
-* ``_loops.tau_abs_histograms`` — the radix-histogram passes of :class:`ops.KthLargestAbs` over
+* ``_loops.tau_abs_histograms`` — the radix-histogram passes of :class:`.thresholds.KthLargestAbs` over
   |τ_i| for one chunk, straight from the stored inputs, the base read once for every expert; a
   band pass flags the entries in its band with a bit each where the CPU has AVX2
   (``_loops.band_masks(False)`` switches to a byte each, as elsewhere, for the tests);
 * ``_loops.tau_kth`` — every pass of one tensor's thresholds (:func:`tau_kth`): the sampled
   pass, the band pass and any exact passes, counted by the same loop as
-  ``tau_abs_histograms``, with the decisions between them (:class:`ops.KthLargestAbs`'s) and
+  ``tau_abs_histograms``, with the decisions between them (:class:`.thresholds.KthLargestAbs`'s) and
   the selection among a band's collected values, in one call on one thread; the chunked passes
   cost a few Python round trips per pass, as much as the counting itself on small tensors.
 
@@ -49,15 +50,23 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-# "torch" turns the compiled loops off (the torch path is the reference; tests compare both).
-ENV_VAR = "MERGELAB_KERNELS"
-enabled = os.environ.get(ENV_VAR, "").strip().lower() != "torch"
+from ..methods.steps import DARE_BLOCK
+from . import chunks, sampling
+from .chunks import scratch
+from .sampling import RUN_HASH
+
+# MERGELAB_ACCELERATOR=off (or 0, false, no) switches the accelerator off: every merge then runs
+# the plain torch methods (tests compare both). ``enabled`` is the one setting
+# (:func:`mergelab.merge.accelerator.set_enabled`).
+ENV_VAR = "MERGELAB_ACCELERATOR"
+enabled = os.environ.get(ENV_VAR, "").strip().lower() not in ("off", "0", "false", "no")
 
 # Positions per tile inside a chunk: the [n_experts, TILE] task vectors of a tile stay in L1.
 TILE = 512
@@ -77,9 +86,6 @@ DIVIDE_NONE, DIVIDE_COUNT, DIVIDE_WEIGHT_SUM = 0, 1, 2
 FOUND_IN_INPUT, FOUND_IN_RESULT = 1, 2
 # DARE's random streams the merge loop advances together, in the lanes of one vector register
 DARE_LANES = 8
-# Which run of each period a sampled histogram pass reads (ops.run_offsets): period p's
-# ((p · RUN_HASH) >> 16) mod stride, a multiplicative hash (Knuth's constant)
-RUN_HASH = 2654435761
 
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
@@ -103,7 +109,7 @@ _SHARED_CONSTANTS = {
 
 @functools.cache
 def _extension() -> ModuleType | None:
-    """The compiled loops (:mod:`mergelab.merge._loops`), or ``None`` where the package was
+    """The compiled loops (``mergelab.merge.accelerator._loops``), or ``None`` where the package was
     installed without them (no C compiler at install time)."""
     try:
         from . import _loops
@@ -112,7 +118,7 @@ def _extension() -> ModuleType | None:
     stale = {k: v for k, v in _SHARED_CONSTANTS.items() if getattr(_loops, k, None) != v}
     if stale:
         raise ImportError(
-            f"mergelab.merge._loops ({_loops.__file__}) was built from another _loops.c "
+            f"mergelab.merge.accelerator._loops ({_loops.__file__}) was built from another _loops.c "
             f"(constants {sorted(stale)} differ); rebuild it: pip install -e . "
             "(or python setup.py build_ext --inplace)"
         )
@@ -120,23 +126,23 @@ def _extension() -> ModuleType | None:
 
 
 def available() -> bool:
-    """Whether the compiled loops were built (mergelab/merge/_loops.c, at install time)."""
+    """Whether the compiled loops were built (accelerator/_loops.c, at install time)."""
     return _extension() is not None
 
 
 def active() -> bool:
-    """Whether the compiled loops run (built, and not turned off by MERGELAB_KERNELS=torch)."""
+    """Whether the compiled loops run (built, and not switched off: ``enabled``)."""
     return enabled and available()
 
 
 def loops() -> ModuleType:
-    """The compiled loops' module (:mod:`mergelab.merge._loops`); an ImportError where the
+    """The compiled loops' module (``mergelab.merge.accelerator._loops``); an ImportError where the
     package was installed without them."""
     compiled = _extension()
     if compiled is None:
         raise ImportError(
             "mergelab's compiled loops were not built (no C compiler when the package was "
-            "installed); the merges run the torch path"
+            "installed); the merges run the plain torch methods"
         )
     return compiled
 
@@ -149,7 +155,7 @@ def active_loops() -> ModuleType | None:
 def file_mapping() -> type | None:
     """``_loops.Mapping`` (a read-only memory map of part of a file, made and released without
     holding the GIL) where the loops were built for a system with mmap, else ``None``. It is not
-    a merge loop: ``MERGELAB_KERNELS=torch`` leaves it on."""
+    a merge loop: switching the accelerator off leaves it on."""
     compiled = _extension()
     return getattr(compiled, "Mapping", None) if compiled is not None else None
 
@@ -183,7 +189,7 @@ def _f32(x: float) -> float:
 
 
 def _plain(weights: Sequence[float] | None) -> bool:
-    """ops._weighted_rows_sum's test for a plain sum (no multiplications)."""
+    """steps._weighted_rows_sum's test for a plain sum (no multiplications)."""
     return weights is None or all(w == 1 for w in weights)
 
 
@@ -200,8 +206,8 @@ def elect_plan(
     divide_by: str,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """merge_chunk's (params, scalars, flags) for TIES' elect and disjoint merge (kind ELECT);
-    per-expert trim/DARE columns are filled in by the caller. Mirrors ops.elect_sign and
-    ops.disjoint_merge_ (which raise on unknown options before this runs)."""
+    per-expert trim/DARE columns are filled in by the caller. Mirrors steps.elect_sign and
+    steps.disjoint_merge_ (which raise on unknown options before this runs)."""
     n = len(weights)
     params = np.zeros((n, 9), dtype=np.float32)
     params[:, P_LOW] = -1.0  # hardshrink with λ < 0 keeps everything
@@ -234,7 +240,7 @@ def elect_plan(
 def sum_plan(
     weights: Sequence[float], *, lambda_: float, normalize: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """merge_chunk's (params, scalars, flags) for θ_b + λ Σ w_i τ_i (methods._sum_rows_into)."""
+    """merge_chunk's (params, scalars, flags) for θ_b + λ Σ w_i τ_i (steps.weighted_sum, then add_scaled_)."""
     n = len(weights)
     params = np.zeros((n, 9), dtype=np.float32)
     params[:, P_LOW] = -1.0
@@ -250,7 +256,7 @@ def sum_plan(
 
 
 def trim_below(threshold: float) -> float:
-    """The hardshrink λ of ops.threshold_trim_: keep |τ| ≥ ``threshold`` (−1: keep all,
+    """The hardshrink λ of steps.threshold_trim_: keep |τ| ≥ ``threshold`` (−1: keep all,
     inf: none)."""
     if threshold == math.inf:
         return math.inf
@@ -263,7 +269,7 @@ def trim_below(threshold: float) -> float:
 
 
 def dare_limit(density: float) -> float:
-    """The float32 comparison limit of ops.dare_keep_block (0: no drop)."""
+    """The float32 comparison limit of steps.dare_keep_block (0: no drop)."""
     if density >= 1:
         return 0.0
     return _f32(1 + round(density * (1 << 23)) / (1 << 23))
@@ -271,11 +277,9 @@ def dare_limit(density: float) -> float:
 
 def dare_chunk(numel: int, n_dropping: int) -> int:
     """Entries per chunk of a DARE merge of ``numel``-entry tensors: whole blocks of
-    ``ops.DARE_BLOCK``, as many as fill the DARE_LANES streams one merge loop advances
+    ``steps.DARE_BLOCK``, as many as fill the DARE_LANES streams one merge loop advances
     together (one per block and expert that drops), but no more than leave every worker
     thread a chunk."""
-    from .ops import DARE_BLOCK
-
     blocks = -(-numel // DARE_BLOCK)
     fill = DARE_LANES // max(1, n_dropping)
     share = blocks // max(1, torch.get_num_threads())
@@ -284,14 +288,14 @@ def dare_chunk(numel: int, n_dropping: int) -> int:
 
 def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
     """SFC64's state [a, b, c, counter] for ``SeedSequence(seed, spawn_key=(expert, block))``,
-    the stream ops.dare_keep_block draws from."""
+    the stream steps.dare_keep_block draws from."""
     generator = np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(expert, block)))
     return np.asarray(generator.state["state"]["state"], dtype=np.uint64)
 
 
 class ChunkMerger:
     """Runs ``_loops.merge_chunk`` over the chunks of one tensor: ``merger(part)``
-    merges ``part`` into ``out`` (to hand to ``ops.for_chunks``). Inputs in another dtype than
+    merges ``part`` into ``out`` (to hand to ``chunks.for_chunks``). Inputs in another dtype than
     bfloat16 or float32 are cast to float32 per chunk, and an output in another dtype is rounded
     from a float32 scratch buffer, with torch, as the torch path does."""
 
@@ -315,14 +319,12 @@ class ChunkMerger:
         self.no_states = np.zeros((0, 4, DARE_LANES), dtype=np.uint64)
 
     def __call__(self, part: slice) -> None:
-        from .ops import DARE_BLOCK, scratch
-
         m = part.stop - part.start
         addresses = np.array(self.inputs.addresses(part), dtype=np.int64)
         states, lanes = self.no_states, self.no_lanes
         if self.dare:
             if part.start % DARE_BLOCK:
-                raise ValueError("DARE chunks start at a multiple of ops.DARE_BLOCK entries")
+                raise ValueError("DARE chunks start at a multiple of steps.DARE_BLOCK entries")
             states, lanes = self._streams(part.start // DARE_BLOCK, -(-m // DARE_BLOCK))
         direct = self.out.dtype in _NATIVE
         result = self.out[part] if direct else scratch("kernel-out", m)
@@ -361,16 +363,13 @@ def _finish(out: torch.Tensor, part: slice, result: torch.Tensor, direct: bool, 
     of another dtype (whose stored entries the loop did not see: checked here)."""
     if direct:
         return int(found)
-    from .ops import all_finite_chunk
-
     target = out[part]
     target.copy_(result)
     return (int(found) & FOUND_IN_INPUT) | (0 if all_finite_chunk(target) else FOUND_IN_RESULT)
 
 
 class ChunkSummer:
-    """Runs ``_loops.sum_chunk`` (methods._combine: the weighted sum of linear and
-    task arithmetic) over the chunks of one tensor, as :class:`ChunkMerger` runs merge_chunk;
+    """Runs ``_loops.sum_chunk`` (the weighted sum of linear and task arithmetic) over the chunks of one tensor, as :class:`ChunkMerger` runs merge_chunk;
     ``summer(part)`` returns the chunk's NaN/Inf flags."""
 
     def __init__(
@@ -393,8 +392,6 @@ class ChunkSummer:
         self.flags[F_SUM_DIVIDE] = normalize and abs(total) >= 1e-8
 
     def __call__(self, part: slice) -> int:
-        from .ops import scratch
-
         m = part.stop - part.start
         direct = self.out.dtype in _NATIVE
         result = self.out[part] if direct else scratch("kernel-out", m)
@@ -428,8 +425,6 @@ class _Inputs:
     def addresses(self, part: slice) -> list[int]:
         """Where entry ``part.start`` of each input is (the base first, if any)."""
         if self.cast:
-            from .ops import scratch
-
             m = part.stop - part.start
             return [
                 scratch(f"kernel-in-{i}", m).copy_(x[part]).data_ptr()
@@ -439,8 +434,8 @@ class _Inputs:
 
 
 class TauHistograms:
-    """:class:`ops.KthLargestAbs` passes over |τ_i| = |θ_i − θ_b|, τ formed in float32 straight
-    from the stored inputs (what ops._tau_histograms computes with torch)."""
+    """:class:`.thresholds.KthLargestAbs` passes over |τ_i| = |θ_i − θ_b|, τ formed in float32 straight
+    from the stored inputs (what thresholds._tau_histograms computes with torch)."""
 
     def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
         self.inputs = _Inputs(base, experts)
@@ -474,14 +469,12 @@ def tau_kth(
     """For every expert i and every k in ``ranks[i]`` (1 ≤ k ≤ numel): the exact k-th largest
     |τ_i| = |θ_i − θ_b| (τ in float32) of one tensor, as float32 bit patterns, and how many
     passes over the inputs that took. The passes of
-    :class:`ops.KthLargestAbs` (sampled first pass, band, two exact passes where the band
+    :class:`.thresholds.KthLargestAbs` (sampled first pass, band, two exact passes where the band
     missed), each expert's ranks sharing them and the base read once for all experts, in one
     compiled call on the calling thread: none of the per-pass Python of the chunked passes
-    (:func:`ops._find_many`), whose sample it takes (the runs of every chunk of
-    ``ops.histogram_chunk`` entries), so it makes the same passes. Inputs as
+    (:func:`.thresholds._find_many`), whose sample it takes (the runs of every chunk of
+    ``sampling.histogram_chunk`` entries), so it makes the same passes. Inputs as
     :func:`one_call_kth` takes them."""
-    from .ops import _MAX_BAND_BUCKETS, COLLECT_MAX, SAMPLE_RUN, histogram_chunk, sample_stride
-
     flat = [_flat(base), *(_flat(e) for e in experts)]
     which = np.array([i for i, ks in enumerate(ranks) for _ in ks], dtype=np.int64)
     ks = np.array([k for group in ranks for k in group], dtype=np.int64)
@@ -492,11 +485,11 @@ def tau_kth(
             np.array([x.data_ptr() for x in flat], dtype=np.int64),
             base.dtype == torch.bfloat16,
             base.numel(),
-            sample_stride(base.numel()),
-            SAMPLE_RUN,
-            histogram_chunk(base.numel()),
-            COLLECT_MAX,
-            _MAX_BAND_BUCKETS,
+            sampling.sample_stride(base.numel()),
+            sampling.SAMPLE_RUN,
+            sampling.histogram_chunk(base.numel()),
+            sampling.COLLECT_MAX,
+            sampling.MAX_BAND_BUCKETS,
             which,
             ks,
             out,
@@ -516,15 +509,13 @@ class PassCounts:
     (and returns ``None`` per finder: nothing to add per chunk); ``totals()`` adds the threads'
     arrays up, once. Passes with the same stride share one read of each chunk. A collecting
     pass (``KthLargestAbs`` "collect") keeps the bit patterns in its band in the thread's own
-    array too, up to ``ops.COLLECT_MAX`` per thread. The loops count into int32 (half the cache
+    array too, up to ``sampling.COLLECT_MAX`` per thread. The loops count into int32 (half the cache
     footprint of the band's random increments); a thread's counts move to int64 before they
     could overflow, so a pass may cover any number of entries."""
 
     def __init__(
         self, inputs: _Inputs | None, finders: Sequence[tuple[int, int, tuple | None]]
     ) -> None:
-        from .ops import COLLECT_MAX
-
         self.inputs = inputs
         self.n = len(finders)
         self.groups = []  # (stride, finder indices, experts, top_bits, lows, widths, collect,
@@ -545,7 +536,7 @@ class PassCounts:
                     np.array([b[1] for b in bins], dtype=np.int64),
                     np.array(collect, dtype=np.bool_),
                     [2 if c else b[1] + (0 if b[0] is None else 2) for b, c in zip(bins, collect)],
-                    COLLECT_MAX if any(collect) else 0,
+                    sampling.COLLECT_MAX if any(collect) else 0,
                 )
             )
         self.per_thread: dict[int, _ThreadCounts] = {}
@@ -560,8 +551,6 @@ class PassCounts:
 
     def count(self, inputs: _Inputs, part: slice) -> list[None]:
         """Count ``part`` of ``inputs`` into this thread's arrays."""
-        from .ops import SAMPLE_RUN
-
         mine = self.per_thread.get(threading.get_ident())
         if mine is None:
             mine = _ThreadCounts(self.groups)
@@ -577,7 +566,7 @@ class PassCounts:
                 inputs.bf16,
                 m,
                 step,
-                SAMPLE_RUN,
+                sampling.SAMPLE_RUN,
                 experts,
                 top_bits,
                 lows,
@@ -637,3 +626,73 @@ class _ThreadCounts:
             wide += counts
             counts[:] = 0
         self.entries = 0
+
+
+# --- checks and copies on every core --------------------------------------------------------------
+
+
+def all_finite_chunk(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``: by a compiled loop where the loops run (exponent bits, one pass), else
+    with torch: a sum is finite whenever ``x`` is (unless it overflows); only a non-finite sum
+    needs the exact element-wise check."""
+    compiled = all_finite_compiled(x)
+    if compiled is not None:
+        return compiled
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
+def parallel_copy_(
+    dst: torch.Tensor, src: torch.Tensor, *, check: Literal["src", "dst"] | None = None
+) -> bool:
+    """``dst.copy_(src)`` (casting) chunk by chunk on every core; ``dst`` contiguous, same numel.
+
+    With ``check`` ("src" or "dst"), returns whether every entry of that side is finite (one
+    cheap pass per chunk while it is in cache, see :func:`all_finite_chunk`); otherwise True.
+    """
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+
+    def copy(part: slice) -> bool:
+        out = flat_dst[part].copy_(flat_src[part])
+        if check is None:
+            return True
+        return all_finite_chunk(out if check == "dst" else flat_src[part])
+
+    return all(chunks.for_chunks(flat_dst.numel(), copy))
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``, checked chunk by chunk on every core."""
+    flat = x.reshape(-1)
+    return all(chunks.for_chunks(flat.numel(), lambda part: all_finite_chunk(flat[part])))
+
+
+def _where(x: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return (x.data_ptr(), x.numel(), x.dtype)
+
+
+@dataclass(frozen=True)
+class LoopChecks:
+    """Whether a compiled merge loop met NaN or Inf among its inputs and among the result
+    entries it stored, and which tensors those were (so a check is only reused for them): what
+    a fast path leaves in ``TensorContext.checks``."""
+
+    inputs_finite: bool
+    result_finite: bool
+    inputs: tuple[tuple[int, int, torch.dtype], ...]
+    result: tuple[int, int, torch.dtype]
+
+    @classmethod
+    def of(cls, found: int, inputs: Sequence[torch.Tensor], result: torch.Tensor) -> LoopChecks:
+        """From the loops' flags (:data:`FOUND_IN_INPUT` / :data:`FOUND_IN_RESULT` bits)."""
+        return cls(
+            inputs_finite=not found & FOUND_IN_INPUT,
+            result_finite=not found & FOUND_IN_RESULT,
+            inputs=tuple(_where(x) for x in inputs),
+            result=_where(result),
+        )
+
+    def covers_inputs(self, inputs: Sequence[torch.Tensor]) -> bool:
+        return self.inputs == tuple(_where(x) for x in inputs)
+
+    def covers_result(self, result: torch.Tensor) -> bool:
+        return self.result == _where(result)

@@ -1,4 +1,4 @@
-/* The compiled loops behind mergelab.merge.kernels: a C extension, built when the package is
+/* The compiled loops behind mergelab.merge.accelerator.kernels: a C extension, built when the package is
  * installed (setup.py). Read kernels.py's docstring first; every function here mirrors a torch
  * operation sequence named in its comment, operation for operation, so the results are the
  * torch path's bits (tests/test_merge_kernels.py compares them).

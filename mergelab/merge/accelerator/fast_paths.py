@@ -1,0 +1,259 @@
+"""The accelerator's fast paths: the methods that are element-wise passes (linear, task
+arithmetic, TIES, DARE with a per-entry rescale, breadcrumbs) as one compiled loop per chunk on
+every core, straight from the inputs' stored dtype into the output buffer, and TIES' whole-model
+thresholds and the per-tensor ones in fewer passes (:mod:`.thresholds`).
+
+Each is registered with :func:`mergelab.merge.registry.register_fast_path` and returns the bits
+of the method it stands for (tests/test_merge_kernels.py: every method × dtype × option, the
+accelerator on and off), or ``None`` where it does not apply (a compute dtype other than float32,
+a tensor off the CPU, DARE's "l1" rescale): the method then runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..methods.steps import kept_count, outlier_ranks
+from ..registry import TensorContext, register_fast_path
+from . import chunks, kernels, thresholds
+
+# ctx.stats key of the per-tensor k-th largest |τ_i| an engine computed ahead: (ranks, values)
+TAU_KTH = "tau_kth_largest_abs"
+
+
+def _compute_dtype(ctx: TensorContext, like: torch.Tensor) -> torch.dtype:
+    return ctx.dtype or like.dtype
+
+
+def _runs(ctx: TensorContext, *inputs: torch.Tensor) -> bool:
+    """Whether the compiled loops take these inputs: float32 compute, everything on the CPU."""
+    tensors = [*inputs, *([] if ctx.out is None else [ctx.out])]
+    return _compute_dtype(ctx, inputs[0]) == torch.float32 and kernels.usable(*tensors)
+
+
+def _output(ctx: TensorContext, like: torch.Tensor) -> torch.Tensor:
+    """The flat buffer the loop writes into: ``ctx.out``, or a new float32 one."""
+    if ctx.out is not None:
+        return ctx.out.view(-1)
+    return torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+
+
+def _run_loop(
+    loop: Callable[[slice], int],
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    ctx: TensorContext,
+    size: int | None = None,
+) -> None:
+    """A compiled loop (``kernels.ChunkMerger`` / ``ChunkSummer``) over every chunk of ``out``
+    on every core; what it saw of NaN/Inf goes into ``ctx.checks``."""
+    found = 0
+    for flags in chunks.for_chunks(out.numel(), loop, size):
+        found |= flags
+    ctx.checks = kernels.LoopChecks.of(found, inputs, out)
+
+
+def _weighted_sum(
+    base: torch.Tensor | None,
+    experts: list[torch.Tensor],
+    ctx: TensorContext,
+    weight: list[float],
+    *,
+    lambda_: float,
+    normalize: bool,
+) -> torch.Tensor | None:
+    """linear (no base) and task arithmetic: one ``sum_chunk`` pass per chunk."""
+    inputs = ([] if base is None else [base]) + list(experts)
+    if not _runs(ctx, *inputs):
+        return None
+    out = _output(ctx, experts[0])
+    summer = kernels.ChunkSummer(base, experts, out, weight, lambda_=lambda_, normalize=normalize)
+    _run_loop(summer, inputs, out, ctx)
+    return out.view(experts[0].shape)
+
+
+def linear(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    return _weighted_sum(None, experts, ctx, p["weight"], lambda_=1.0, normalize=p["normalize"])
+
+
+def task_arithmetic(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    return _weighted_sum(
+        base, experts, ctx, p["weight"], lambda_=p["lambda_"], normalize=p["normalize"]
+    )
+
+
+def _elect_plan(p: dict[str, Any]) -> tuple | None:
+    """``kernels.elect_plan`` for TIES' elect and disjoint merge options (``None`` for unknown
+    options: the method raises on them)."""
+    if p["majority_sign"] not in ("sum", "count"):
+        return None
+    if p["divide_by"] not in ("count", "weight_sum", "none"):
+        return None
+    return kernels.elect_plan(
+        p["weight"],
+        lambda_=p["lambda_"],
+        majority_sign=p["majority_sign"],
+        weighted_sign=p["weighted_sign"],
+        divide_by=p["divide_by"],
+    )
+
+
+def _merge(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    ctx: TensorContext,
+    plan: tuple,
+    dare_seed: int | None = None,
+    size: int | None = None,
+) -> torch.Tensor:
+    params, scalars, flags = plan
+    out = _output(ctx, base)
+    merger = kernels.ChunkMerger(base, experts, out, params, scalars, flags, dare_seed=dare_seed)
+    if dare_seed is not None:
+        size = kernels.dare_chunk(base.numel(), len(merger.dare))
+    _run_loop(merger, [base, *experts], out, ctx, size)
+    return out.view(base.shape)
+
+
+# --- per-tensor magnitude thresholds ---------------------------------------------------------------
+
+
+def _tau_kth(
+    base: torch.Tensor, experts: list[torch.Tensor], ranks: list[list[int]], ctx: TensorContext
+) -> list[list[float]]:
+    """The k-th largest |τ_i| of this tensor for ``ranks``: what the engine computed ahead
+    (:func:`_ahead`, the same call) when it asked for these very ranks, else now."""
+    ahead = ctx.stats.get(TAU_KTH)
+    if ahead is not None and ahead[0] == ranks:
+        return ahead[1]
+    return thresholds.tau_kth_largest_abs(base, experts, ranks, _compute_dtype(ctx, base))
+
+
+def _ahead(
+    ranks: Callable[[int, dict[str, Any]], list[list[int]] | None],
+) -> Callable[..., dict[str, Any]]:
+    """An ``ahead`` hook computing :func:`_tau_kth` for ``ranks(numel, params)`` (``None``:
+    nothing to compute)."""
+
+    def ahead(base, experts, ctx: TensorContext, params: dict) -> dict[str, Any]:
+        wanted = ranks(base.numel(), params)
+        if wanted is None or not any(wanted):
+            return {}
+        dtype = _compute_dtype(ctx, base)
+        return {TAU_KTH: (wanted, thresholds.tau_kth_largest_abs(base, experts, wanted, dtype))}
+
+    return ahead
+
+
+def _ties_ranks(numel: int, p: dict[str, Any]) -> list[list[int]] | None:
+    """The rank of each expert's per-tensor threshold (none for density 1); ``None`` for the
+    whole-model trim."""
+    if p["trim_scope"] != "tensor":
+        return None
+    return [[kept_count(d, numel)] if d < 1 else [] for d in p["density"]]
+
+
+def _breadcrumbs_ranks(numel: int, p: dict[str, Any]) -> list[list[int]]:
+    """Each expert's two ranks (steps.outlier_ranks; [] keeps nothing or everything)."""
+    return [outlier_ranks(numel, d, g) or [] for d, g in zip(p["density"], p["gamma"])]
+
+
+# --- the methods -----------------------------------------------------------------------------------
+
+
+def ties(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    plan = _elect_plan(p)
+    if plan is None or not _runs(ctx, base, *experts):
+        return None
+    if p["trim_scope"] == "model":
+        if any(d < 1 for d in p["density"]) and "ties_thresholds" not in ctx.stats:
+            return None  # the method says what is missing
+        found = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
+    else:
+        kth = _tau_kth(base, experts, _ties_ranks(base.numel(), p), ctx)
+        found = [values[0] if values else 0.0 for values in kth]
+    plan[0][:, kernels.P_LOW] = [kernels.trim_below(t) for t in found]
+    return _merge(base, experts, ctx, plan)
+
+
+def ties_prepare(
+    params: dict[str, Any], make_iter: Callable[..., Any], dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """TIES' whole-model thresholds (the method's ``prepare``: the same values): a sampled pass
+    and an exact one (:func:`.thresholds.global_magnitude_thresholds`). With ``dtype`` the
+    engine streams stored-dtype memory maps, fresh on every yield: the sample reads them
+    unpopulated (``make_iter(sparse=True)``), and in the exact pass each is counted while the
+    next is mapped."""
+    stored = dtype is not None
+    found = thresholds.global_magnitude_thresholds(
+        make_iter,
+        params["density"],
+        dtype,
+        fetch_ahead=stored,
+        sample_iter=functools.partial(make_iter, sparse=True) if stored else None,
+    )
+    return {"ties_thresholds": found}
+
+
+def _dare(base, experts, ctx: TensorContext, p: dict[str, Any], plan) -> torch.Tensor | None:
+    """DARE's drop and a per-entry rescale fused with the merge ``plan`` (the "l1" rescale needs
+    τ_i's norms before and after the drop: the method runs it)."""
+    if p["rescale"] == "l1" or plan is None or not _runs(ctx, base, *experts):
+        return None
+    params = plan[0]
+    for i, d in enumerate(p["density"]):
+        params[i, kernels.P_DARE_LIMIT] = kernels.dare_limit(d)
+        params[i, kernels.P_DARE_DIVISOR] = d if p["rescale"] == "keep_rate" and d < 1 else 0.0
+    return _merge(base, experts, ctx, plan, dare_seed=ctx.tensor_seed)
+
+
+def dare_linear(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    plan = kernels.sum_plan(p["weight"], lambda_=p["lambda_"], normalize=p["normalize"])
+    return _dare(base, experts, ctx, p, plan)
+
+
+def dare_ties(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    return _dare(base, experts, ctx, p, _elect_plan(p))
+
+
+def breadcrumbs(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    if not _runs(ctx, base, *experts):
+        return None
+    numel = base.numel()
+    found = _tau_kth(base, experts, _breadcrumbs_ranks(numel, p), ctx)
+    plan = kernels.sum_plan(p["weight"], lambda_=p["lambda_"], normalize=p["normalize"])
+    params, _, flags = plan
+    flags[kernels.F_BAND] = 1
+    for i, (d, g, band) in enumerate(zip(p["density"], p["gamma"], found)):
+        ranks = outlier_ranks(numel, d, g)
+        if ranks is None:  # keeps nothing
+            params[i, kernels.P_LOW] = math.inf
+        elif ranks:  # τ − hardshrink(τ, largest), trimmed below the smallest kept
+            params[i, kernels.P_LOW] = kernels.trim_below(band[0])
+            params[i, kernels.P_HIGH] = band[1]
+    return _merge(base, experts, ctx, plan)
+
+
+def register() -> None:
+    """Register every fast path (each runs where :func:`kernels.active`)."""
+    on = kernels.active
+    for name, merge in [("linear", linear), ("task_arithmetic", task_arithmetic)]:
+        register_fast_path(name, merge, stored_dtype=True, active=on)
+    register_fast_path(
+        "ties",
+        ties,
+        stored_dtype=True,
+        prepare=ties_prepare,
+        ahead=_ahead(_ties_ranks),
+        active=on,
+    )
+    register_fast_path("dare_linear", dare_linear, stored_dtype=True, active=on)
+    register_fast_path("dare_ties", dare_ties, stored_dtype=True, active=on)
+    register_fast_path(
+        "breadcrumbs", breadcrumbs, stored_dtype=True, ahead=_ahead(_breadcrumbs_ranks), active=on
+    )

@@ -1,0 +1,131 @@
+"""The accelerator on and off: the same merged bits, end to end through the streaming engine.
+
+tests/test_merge_kernels.py pins each compiled loop to the plain torch method tensor by tensor;
+here whole checkpoint folders are merged both ways, for every accelerated method, both stored
+dtypes and the options the loops specialise on, with two threads (so the engine merges tensors
+ahead on its workers) and with tensors large enough for the sampled threshold passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergelab.merge import accelerator
+from mergelab.merge.accelerator import kernels, sampling
+from mergelab.merge.checkpoint import merge_checkpoints
+from mergelab.merge.methods import steps
+from mergelab.merge.registry import fast_path
+
+needs_loops = pytest.mark.skipif(not kernels.available(), reason="the compiled loops are not built")
+
+# one tensor above the size from which thresholds are found by a sampled pass
+SHAPES = {
+    "model.embed_tokens.weight": (1024, 640),
+    "model.layers.0.mlp.up_proj.weight": (96, 640),
+    "model.norm.weight": (640,),
+}
+CASES = [
+    ("linear", {"weights": [0.3, 0.7]}),
+    ("task_arithmetic", {"weights": [0.5, 1.0], "params": {"lambda": 0.8, "normalize": True}}),
+    ("ties", {"params": {"density": 0.3}}),
+    ("ties", {"params": {"density": [0.2, 0.6], "trim_scope": "tensor", "majority_sign": "count"}}),
+    (
+        "ties",
+        {
+            "weights": [0.7, -0.4],
+            "params": {"density": 0.5, "weighted_sign": True, "divide_by": "weight_sum"},
+        },
+    ),
+    ("dare_linear", {"params": {"density": 0.4, "lambda": 0.9}, "seed": 3}),
+    ("dare_ties", {"params": {"density": [0.3, 1.0], "rescale": "none"}, "seed": 5}),
+    ("breadcrumbs", {"weights": [1.0, 0.5], "params": {"density": 0.8, "gamma": 0.05}}),
+]
+
+
+def write_set(root: Path, dtype: torch.dtype) -> list[Path]:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024}
+    g = torch.Generator().manual_seed(0)
+    base = {n: 0.02 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    folders = []
+    for i, name in enumerate(["base", "expert_0", "expert_1"]):
+        tensors = {
+            n: (t + (0.002 * torch.randn(t.shape, generator=g) if i else 0))
+            for n, t in base.items()
+        }
+        folder = root / name
+        folder.mkdir()
+        save_file(
+            {n: t.to(dtype).contiguous() for n, t in tensors.items()}, folder / "model.safetensors"
+        )
+        (folder / "config.json").write_text(json.dumps(config))
+        folders.append(folder)
+    return folders
+
+
+@needs_loops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_every_accelerated_method_writes_the_same_bits_on_and_off(tmp_path, monkeypatch, dtype):
+    assert max(map(lambda s: torch.Size(s).numel(), SHAPES.values())) >= sampling.SAMPLE_MIN_NUMEL
+    base, *experts = write_set(tmp_path, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k, (method, options) in enumerate(CASES):
+            outputs = []
+            for on in (True, False):
+                monkeypatch.setattr(kernels, "enabled", on)
+                assert (fast_path(method) is not None) == on
+                out = tmp_path / f"{k}-{on}"
+                merge_checkpoints(method, base, experts, output=out, progress=False, **options)
+                outputs.append(load_file(out / "model-00001-of-00001.safetensors"))
+            on, off = outputs
+            for name in SHAPES:
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                same = on[name].view(bits) == off[name].view(bits)
+                assert bool(same.all()), f"{method} {options}: {name} differs"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_setting_switches_the_accelerator(monkeypatch):
+    monkeypatch.setattr(kernels, "enabled", True)
+    accelerator.set_enabled(False)
+    assert not accelerator.enabled() and fast_path("ties") is None
+    accelerator.set_enabled(True)
+    assert accelerator.enabled() == accelerator.available()
+    assert (fast_path("ties") is not None) == accelerator.available()
+    assert fast_path("slerp") is None  # a method without a fast path
+
+
+def test_the_environment_switches_it_off():
+    env = {**os.environ, "MERGELAB_ACCELERATOR": "off", "PYTHONPATH": str(Path.cwd())}
+    code = "from mergelab.merge import accelerator; print(accelerator.enabled())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize("numel", [1000, steps.DARE_BLOCK, 3 * steps.DARE_BLOCK + 12345])
+def test_l1_norm_does_not_depend_on_the_thread_count(numel):
+    """Σ|x| in fixed blocks, each summed on one thread: one thread, two or four give the same
+    bits, those of the blocks summed one by one on one thread."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.01
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        blocks = [
+            x[s : s + steps.DARE_BLOCK].abs().sum() for s in range(0, numel, steps.DARE_BLOCK)
+        ]
+        expected = torch.stack(blocks).sum()
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            assert steps.l1_norm(x).item() == expected.item(), n
+    finally:
+        torch.set_num_threads(before)
