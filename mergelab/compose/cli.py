@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..candidate import GenerationSettings
+from ..inputs import check_model_folder, check_regular_file, read_config_bytes
 from .eos import EOS_POLICIES
 from .formula import Composition
 
@@ -94,9 +95,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def read_utf8(path: Path, what: str) -> str:
-    """The text of ``path``; a file that is not UTF-8 is an error naming the file and the byte."""
-    raw = path.read_bytes()
+MAX_PROMPTS_BYTES = 256 * 2**20
+
+
+def read_utf8(path: Path, what: str, max_bytes: int = MAX_PROMPTS_BYTES) -> str:
+    """The text of ``path`` (a regular file of at most ``max_bytes``); a file that is not UTF-8
+    is an error naming the file and the byte."""
+    raw = read_config_bytes(path, what, max_bytes=max_bytes)
     try:
         return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
@@ -111,8 +116,6 @@ def read_prompts(path: str | Path) -> list[str]:
     """Prompts from ``.jsonl`` (objects with a "prompt" field), ``.json`` (a list of strings or
     of such objects) or plain text (one per non-empty line). Errors name the file and line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} not found")
     text = read_utf8(path, "prompts file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -169,9 +172,10 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     for path in [args.base, *args.expert]:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path} not found")
+        check_model_folder(path)
     for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"{what} {path} not found")
+        if path is not None:
+            check_regular_file(path, what)
     draft = _draft_folder(args)
     if draft is not None and not Path(draft).is_dir():
         raise FileNotFoundError(f"draft model folder {draft} not found")

@@ -102,6 +102,7 @@ def parse_candidate_spec(
     folder; for a file, the file's folder).
     """
     from mergelab.compose.eos import EOS_POLICIES
+    from mergelab.inputs import read_config_bytes
     from mergelab.merge.config import load_yaml, merge_config_from_dict, parse_dtype
 
     source = None
@@ -109,11 +110,18 @@ def parse_candidate_spec(
         path = Path(os.path.expanduser(str(spec)))
         if path.is_dir():
             return CandidateSpec(kind="model", model=str(path.resolve()), source=None)
-        if not path.is_file():
+        if not os.path.exists(path):
             raise FileNotFoundError(
                 f"candidate spec {path} not found (a spec file or model folder)"
             )
-        raw = load_yaml(path.read_text(encoding="utf-8"), path)
+        data = read_config_bytes(path, "candidate spec")  # a FIFO or /dev/zero: refused unread
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"candidate spec {path}: not UTF-8 (byte offset {exc.start})"
+            ) from None
+        raw = load_yaml(text, path)
         if not isinstance(raw, Mapping):
             raise ValueError(f"candidate spec {path}: expected a mapping of keys to values")
         source, root = str(path.resolve()), path.resolve().parent
@@ -214,6 +222,7 @@ def build_candidate(
 
     from mergelab.compose import ComposedDecoder
     from mergelab.compose.vocab import check_shipped_tokenizers
+    from mergelab.inputs import check_model_folder
     from mergelab.merge.config import parse_dtype
     from mergelab.model_candidate import ModelCandidate
 
@@ -224,6 +233,7 @@ def build_candidate(
     for path in spec.inputs():
         if not Path(path).exists():
             raise FileNotFoundError(f"{path} (named in the candidate spec) not found")
+        check_model_folder(path)
 
     def load(path: str):
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
@@ -236,6 +246,7 @@ def build_candidate(
     if spec.kind == "merge":
         from mergelab.lora import is_lora_adapter
         from mergelab.merge import merge_models
+        from mergelab.vocabulary import check_merge_tokenizers
 
         config = spec.merge
         adapters = [m.path for m in config.models if is_lora_adapter(m.path)]
@@ -244,6 +255,8 @@ def build_candidate(
                 f"merging LoRA adapters in memory is not supported ({adapters}); run "
                 "`mergelab merge` and give the output folder as 'model'"
             )
+        inputs = [p for p in [config.base, *(m.path for m in config.models)] if p is not None]
+        check_merge_tokenizers(inputs, inputs)  # rows are merged by id
         base = load(config.base) if config.base else None
         experts = [load(m.path) for m in config.models]
         params, per_model = config.split_params()
