@@ -22,6 +22,7 @@ from typing import Any
 
 from ..candidate import GenerationSettings
 from ..inputs import check_model_folder, check_regular_file, read_config_bytes
+from ..lora import is_lora_adapter
 from .eos import EOS_POLICIES
 from .formula import Composition
 
@@ -173,6 +174,24 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path} not found")
         check_model_folder(path)
+    if is_lora_adapter(args.base):
+        raise ValueError(
+            f"--base {args.base} is a PEFT adapter folder (adapter_config.json); the base is a "
+            "model folder, and adapters of it are experts with --lora"
+        )
+    for path in args.expert:
+        if is_lora_adapter(path) != args.lora:
+            raise ValueError(
+                f"--expert {path} is a PEFT LoRA adapter folder (adapter_config.json); pass "
+                "--lora to compose adapters of the base"
+                if args.lora is False
+                else f"--expert {path} is not a PEFT adapter folder (no adapter_config.json); "
+                "with --lora every expert is a LoRA adapter of the base"
+            )
+    if args.lora:
+        from .lora import check_adapters_fit
+
+        check_adapters_fit(args.base, args.expert)  # before any model is loaded
     for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
         if path is not None:
             check_regular_file(path, what)

@@ -275,6 +275,9 @@ def build_candidate(
     )
     weights = list(spec.weights) if spec.weights is not None else None
     if spec.lora:
+        from mergelab.compose.lora import check_adapters_fit
+
+        check_adapters_fit(spec.base, spec.experts)  # before the base is loaded
         return ComposedDecoder.from_lora(
             load(spec.base), list(spec.experts), tokenizer, weights, **common
         )
