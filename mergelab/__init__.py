@@ -2,6 +2,11 @@
 
 import gc as _gc
 
+from . import errors as _errors
+
+if _errors.started_as_command():  # Ctrl-C while torch is imported: one line, exit 130
+    _errors.exit_quietly_when_interrupted()
+
 # Importing torch creates hundreds of thousands of objects, and each full collection Python
 # runs while they are being created walks all of them: the collector waits until the imports
 # are done.
