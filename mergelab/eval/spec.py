@@ -215,9 +215,11 @@ def build_candidate(
     *,
     device: str | None = None,
     dtype: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load the models of ``spec`` and return the candidate (a ``ModelCandidate`` or a
-    ``ComposedDecoder``). ``device`` / ``dtype`` override the spec's."""
+    ``ComposedDecoder``). ``device`` / ``dtype`` override the spec's; ``trust_remote_code`` is
+    passed to transformers (a checkpoint's own modelling code runs only when it is true)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergelab.compose import ComposedDecoder
@@ -237,10 +239,14 @@ def build_candidate(
 
     def load(path: str):
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
+        )
         return model.to(device).eval()
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder(), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.tokenizer_folder(), local_files_only=True, trust_remote_code=trust_remote_code
+    )
     if spec.kind == "model":
         return ModelCandidate(load(spec.model), tokenizer, name=spec.default_name())
     if spec.kind == "merge":
