@@ -437,3 +437,51 @@ def test_ctrl_c_while_importing_exits_130_in_one_line(module, delay):
     assert done.returncode == 130, done.stderr[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] in ("mergelab: interrupted", "mergelab merge: interrupted")
+
+
+# ---------------------------------------------------------------- as root and as a non-root user
+
+AREA_MOUNT = next((d for d in ("/srv", "/media") if os.path.isdir(d)), None)
+AS_USER = """
+import json, sys
+from mergelab.cli import main
+area = sys.argv[1] if len(sys.argv) > 1 else {area!r}
+codes = [main(["merge", "--config", f"{{area}}/{{name}}", "--out", f"{{area}}/out-{{name}}"])
+         for name in ("private.yaml", "pipe.yaml")]
+print(json.dumps(codes))
+"""
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_unreadable_and_fifo_configs_as_each_user(tmp_path, user):
+    """A config the user may not read is an environment fault (exit 1, naming the file and
+    EACCES); a FIFO is refused unread (exit 2) whoever runs the command."""
+    import json
+
+    import _unpriv
+
+    reason = _unpriv.available(user)
+    if reason:
+        pytest.skip(f"{user} variant unavailable: {reason}")
+    if os.geteuid() == 0 and AREA_MOUNT is None:
+        pytest.skip("no /srv or /media directory to bind the test's area onto")
+    area = tmp_path / "area"
+    area.mkdir(mode=0o755)
+    area.chmod(0o755)
+    (area / "private.yaml").write_text("method: linear\nmodels: [a]\n")
+    (area / "private.yaml").chmod(0o600)
+    os.mkfifo(area / "pipe.yaml", 0o666)
+    seen, binds = (AREA_MOUNT, {str(area): AREA_MOUNT}) if os.geteuid() == 0 else (str(area), {})
+    env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HOME": seen}
+    proc = _unpriv.run_python(AS_USER.format(area=seen), user=user, env=env, binds=binds,
+                              timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    private, pipe = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("mergelab merge")]
+    assert "Traceback" not in proc.stderr
+    assert pipe == 2 and "is not a file: it is a named pipe" in lines[1]
+    if user == "unprivileged":
+        assert private == 1 and "Permission denied [EACCES]" in lines[0]
+        assert f"{seen}/private.yaml" in lines[0]
+    else:
+        assert private == 2 and "model 'a'" in lines[0]  # readable: its model is missing
