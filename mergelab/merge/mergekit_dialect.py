@@ -1151,6 +1151,11 @@ def _plan(
         else:
             groups.append(group)
 
+    if tokenizer_plan is None:  # equal shapes, rows merged by id: every id must mean one token
+        from mergelab.vocabulary import MERGEKIT_DIALECT_REMEDY, check_merge_tokenizers
+
+        refs = config.referenced_models()
+        check_merge_tokenizers([paths[r] for r in refs], refs, MERGEKIT_DIALECT_REMEDY)
     if input_dtype is None and len(stored) > 1:
         raise _fail(
             f"the models store tensors in several dtypes ({sorted(map(str, stored))}); set "
@@ -1379,15 +1384,11 @@ def _translate(
 
 def _tokenizer(config: MergekitConfig, paths: dict[str, Path], locate: Callable[[str], Path]):
     """The output tokenizer (or None) and the per-token row sources of a tokenizer block."""
-    from mergelab.vocabulary import MERGEKIT_DIALECT_REMEDY, check_merge_tokenizers
-
     from .tokenizer import TokenEmbedding, build_tokenizer
 
     block = config.tokenizer
     source = block["source"] if block is not None else config.tokenizer_source
-    if source is None:  # rows are merged by id: every id must mean one token
-        refs = config.referenced_models()
-        check_merge_tokenizers([paths[r] for r in refs], refs, MERGEKIT_DIALECT_REMEDY)
+    if source is None:
         return None, {}
     base = config.base_model or config.referenced_models()[0]
     kind, source_path = source, None
