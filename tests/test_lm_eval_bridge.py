@@ -290,10 +290,15 @@ def test_model_args_take_lm_evals_names(folders, models, tok):
 
     cls = get_model("mergelab")
     lm = cls.create_from_arg_obj(
-        {"pretrained": str(folders / "base"), "dtype": "bfloat16", "batch_size": "4",
-         "trust_remote_code": False, "device": "cpu"},
+        {
+            "pretrained": str(folders / "base"),
+            "dtype": "bfloat16",
+            "batch_size": "4",
+            "trust_remote_code": False,
+            "device": "cpu",
+        },
         {"batch_size": 1, "max_batch_size": None, "device": None},
-    )  # fmt: skip
+    )
     assert lm.batch_size == 4 and lm.candidate.model.dtype == torch.bfloat16
     lm = cls.create_from_arg_string(f"pretrained={folders / 'base'},dtype=auto,batch_size=auto")
     assert lm.batch_size == 8 and lm.candidate.model.dtype == torch.float32
@@ -333,8 +338,16 @@ def _bridge_command(monkeypatch, argv):
     ],
 )
 def test_bad_model_args_are_one_line_and_exit_2(folders, monkeypatch, model_args, message):
-    argv = ["--model", "mergelab", "--model_args", model_args.format(base=folders / "base"),
-            "--tasks", MC, "--include_path", TASKS]  # fmt: skip
+    argv = [
+        "--model",
+        "mergelab",
+        "--model_args",
+        model_args.format(base=folders / "base"),
+        "--tasks",
+        MC,
+        "--include_path",
+        TASKS,
+    ]
     code, _, err = _bridge_command(monkeypatch, argv)
     assert code == 2, err
     assert "Traceback" not in err
@@ -371,11 +384,24 @@ def test_command_line_takes_pretrained_and_batch_size(folders, models, tok, task
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm_eval_tasks, "TaskManager", LocalTasksOnly)
         mp.setattr(bridge.MergelabLM, "_loglikelihood_tokens", spy)
-        code, _, err = _bridge_command(mp, [
-            "run", "--model", "mergelab", "--model_args", f"pretrained={folders / 'base'}",
-            "batch_size=3", "dtype=float32", "--tasks", MC, "--include_path", TASKS,
-            "--output_path", out,
-        ])  # fmt: skip
+        code, _, err = _bridge_command(
+            mp,
+            [
+                "run",
+                "--model",
+                "mergelab",
+                "--model_args",
+                f"pretrained={folders / 'base'}",
+                "batch_size=3",
+                "dtype=float32",
+                "--tasks",
+                MC,
+                "--include_path",
+                TASKS,
+                "--output_path",
+                out,
+            ],
+        )
     assert code == 0, err
     assert seen and set(seen) == {3}
     [results_file] = out.rglob("results_*.json")

@@ -47,10 +47,13 @@ def models(tmp_path_factory):
     tiny_causal_lm(len(tok), hidden_size=16, num_layers=1, seed=6).save_pretrained(root / "longer")
     longer.save_pretrained(root / "longer")  # one id more than the model's rows: extends tok
     base = tiny_causal_lm(len(tok), hidden_size=16, num_layers=1, seed=0)
-    for name, model in [("lora", base), ("lora_other", tiny_causal_lm(len(tok), hidden_size=32,
-                                                                       num_layers=1, seed=0))]:  # fmt: skip
-        config = LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False,
-                            fan_in_fan_out=True)  # fmt: skip
+    for name, model in [
+        ("lora", base),
+        ("lora_other", tiny_causal_lm(len(tok), hidden_size=32, num_layers=1, seed=0)),
+    ]:
+        config = LoraConfig(
+            r=2, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True
+        )
         get_peft_model(copy.deepcopy(model), config).save_pretrained(root / name)
     return root
 
@@ -89,8 +92,17 @@ def deadline(seconds: int):
 
 def test_merge_refuses_tokenizers_that_map_ids_differently(models, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["merge", "--method", "linear", "--models", models / "math", models / "perm",
-            "--out", out, "--no-progress"]  # fmt: skip
+    argv = [
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        models / "math",
+        models / "perm",
+        "--out",
+        out,
+        "--no-progress",
+    ]
     code, err = run(argv, capsys)
     assert code == 2
     line = assert_one_line(err, "mergelab merge: error: ")
@@ -101,9 +113,11 @@ def test_merge_refuses_tokenizers_that_map_ids_differently(models, tmp_path, cap
 def test_mergekit_dialect_refuses_unless_tokenizer_source_aligns(models, tmp_path, capsys):
     config = {
         "merge_method": "linear",
-        "models": [{"model": str(models / m), "parameters": {"weight": 1.0}} for m in ("math", "perm")],
+        "models": [
+            {"model": str(models / m), "parameters": {"weight": 1.0}} for m in ("math", "perm")
+        ],
         "dtype": "float32",
-    }  # fmt: skip
+    }
     path = tmp_path / "mk.yaml"
     path.write_text(yaml.safe_dump(config))
     code, err = run(["merge", "--config", path, "--out", tmp_path / "a", "--no-progress"], capsys)
@@ -125,8 +139,20 @@ def test_merge_accepts_shared_and_extended_tokenizers(models, tmp_path, capsys):
     check_merge_tokenizers([models / "math", models / "longer"], ["math", "longer"])
     with pytest.raises(ValueError, match="maps tokens differently"):
         check_merge_tokenizers([models / "math", models / "perm"], ["math", "perm"])
-    code, err = run(["merge", "--method", "linear", "--models", models / "math", models / "code",
-                     "--out", tmp_path / "ok", "--no-progress"], capsys)  # fmt: skip
+    code, err = run(
+        [
+            "merge",
+            "--method",
+            "linear",
+            "--models",
+            models / "math",
+            models / "code",
+            "--out",
+            tmp_path / "ok",
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 0, err
 
 
@@ -162,26 +188,73 @@ def fifo(tmp_path):
 
 @pytest.mark.parametrize("special", ["fifo", "/dev/zero", "folder"])
 @pytest.mark.parametrize(
-    "where", ["eval --data", "eval --spec", "merge --config", "compare", "compose --prompts-file",
-              "compose --composition"],
-)  # fmt: skip
+    "where",
+    [
+        "eval --data",
+        "eval --spec",
+        "merge --config",
+        "compare",
+        "compose --prompts-file",
+        "compose --composition",
+    ],
+)
 def test_readers_take_regular_files_only(models, tmp_path, capsys, fifo, special, where):
     (tmp_path / "folder").mkdir()
     path = {"fifo": fifo, "/dev/zero": Path("/dev/zero"), "folder": tmp_path / "folder"}[special]
     command, flag = (where.split() + [""])[:2]
     out = tmp_path / "out"
     argv = {
-        "eval --data": ["eval", "run", "--model", models / "base", "--benchmark", "gsm8k",
-                        "--data", path, "--out", out, "--cache-dir", tmp_path / "cache"],
-        "eval --spec": ["eval", "run", "--spec", path, "--benchmark", "gsm8k", "--data", path,
-                        "--out", out, "--cache-dir", tmp_path / "cache"],
+        "eval --data": [
+            "eval",
+            "run",
+            "--model",
+            models / "base",
+            "--benchmark",
+            "gsm8k",
+            "--data",
+            path,
+            "--out",
+            out,
+            "--cache-dir",
+            tmp_path / "cache",
+        ],
+        "eval --spec": [
+            "eval",
+            "run",
+            "--spec",
+            path,
+            "--benchmark",
+            "gsm8k",
+            "--data",
+            path,
+            "--out",
+            out,
+            "--cache-dir",
+            tmp_path / "cache",
+        ],
         "merge --config": ["merge", "--config", path, "--out", out],
         "compare": ["compare", path, "--out", out, "--dry-run"],
-        "compose --prompts-file": ["compose", "--base", models / "base", "--expert",
-                                   models / "math", "--prompts-file", path],
-        "compose --composition": ["compose", "--base", models / "base", "--expert",
-                                  models / "math", "--prompt", "ab", "--composition", path],
-    }[where]  # fmt: skip
+        "compose --prompts-file": [
+            "compose",
+            "--base",
+            models / "base",
+            "--expert",
+            models / "math",
+            "--prompts-file",
+            path,
+        ],
+        "compose --composition": [
+            "compose",
+            "--base",
+            models / "base",
+            "--expert",
+            models / "math",
+            "--prompt",
+            "ab",
+            "--composition",
+            path,
+        ],
+    }[where]
     if where == "eval --spec" and special == "folder":
         pytest.skip("a folder is a valid --spec (a model folder)")
     with deadline(60):
@@ -199,8 +272,17 @@ def test_a_model_folder_file_that_is_a_fifo_is_refused(models, tmp_path, capsys)
     shutil.copytree(models / "code", folder)
     (folder / "generation_config.json").unlink(missing_ok=True)
     os.mkfifo(folder / "generation_config.json")
-    argv = ["merge", "--method", "linear", "--models", models / "math", folder,
-            "--out", tmp_path / "out", "--no-progress"]  # fmt: skip
+    argv = [
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        models / "math",
+        folder,
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    ]
     with deadline(60):
         code, err = run(argv, capsys)
     assert code == 2
@@ -246,8 +328,17 @@ def test_deeply_nested_configs_are_refused_naming_the_file(models, tmp_path, cap
     folder = tmp_path / "deep"
     shutil.copytree(models / "code", folder)
     (folder / "config.json").write_text(nested)
-    argv = ["merge", "--method", "linear", "--models", models / "math", folder,
-            "--out", tmp_path / "m", "--no-progress"]  # fmt: skip
+    argv = [
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        models / "math",
+        folder,
+        "--out",
+        tmp_path / "m",
+        "--no-progress",
+    ]
     code, err = run(argv, capsys)
     assert code == 2
     line = assert_one_line(err, "mergelab merge: error: ")
@@ -264,8 +355,18 @@ def test_compose_checks_adapters_against_the_base_before_loading(models, capsys,
         raise AssertionError("a model was loaded before the adapter was checked")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
-    argv = ["compose", "--base", models / "base", "--expert", models / "lora_other", "--lora",
-            "--prompt", "ab", "--max-new-tokens", "2"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        models / "base",
+        "--expert",
+        models / "lora_other",
+        "--lora",
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "2",
+    ]
     code, err = run(argv, capsys)
     assert code == 2
     line = assert_one_line(err, "mergelab compose: error: ")
@@ -290,16 +391,31 @@ def test_compose_recognises_an_adapter_folder_without_lora(models, capsys, monke
         raise AssertionError("nothing should be loaded")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
-    code, err = run(["compose", "--base", models / "base", "--expert", models / "lora",
-                     "--prompt", "ab"], capsys)  # fmt: skip
+    code, err = run(
+        ["compose", "--base", models / "base", "--expert", models / "lora", "--prompt", "ab"],
+        capsys,
+    )
     assert code == 2
     line = assert_one_line(err, "mergelab compose: error: ")
     assert "LoRA adapter folder" in line and "pass --lora" in line
-    code, err = run(["compose", "--base", models / "base", "--expert", models / "math",
-                     "--lora", "--prompt", "ab"], capsys)  # fmt: skip
+    code, err = run(
+        [
+            "compose",
+            "--base",
+            models / "base",
+            "--expert",
+            models / "math",
+            "--lora",
+            "--prompt",
+            "ab",
+        ],
+        capsys,
+    )
     assert code == 2 and "is not a PEFT adapter folder" in assert_one_line(err, "mergelab compose")
-    code, err = run(["compose", "--base", models / "lora", "--expert", models / "math",
-                     "--prompt", "ab"], capsys)  # fmt: skip
+    code, err = run(
+        ["compose", "--base", models / "lora", "--expert", models / "math", "--prompt", "ab"],
+        capsys,
+    )
     assert code == 2 and "is a PEFT adapter folder" in assert_one_line(err, "mergelab compose")
 
 
@@ -328,8 +444,9 @@ def _small_tmpfs(path: Path) -> bool:
     if os.geteuid() != 0:
         return False
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(path)],
-                          capture_output=True)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(path)], capture_output=True
+    )
     return done.returncode == 0
 
 
@@ -373,8 +490,17 @@ def full_disk(request, tmp_path, monkeypatch):
 
 def test_a_full_disk_during_a_merge_is_reported_as_such(models, full_disk, capsys):
     out = full_disk / "merged"
-    argv = ["merge", "--method", "linear", "--models", models / "math", models / "code",
-            "--out", out, "--no-progress"]  # fmt: skip
+    argv = [
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        models / "math",
+        models / "code",
+        "--out",
+        out,
+        "--no-progress",
+    ]
     code, err = run(argv, capsys)
     assert code == 1, err
     line = assert_one_line(err, "mergelab merge: error: ")
@@ -415,10 +541,24 @@ def _interrupt_after_import(module: str, delay: float) -> subprocess.CompletedPr
     (``-X importtime`` reports it), then after ``delay`` seconds send SIGINT."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     env.pop("MERGELAB_DEBUG", None)
-    argv = [sys.executable, "-X", "importtime", "-m", module, "merge", "--method", "linear",
-            "--models", "a", "b", "--out", "c"]  # fmt: skip
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=env, cwd=REPO)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        module,
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        "a",
+        "b",
+        "--out",
+        "c",
+    ]
+    proc = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
     lines = []
     for line in proc.stderr:
         lines.append(line)
@@ -473,8 +613,9 @@ def test_unreadable_and_fifo_configs_as_each_user(tmp_path, user):
     os.mkfifo(area / "pipe.yaml", 0o666)
     seen, binds = (AREA_MOUNT, {str(area): AREA_MOUNT}) if os.geteuid() == 0 else (str(area), {})
     env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HOME": seen}
-    proc = _unpriv.run_python(AS_USER.format(area=seen), user=user, env=env, binds=binds,
-                              timeout=240)  # fmt: skip
+    proc = _unpriv.run_python(
+        AS_USER.format(area=seen), user=user, env=env, binds=binds, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     private, pipe = json.loads(proc.stdout.strip().splitlines()[-1])
     lines = [x for x in proc.stderr.splitlines() if x.startswith("mergelab merge")]
@@ -485,3 +626,30 @@ def test_unreadable_and_fifo_configs_as_each_user(tmp_path, user):
         assert f"{seen}/private.yaml" in lines[0]
     else:
         assert private == 2 and "model 'a'" in lines[0]  # readable: its model is missing
+
+
+def test_compare_refuses_experts_whose_tokenizer_maps_ids_differently(models, tmp_path, capsys):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "models": {
+                    "base": str(models / "base"),
+                    "experts": {"math": str(models / "math"), "perm": str(models / "perm")},
+                },
+                "candidates": [{"family": "base"}],
+                "benchmarks": [
+                    {
+                        "name": "math",
+                        "task": "synth_math",
+                        "file": str(spec),
+                        "split": {"validation": 1, "test": 1},
+                    }
+                ],
+            }
+        )
+    )
+    code, err = run(["compare", spec, "--out", tmp_path / "out", "--dry-run"], capsys)
+    assert code == 2
+    line = assert_one_line(err, "mergelab compare: error: ")
+    assert "models.experts.perm maps tokens differently" in line and "one tokenizer" in line

@@ -40,6 +40,7 @@ from typing import Any
 from mergelab.errors import UserInputError
 from mergelab.eval.tasks import list_tasks
 from mergelab.inputs import check_model_folder, parse_nested, read_config_bytes
+from mergelab.vocabulary import check_merge_tokenizers
 
 FAMILIES = ("base", "expert", "composition", "merge", "lora_composition", "lora_merge")
 TOP_KEYS = {
@@ -414,6 +415,13 @@ class _Parser:
             tok = models["base"].path
         elif isinstance(tok, (str, os.PathLike)):
             tok = self.path("models.tokenizer", tok)
+        # Every row runs with one tokenizer, and merges average rows by id: each id one token.
+        folders = {n: m.path for n, m in models.items() if m.kind == "folder"}
+        check_merge_tokenizers(
+            list(folders.values()),
+            ["models.base" if n == "base" else f"models.experts.{n}" for n in folders],
+            "every candidate of a comparison runs with one tokenizer: compare models that share it",
+        )
         return models, tok
 
     def model_source(self, key: str, name: str, entry: Any) -> ModelSource:
