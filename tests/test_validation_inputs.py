@@ -557,7 +557,14 @@ def _interrupt_after_import(module: str, delay: float) -> subprocess.CompletedPr
         "c",
     ]
     proc = subprocess.Popen(
-        argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+        argv,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        # a test run from a background job inherits SIGINT ignored; a terminal's Ctrl-C is not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     for line in proc.stderr:
