@@ -123,7 +123,7 @@ def check_model_folder(folder: str | os.PathLike, label: str | None = None) -> N
         return
     label = label or str(folder)
     for entry in os.scandir(folder):
-        if entry.name.endswith(MODEL_FILE_SUFFIXES):
+        if entry.name.endswith(MODEL_FILE_SUFFIXES) and not entry.is_dir():  # no loader opens one
             check_regular_file(entry.path, f"{entry.name} of {label}")
     for name in MODEL_CONFIG_FILES:
         path = folder / name
