@@ -1,10 +1,14 @@
 """mergelab: weight-space merges and logit composition of language models, compared in one harness."""
 
 import gc as _gc
+from contextlib import nullcontext as _no_change
 
 from . import errors as _errors
 
-if _errors.started_as_command():  # Ctrl-C while torch is imported: one line, exit 130
+# As a command, Ctrl-C while torch is imported waits for the import, then ends the command in
+# one line with exit code 130 (raised inside torch's C++ start-up it can abort the process).
+_command = _errors.started_as_command()
+if _command:
     _errors.exit_quietly_when_interrupted()
 
 # Importing torch creates hundreds of thousands of objects, and each full collection Python
@@ -18,8 +22,9 @@ _collecting = _gc.isenabled()
 _frozen_before = _gc.get_freeze_count()
 _gc.disable()
 try:
-    from .candidate import Candidate, Generation, GenerationSettings
-    from .model_candidate import ModelCandidate
+    with _errors.interrupts_deferred() if _command else _no_change():
+        from .candidate import Candidate, Generation, GenerationSettings
+        from .model_candidate import ModelCandidate
 finally:
     if not _frozen_before:
         _gc.freeze()

@@ -20,9 +20,11 @@ Library code raises ordinary exceptions: :class:`UserInputError` (a ``ValueError
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import threading
 
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 1
@@ -170,3 +172,24 @@ def exit_quietly_when_interrupted() -> None:
             os._exit(exit_code(value))
 
     sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C while the block runs (imports of torch and the like: a KeyboardInterrupt
+    raised inside their C++ start-up can abort the process or be swallowed by it), then raise it
+    once the block is done. Only where Python's own SIGINT handler is installed, in the main
+    thread; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt

@@ -660,3 +660,17 @@ def test_compare_refuses_experts_whose_tokenizer_maps_ids_differently(models, tm
     assert code == 2
     line = assert_one_line(err, "mergelab compare: error: ")
     assert "models.experts.perm maps tokens differently" in line and "one tokenizer" in line
+
+
+def test_interrupts_are_held_until_the_block_ends():
+    """Ctrl-C inside the block (an import of torch, say) is raised once the block is done."""
+    from mergelab.errors import interrupts_deferred
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
