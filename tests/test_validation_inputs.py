@@ -667,10 +667,15 @@ def test_interrupts_are_held_until_the_block_ends():
     from mergelab.errors import interrupts_deferred
 
     reached = []
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            reached.append("end of block")
+    # Python's own handler, as at a terminal (a background test run inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                reached.append("end of block")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert reached == ["end of block"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
