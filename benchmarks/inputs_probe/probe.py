@@ -221,7 +221,12 @@ def run_case(name, argv):
             tail = [p.stdout.strip()]
     except subprocess.TimeoutExpired:
         rc, tail = "TIMEOUT", []
-    return {"case": name, "rc": rc, "s": round(time.time() - t, 1), "tail": [line[:300] for line in tail]}
+    return {
+        "case": name,
+        "rc": rc,
+        "s": round(time.time() - t, 1),
+        "tail": [line[:300] for line in tail],
+    }
 
 
 for name, argv in CASES.items():
