@@ -2,6 +2,15 @@
 
 import gc as _gc
 import importlib as _importlib
+from contextlib import nullcontext as _no_change
+
+from . import errors as _errors
+
+# As a command, Ctrl-C while torch is imported waits for the import, then ends the command in
+# one line with exit code 130 (raised inside torch's C++ start-up it can abort the process).
+_command = _errors.started_as_command()
+if _command:
+    _errors.exit_quietly_when_interrupted()
 
 __version__ = "0.1.0"
 __all__ = ["Candidate", "Generation", "GenerationSettings", "ModelCandidate", "__version__"]
@@ -37,7 +46,8 @@ def import_without_collecting(module_name: str):
     frozen_before = _gc.get_freeze_count()
     _gc.disable()
     try:
-        return _importlib.import_module(module_name)
+        with _errors.interrupts_deferred() if _command else _no_change():
+            return _importlib.import_module(module_name)
     finally:
         if not frozen_before:
             _gc.freeze()

@@ -18,7 +18,7 @@ import traceback
 from typing import NoReturn
 
 from . import import_without_collecting
-from .errors import exit_code, may_be_a_bug, one_line, raise_terminated
+from .errors import exit_code, interrupts_deferred, may_be_a_bug, one_line, raise_terminated
 
 # subcommand -> module that defines add_subcommand(subparsers), which sets `func` on its parser.
 SUBCOMMAND_MODULES = {
@@ -138,7 +138,8 @@ def _exit_without_teardown(code: int) -> NoReturn:
 def _main(argv: list[str]) -> int:
     # No subcommand on the command line (`mergelab --help`, a typo): list them all, lazily.
     command = _subcommand(argv)
-    parser = build_parser(command, lazy=command is None)
+    with interrupts_deferred():  # the subcommand's imports (transformers, ...) run C++ start-up
+        parser = build_parser(command, lazy=command is None)
     args = parser.parse_args(argv)
     debug = args.debug or _debug_from_env()
     # SIGTERM unwinds like Ctrl-C (outputs being written are removed), unless an application

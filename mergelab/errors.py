@@ -20,9 +20,11 @@ Library code raises ordinary exceptions: :class:`UserInputError` (a ``ValueError
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import threading
 
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 1
@@ -133,3 +135,61 @@ def one_line(exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     # One line: messages from other libraries (YAML, transformers) may span several.
     return " ".join(text.split())
+
+
+# Programs that are mergelab's commands (console scripts, and `python -m` of these modules).
+COMMAND_NAMES = ("mergelab", "mergelab-lm-eval")
+COMMAND_MODULES = ("mergelab", "mergelab.cli", "mergelab.eval.lm_eval_bridge")
+
+
+def started_as_command() -> bool:
+    """Whether this process is one of mergelab's commands (not Python importing mergelab)."""
+    import sys
+
+    if sys.argv and os.path.basename(sys.argv[0]) in COMMAND_NAMES:
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return "-m" in argv[:-1] and argv[argv.index("-m") + 1] in COMMAND_MODULES
+
+
+def exit_quietly_when_interrupted() -> None:
+    """Ctrl-C that no handler catches (while the command's modules are still being imported,
+    before ``main`` runs) ends the command with one line and exit code 130, as an interrupt
+    later does, instead of a traceback from inside an import."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, traceback)
+            return
+        name = os.path.basename(sys.argv[0]) if sys.argv else ""
+        name = name if name in COMMAND_NAMES else "mergelab"
+        try:
+            print(f"{name}: {one_line(value)}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(exit_code(value))
+
+    sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C while the block runs (imports of torch and the like: a KeyboardInterrupt
+    raised inside their C++ start-up can abort the process or be swallowed by it), then raise it
+    once the block is done. Only where Python's own SIGINT handler is installed, in the main
+    thread; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt

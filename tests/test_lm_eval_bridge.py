@@ -24,6 +24,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from mergelab.candidate import GenerationSettings  # noqa: E402
 from mergelab.compose import ComposedDecoder  # noqa: E402
+from mergelab.eval import lm_eval_bridge  # noqa: E402
 from mergelab.eval.lm_eval_bridge import MergelabLM  # noqa: E402
 from mergelab.eval.spec import build_candidate, parse_candidate_spec  # noqa: E402
 from mergelab.merge import merge_models  # noqa: E402
@@ -280,6 +281,133 @@ def test_command_line_runs_a_composition(folders, composed, task_manager, tmp_pa
     expected = _evaluate(MergelabLM(composed), MC, task_manager)["results"][MC]
     assert results["results"][MC]["acc,none"] == expected["acc,none"]
     assert results["config"]["mergelab_candidate"]["type"] == "ComposedDecoder"
+
+
+def test_model_args_take_lm_evals_names(folders, models, tok):
+    """pretrained= (as the hf model), dtype (auto: as stored), batch_size in model_args winning
+    over lm-eval's own --batch_size, which the hf model would refuse as given twice."""
+    from lm_eval.api.registry import get_model
+
+    cls = get_model("mergelab")
+    lm = cls.create_from_arg_obj(
+        {
+            "pretrained": str(folders / "base"),
+            "dtype": "bfloat16",
+            "batch_size": "4",
+            "trust_remote_code": False,
+            "device": "cpu",
+        },
+        {"batch_size": 1, "max_batch_size": None, "device": None},
+    )
+    assert lm.batch_size == 4 and lm.candidate.model.dtype == torch.bfloat16
+    lm = cls.create_from_arg_string(f"pretrained={folders / 'base'},dtype=auto,batch_size=auto")
+    assert lm.batch_size == 8 and lm.candidate.model.dtype == torch.float32
+    lm = cls.create_from_arg_string(f"spec={folders / 'base'}", {"batch_size": 2})
+    assert lm.batch_size == 2  # lm-eval's --batch_size applies when model_args do not say
+
+
+def _bridge_command(monkeypatch, argv):
+    """(exit code, stdout, stderr) of ``mergelab-lm-eval *argv`` run in this process."""
+    import contextlib
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["mergelab-lm-eval"])
+    monkeypatch.delenv("MERGELAB_DEBUG", raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            lm_eval_bridge.main([str(a) for a in argv])
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("model_args", "message"),
+    [
+        ("spec=missing.yaml", "candidate spec missing.yaml not found"),
+        ("spec={base},colour=red", "unknown key(s) ['colour']"),
+        ("spec={base},dtype=float8", "unknown dtype 'float8'"),
+        ("spec={base},batch_size=x", "batch_size must be a whole number, got 'x'"),
+        ("spec={base},batch_size=0", "batch_size must be at least 1"),
+        ("spec={base},pretrained={base}", "exactly one"),
+        ("dtype=float32", "give spec=<spec file or model folder>"),
+        ("spec={base},trust_remote_code=maybe", "trust_remote_code must be true or false"),
+    ],
+)
+def test_bad_model_args_are_one_line_and_exit_2(folders, monkeypatch, model_args, message):
+    argv = [
+        "--model",
+        "mergelab",
+        "--model_args",
+        model_args.format(base=folders / "base"),
+        "--tasks",
+        MC,
+        "--include_path",
+        TASKS,
+    ]
+    code, _, err = _bridge_command(monkeypatch, argv)
+    assert code == 2, err
+    assert "Traceback" not in err
+    [line] = [x for x in err.strip().splitlines() if x.startswith("mergelab-lm-eval")]
+    assert err.strip().endswith(line) and line.startswith("mergelab-lm-eval: error: ")
+    assert message in line
+
+
+def test_help_explains_spec(monkeypatch):
+    code, out, _ = _bridge_command(monkeypatch, ["--help"])
+    assert code == 0
+    ours, _, theirs = out.partition("lm-eval's own help follows.")
+    assert "spec=compose.yaml" in ours and "pretrained=" in ours
+    assert all(f"  {key} " in ours for key in lm_eval_bridge.MODEL_ARGS)
+    assert "run" in theirs  # lm-eval's own help follows
+
+
+def test_command_line_takes_pretrained_and_batch_size(folders, models, tok, task_manager, tmp_path):
+    from lm_eval import tasks as lm_eval_tasks
+
+    bridge = lm_eval_bridge
+    seen = []
+    real = bridge.MergelabLM._loglikelihood_tokens
+
+    def spy(self, requests, disable_tqdm=False):
+        seen.append(self.batch_size)
+        return real(self, requests, disable_tqdm)
+
+    class LocalTasksOnly(TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm_eval_tasks, "TaskManager", LocalTasksOnly)
+        mp.setattr(bridge.MergelabLM, "_loglikelihood_tokens", spy)
+        code, _, err = _bridge_command(
+            mp,
+            [
+                "run",
+                "--model",
+                "mergelab",
+                "--model_args",
+                f"pretrained={folders / 'base'}",
+                "batch_size=3",
+                "dtype=float32",
+                "--tasks",
+                MC,
+                "--include_path",
+                TASKS,
+                "--output_path",
+                out,
+            ],
+        )
+    assert code == 0, err
+    assert seen and set(seen) == {3}
+    [results_file] = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    expected = _evaluate(MergelabLM(ModelCandidate(models[0], tok)), MC, task_manager)
+    assert results["results"][MC]["acc,none"] == expected["results"][MC]["acc,none"]
 
 
 def test_the_bridge_is_a_console_script():

@@ -94,6 +94,10 @@ def main(args: argparse.Namespace) -> int:
         from mergelab.compare.example import EXAMPLES
 
         cache = Path(args.cache) if args.cache else default_cache_dir(args.out)
+        if args.out and not args.dry_run:  # refused now, not after the models are trained
+            from mergelab.outputs import check_output_path
+
+            check_output_path(args.out, force=args.force, inputs=[cache])
         folder = cache / ("example" if args.example == "tiny" else f"example-{args.example}")
         spec = EXAMPLES[args.example](folder, progress=not args.no_progress)
     if spec is None:

@@ -39,6 +39,8 @@ from typing import Any
 
 from mergelab.errors import UserInputError
 from mergelab.eval.tasks import list_tasks
+from mergelab.inputs import check_model_folder, parse_nested, read_config_bytes
+from mergelab.vocabulary import check_merge_tokenizers
 
 FAMILIES = ("base", "expert", "composition", "merge", "lora_composition", "lora_merge")
 TOP_KEYS = {
@@ -232,23 +234,25 @@ def load_spec(spec: str | os.PathLike | Mapping[str, Any] | CompareSpec) -> Comp
     if isinstance(spec, Mapping):
         return parse_spec(spec, base_dir=Path.cwd(), source="<python>")
     path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"compare spec {path} does not exist (or is not a file)")
-    text = path.read_text(encoding="utf-8")
+    data = read_config_bytes(path, "compare spec")  # a FIFO or /dev/zero is refused unread
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text (byte offset {exc.start})") from None
     if path.suffix.lower() == ".toml":
         try:
             import tomllib
         except ImportError:  # pragma: no cover - Python 3.10
             import tomli as tomllib
         try:
-            data = tomllib.loads(text)
+            data = parse_nested(lambda: tomllib.loads(text), str(path))
         except tomllib.TOMLDecodeError as exc:
             raise SpecError(f"{path}: not valid TOML: {exc}") from exc
     else:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = parse_nested(lambda: yaml.safe_load(text), str(path))
         except yaml.YAMLError as exc:
             raise SpecError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):
@@ -438,6 +442,13 @@ class _Parser:
             tok = models["base"].path
         elif isinstance(tok, (str, os.PathLike)):
             tok = self.path("models.tokenizer", tok)
+        # Every row runs with one tokenizer, and merges average rows by id: each id one token.
+        folders = {n: m.path for n, m in models.items() if m.kind == "folder"}
+        check_merge_tokenizers(
+            list(folders.values()),
+            ["models.base" if n == "base" else f"models.experts.{n}" for n in folders],
+            "every candidate of a comparison runs with one tokenizer: compare models that share it",
+        )
         return models, tok
 
     def model_source(self, key: str, name: str, entry: Any) -> ModelSource:
@@ -456,6 +467,7 @@ class _Parser:
                     f"{path} is not a {'PEFT adapter' if kind == 'adapter' else 'model'} "
                     f"folder (no {marker})",
                 )
+            check_model_folder(path)
             return ModelSource(name, "adapter" if kind == "adapter" else "folder", path)
         if hasattr(entry, "state_dict") and hasattr(entry, "forward"):
             return ModelSource(name, "memory", obj=entry)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..candidate import GenerationSettings
+from ..inputs import check_model_folder, check_regular_file, read_config_bytes
+from ..lora import is_lora_adapter
 from .eos import EOS_POLICIES
 from .formula import Composition
 
@@ -129,9 +131,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def read_utf8(path: Path, what: str) -> str:
-    """The text of ``path``; a file that is not UTF-8 is an error naming the file and the byte."""
-    raw = path.read_bytes()
+MAX_PROMPTS_BYTES = 256 * 2**20
+
+
+def read_utf8(path: Path, what: str, max_bytes: int = MAX_PROMPTS_BYTES) -> str:
+    """The text of ``path`` (a regular file of at most ``max_bytes``); a file that is not UTF-8
+    is an error naming the file and the byte."""
+    raw = read_config_bytes(path, what, max_bytes=max_bytes)
     try:
         return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
@@ -146,8 +152,6 @@ def read_prompts(path: str | Path) -> list[str]:
     """Prompts from ``.jsonl`` (objects with a "prompt" field), ``.json`` (a list of strings or
     of such objects) or plain text (one per non-empty line). Errors name the file and line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} not found")
     text = read_utf8(path, "prompts file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -204,22 +208,28 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     for path in [args.base, *args.expert]:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path} not found")
-    from mergelab.lora import is_lora_adapter
-
+        check_model_folder(path)
     if is_lora_adapter(args.base):
-        raise ValueError(f"--base {args.base} is a PEFT LoRA adapter folder; the base is a model")
-    adapters = [p for p in args.expert if is_lora_adapter(p)]
-    if adapters and not args.lora:
         raise ValueError(
-            f"expert {adapters[0]} is a PEFT LoRA adapter folder: add --lora (all experts "
-            "adapters of the base)"
+            f"--base {args.base} is a PEFT adapter folder (adapter_config.json); the base is a "
+            "model folder, and adapters of it are experts with --lora"
         )
-    if args.lora and len(adapters) < len(args.expert):
-        full = [p for p in args.expert if p not in adapters]
-        raise ValueError(f"--lora: expert {full[0]} is not a PEFT LoRA adapter folder")
+    for path in args.expert:
+        if is_lora_adapter(path) != args.lora:
+            raise ValueError(
+                f"--expert {path} is a PEFT LoRA adapter folder (adapter_config.json); pass "
+                "--lora to compose adapters of the base"
+                if args.lora is False
+                else f"--expert {path} is not a PEFT adapter folder (no adapter_config.json); "
+                "with --lora every expert is a LoRA adapter of the base"
+            )
+    if args.lora:
+        from .lora import check_adapters_fit
+
+        check_adapters_fit(args.base, args.expert)  # before any model is loaded
     for path, what in [(args.composition, "composition file"), (args.prompts_file, "prompts file")]:
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"{what} {path} not found")
+        if path is not None:
+            check_regular_file(path, what)
     draft = _draft_folder(args)
     if draft is not None and not Path(draft).is_dir():
         raise FileNotFoundError(f"draft model folder {draft} not found")

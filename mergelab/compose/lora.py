@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +91,12 @@ class LoraRunner(ComponentRunner):
                     continue
                 lora = adapter.modules[module_name]
                 a, b, scaling = lora.A, lora.B, lora.scaling
+                if lora.delta_shape != tuple(weight.shape):  # made for another base
+                    raise ValueError(
+                        f"LoRA adapter {adapter.name} does not fit the base model: its "
+                        f"{module_name} changes a {list(lora.delta_shape)} weight, the base's is "
+                        f"{list(weight.shape)}; was the adapter made for another base?"
+                    )
                 if a.shape[1] != in_features or b.shape[0] != out_features:
                     raise ValueError(
                         f"{adapter.name}: {module_name} LoRA shapes {a.shape}, {b.shape}"
@@ -211,3 +218,31 @@ def _lora_hook(k: int, a_stack: torch.Tensor, b_stack: torch.Tensor):
         return output
 
     return hook
+
+
+def check_adapters_fit(base_folder: str | Path, adapters: Sequence[str | Path]) -> None:
+    """Before any model is loaded: every module an adapter changes has, in the base checkpoint,
+    a weight of the shape the adapter's ΔW has (``ValueError`` naming adapter, module and both
+    shapes). Shapes come from the base's safetensors headers; a module whose weight is not found
+    there by name (another checkpoint layout) is checked by :class:`LoraRunner` once loaded."""
+    from safetensors import safe_open
+
+    from mergelab.lora import as_lora_adapter
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(base_folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    for folder in adapters:
+        adapter = as_lora_adapter(folder)
+        for module_name, lora in adapter.modules.items():
+            weight = f"{module_name}.weight"
+            # a checkpoint may store a module without its model's prefix (GPT-2's transformer.)
+            keys = [k for k in shapes if k == weight or weight.endswith("." + k)]
+            if keys and shapes[keys[0]] != lora.delta_shape:
+                raise ValueError(
+                    f"LoRA adapter {folder} does not fit the base {base_folder}: its "
+                    f"{module_name} changes a {list(lora.delta_shape)} weight, the base's is "
+                    f"{list(shapes[keys[0]])}; was the adapter made for another base?"
+                )

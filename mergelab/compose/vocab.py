@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "pad_token")
+from mergelab.vocabulary import SPECIAL_ATTRIBUTES, TOKENIZER_FILES, tokenizer_difference
 
 
 def tokenizer_vocab_size(tokenizer: Any) -> int:
@@ -41,9 +41,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
 def check_shipped_tokenizers(tokenizer: Any, name: str, folders: Sequence[str]) -> None:
     """Every model folder in ``folders`` that ships a tokenizer must ship ``tokenizer`` (read
     from ``name``): ``ValueError`` naming the first difference. Folders without one are skipped."""
@@ -58,32 +55,13 @@ def check_shipped_tokenizers(tokenizer: Any, name: str, folders: Sequence[str]) 
 
 
 def check_same_tokenizer(tokenizers: Sequence[Any], names: Sequence[str] | None = None) -> None:
-    """Raise ``ValueError`` naming the first difference between ``tokenizers[0]`` and the rest."""
+    """Raise ``ValueError`` naming the first difference between ``tokenizers[0]`` and the rest
+    (:func:`mergelab.vocabulary.tokenizer_difference`, the check merges use too)."""
     names = list(names) if names is not None else [f"model {i}" for i in range(len(tokenizers))]
-    ref = tokenizers[0]
-    ref_vocab = ref.get_vocab()
     for name, tok in zip(names[1:], tokenizers[1:]):
-        if tok is ref:
-            continue
-        if len(tok) != len(ref):
-            raise ValueError(
-                f"tokenizer of {name} has {len(tok)} tokens, {names[0]}'s has {len(ref)}: "
-                "composition needs one shared tokenizer"
-            )
-        vocab = tok.get_vocab()
-        if vocab != ref_vocab:
-            diff = sorted(set(vocab.items()) ^ set(ref_vocab.items()))[:5]
-            raise ValueError(
-                f"tokenizer of {name} maps tokens differently from {names[0]}'s "
-                f"(e.g. {diff}): composition needs one shared tokenizer"
-            )
-        for attr in SPECIAL_ATTRIBUTES:
-            a, b = getattr(ref, attr, None), getattr(tok, attr, None)
-            if a != b:
-                raise ValueError(
-                    f"{attr} differs: {names[0]} has {a!r}, {name} has {b!r}; "
-                    "composition needs one shared tokenizer"
-                )
+        diff = tokenizer_difference(tokenizers[0], tok, names[0], name)
+        if diff is not None:
+            raise ValueError(f"{diff}; composition needs one shared tokenizer")
 
 
 def model_output_size(model: nn.Module) -> int | None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.errors import UserInputError
+from mergelab.inputs import check_regular_file
 
 
 class BenchmarkFormatError(UserInputError):
@@ -195,22 +196,35 @@ def _canonical(obj: Any) -> Any:
 # ---------------------------------------------------------------- reading record files
 
 
+MAX_LINE_BYTES = 64 * 2**20  # one record of a .jsonl file
+MAX_JSON_BYTES = 2 * 2**30  # a whole .json list (or its uncompressed content)
+
+
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) for a .jsonl / .jsonl.gz file, or (index+1, record) for a .json
     list. A file that is not UTF-8 (named with the byte's offset), a malformed line or a corrupt
     gzip file raise :class:`BenchmarkFormatError` naming the file and line."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"benchmark file not found: {path}")
+    path = check_regular_file(path, "benchmark file")  # a FIFO or /dev/zero: refused unread
     compressed = path.name.endswith(".gz")
     opener = gzip.open if compressed else open
     try:
         with opener(path, "rb") as f:
             if path.name.endswith((".json", ".json.gz")):
-                yield from _json_list_records(path, _decode(f.read(), path, 1, 0, compressed))
+                data = f.read(MAX_JSON_BYTES + 1)
+                if len(data) > MAX_JSON_BYTES:
+                    raise BenchmarkFormatError(
+                        f"{path}: more than {MAX_JSON_BYTES:,} bytes of JSON in one list; "
+                        "write one record per line (.jsonl)"
+                    )
+                yield from _json_list_records(path, _decode(data, path, 1, 0, compressed))
                 return
             offset = 0
-            for lineno, raw in enumerate(f, start=1):
+            for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise BenchmarkFormatError(
+                        f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES:,} bytes; "
+                        "not one benchmark record"
+                    )
                 line = _decode(raw, path, lineno, offset, compressed)
                 offset += len(raw)
                 if not line.strip():

@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 from mergelab.candidate import Candidate, GenerationSettings, generation_settings
 from mergelab.compose.decoding import DecodingCandidate, left_pad
+from mergelab.errors import UserInputError
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model falls back to this too
 DEFAULT_BATCH_SIZE = 8
@@ -84,15 +85,20 @@ class MergelabLM(TemplateLM):
         candidate: Candidate | None = None,
         *,
         spec: str | os.PathLike | None = None,
+        pretrained: str | os.PathLike | None = None,
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_length: int | None = None,
         max_gen_toks: int = 256,
         seed: int = 1234,
         device: str | None = None,
         dtype: str | None = None,
+        trust_remote_code: bool = False,
         max_batch_size: int | None = None,  # passed by lm-eval; mergelab batches are fixed
     ):
         super().__init__()
+        if spec is not None and pretrained is not None:
+            raise ModelArgsError("give spec= or pretrained= (the same thing), not both")
+        spec = spec if spec is not None else pretrained
         if (candidate is None) == (spec is None):
             raise ValueError("give a candidate (Python) or spec=<spec file or model folder>")
         if candidate is None:
@@ -105,7 +111,10 @@ class MergelabLM(TemplateLM):
                     f"device {device} requested but CUDA is unavailable: using CPU", stacklevel=2
                 )
                 device = "cpu"
-            candidate = build_candidate(str(spec), device=device, dtype=dtype)
+            dtype = None if str(dtype).lower() == "auto" else dtype  # hf's "auto": as stored
+            candidate = build_candidate(
+                str(spec), device=device, dtype=dtype, trust_remote_code=bool(trust_remote_code)
+            )
         elif device is not None or dtype is not None:
             raise ValueError("device/dtype apply to a spec; move the candidate's models instead")
         self.candidate = candidate
@@ -115,6 +124,18 @@ class MergelabLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
         self._device = getattr(candidate, "device", None) or torch.device("cpu")
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config=None) -> MergelabLM:
+        """lm-eval's ``--model_args`` (a dict) plus its own ``--batch_size``/``--device``,
+        checked by :func:`model_arguments`."""
+        return cls(**model_arguments(arg_dict, additional_config))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config=None) -> MergelabLM:
+        """lm-eval's ``key=value,key2=value2`` model arguments (see :meth:`create_from_arg_obj`)."""
+        args = lm_utils.simple_parse_args_string(arg_string)
+        return cls(**model_arguments(args, additional_config))
 
     # ------------------------------------------------------------------ what lm-eval asks
     @property
@@ -324,10 +345,90 @@ class MergelabLM(TemplateLM):
 def _batch_size(value: Any) -> int:
     if value is None or (isinstance(value, str) and value.startswith("auto")):
         return DEFAULT_BATCH_SIZE
-    size = int(value)
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {value!r}")
-    return size
+    return _whole_number("batch_size", value, 1)
+
+
+class ModelArgsError(UserInputError):
+    """A ``--model_args`` entry mergelab cannot use (the command exits 2 with this line)."""
+
+
+# --model_args of `--model mergelab`: name -> what it means (the help text shows this table).
+MODEL_ARGS = {
+    "spec": "a candidate spec file (YAML: model, base + experts, or merge) or a model folder",
+    "pretrained": "the same as spec= (the name lm-eval's hf model uses)",
+    "dtype": "float32, bfloat16, float16, or auto (as the checkpoint is stored); default auto",
+    "device": "cpu, cuda, cuda:1, ... (CUDA unavailable: cpu)",
+    "batch_size": f"sequences per forward, or auto (= {DEFAULT_BATCH_SIZE}); wins over --batch_size",
+    "max_batch_size": "accepted, as the hf model takes it; mergelab's batches are fixed",
+    "max_length": "context window in tokens (default: the models' configured positions)",
+    "max_gen_toks": "generation length when a task gives none (default 256)",
+    "seed": "seed of sampled generations (default 1234)",
+    "trust_remote_code": "true/false, as the hf model takes it: run a checkpoint's own code",
+}
+WHOLE_NUMBERS = {"max_batch_size": 1, "max_length": 1, "max_gen_toks": 1, "seed": 0}
+
+
+def _whole_number(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ModelArgsError(f"model_args: {key} must be a whole number, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ModelArgsError(f"model_args: {key} must be a whole number, got {value!r}") from None
+    if number < minimum:
+        raise ModelArgsError(f"model_args: {key} must be at least {minimum}, got {value!r}")
+    return number
+
+
+def model_arguments(
+    args: dict[str, Any] | None, additional: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``--model_args`` of ``--model mergelab`` (parsed by lm-eval: a dict) checked and turned
+    into :class:`MergelabLM`'s keyword arguments; a mistake is a :class:`ModelArgsError` naming
+    the key. ``additional``: what lm-eval's own flags pass (``--batch_size``, ``--device``,
+    ``max_batch_size``); a key given in ``model_args`` wins over them (lm-eval's ``hf`` model
+    would refuse the pair)."""
+    args = dict(args or {})
+    unknown = sorted(str(k) for k in set(args) - set(MODEL_ARGS))
+    if unknown:
+        raise ModelArgsError(
+            f"model_args: unknown key(s) {unknown}; --model mergelab takes "
+            f"{', '.join(MODEL_ARGS)} (mergelab-lm-eval --help)"
+        )
+    for key, value in (additional or {}).items():
+        if value is not None and key in MODEL_ARGS:
+            args.setdefault(key, value)
+    given = [k for k in ("spec", "pretrained") if args.get(k) not in (None, "")]
+    if len(given) != 1:
+        raise ModelArgsError(
+            "model_args: give spec=<spec file or model folder> (or pretrained=<the same>), "
+            f"exactly one; got {given or 'neither'}"
+        )
+    out: dict[str, Any] = {"spec": str(args.pop(given[0]))}
+    args.pop("spec", None), args.pop("pretrained", None)
+    if args.get("dtype") is not None and str(args["dtype"]).lower() != "auto":
+        from mergelab.merge.config import parse_dtype
+
+        try:
+            parse_dtype(args["dtype"])
+        except ValueError as exc:
+            raise ModelArgsError(f"model_args: {exc}") from None
+    if "batch_size" in args:
+        args["batch_size"] = _batch_size(args["batch_size"])
+    for key, minimum in WHOLE_NUMBERS.items():
+        if args.get(key) is not None:
+            args[key] = _whole_number(key, args[key], minimum)
+    if "trust_remote_code" in args:
+        value = args["trust_remote_code"]
+        text = str(value).lower()
+        if text not in ("true", "false", "1", "0"):
+            raise ModelArgsError(
+                f"model_args: trust_remote_code must be true or false, got {value!r}"
+            )
+        args["trust_remote_code"] = text in ("true", "1")
+    if args.get("device") is not None:
+        args["device"] = str(args["device"])
+    return {**out, **args}
 
 
 def _pad_id(candidate: Any, tokenizer: Any) -> int:
@@ -346,13 +447,64 @@ def _models(candidate: Any) -> list[Any]:
     return [model] if model is not None else []
 
 
+HELP = """\
+mergelab-lm-eval: lm-evaluation-harness's command line, with mergelab's candidates as
+--model mergelab (a model, a weight merge made in memory, or a logit composition).
+
+  mergelab-lm-eval --model mergelab --model_args spec=compose.yaml --tasks arc_easy
+  mergelab-lm-eval run --model mergelab --model_args pretrained=models/merged \\
+      dtype=bfloat16 batch_size=16 --tasks hellaswag
+
+--model_args for --model mergelab (lm-eval's key=value form, comma- or space-separated):
+{table}
+A spec file is YAML with one of `model: FOLDER`, `base: FOLDER` + `experts: [...]` (a logit
+composition; `weights`, `eos_policy`, `lora`) or `merge: {{method, base, models, parameters}}`
+(docs/evaluators.md). A mistake in model_args is one line and exit code 2.
+
+lm-eval's own help follows.
+"""
+
+
+def help_text() -> str:
+    width = max(map(len, MODEL_ARGS)) + 2
+    return HELP.format(table="\n".join(f"  {k:<{width}}{v}" for k, v in MODEL_ARGS.items()))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``mergelab-lm-eval``: lm-eval's command line, with ``--model mergelab`` registered."""
-    from lm_eval.__main__ import cli_evaluate
+    """``mergelab-lm-eval``: lm-eval's command line, with ``--model mergelab`` registered.
+
+    Before lm-eval loads any task, ``--model_args`` of ``--model mergelab`` are checked
+    (:func:`model_arguments`) and the spec is read; a bad input, an environment fault or an
+    interrupt is one line (exit 2, 1, 130; ``MERGELAB_DEBUG=1`` shows the traceback), as for
+    ``mergelab``. ``--help`` starts with what ``--model mergelab`` takes."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    from mergelab.errors import classify, exit_code, one_line
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(help_text())
+    try:
+        setup_logging()
+        parser = HarnessCLI()
+        args = parser.parse_args()
+        if getattr(args, "model", None) == "mergelab":
+            from mergelab.eval.spec import parse_candidate_spec
+
+            checked = model_arguments(
+                getattr(args, "model_args", None),
+                {"batch_size": getattr(args, "batch_size", None)},
+            )
+            parse_candidate_spec(checked["spec"])  # a missing or bad spec: before any task
+        parser.execute(args)
+    except (Exception, KeyboardInterrupt) as exc:
+        if classify(exc) == "bug" or os.environ.get("MERGELAB_DEBUG", "") not in ("", "0"):
+            raise
+        kind = "" if isinstance(exc, KeyboardInterrupt) else "error: "
+        print(f"mergelab-lm-eval: {kind}{one_line(exc)}", file=sys.stderr)
+        raise SystemExit(exit_code(exc)) from None
 
 
 if __name__ == "__main__":

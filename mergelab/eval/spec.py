@@ -103,6 +103,7 @@ def parse_candidate_spec(
     folder; for a file, the file's folder).
     """
     from mergelab.compose.eos import EOS_POLICIES
+    from mergelab.inputs import read_config_bytes
     from mergelab.merge.config import load_yaml, merge_config_from_dict, parse_dtype
 
     source = None
@@ -110,11 +111,18 @@ def parse_candidate_spec(
         path = Path(os.path.expanduser(str(spec)))
         if path.is_dir():
             return CandidateSpec(kind="model", model=str(path.resolve()), source=None)
-        if not path.is_file():
+        if not os.path.exists(path):
             raise FileNotFoundError(
                 f"candidate spec {path} not found (a spec file or model folder)"
             )
-        raw = load_yaml(path.read_text(encoding="utf-8"), path)
+        data = read_config_bytes(path, "candidate spec")  # a FIFO or /dev/zero: refused unread
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"candidate spec {path}: not UTF-8 (byte offset {exc.start})"
+            ) from None
+        raw = load_yaml(text, path)
         if not isinstance(raw, Mapping):
             raise ValueError(f"candidate spec {path}: expected a mapping of keys to values")
         source, root = str(path.resolve()), path.resolve().parent
@@ -208,13 +216,16 @@ def build_candidate(
     *,
     device: str | None = None,
     dtype: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load the models of ``spec`` and return the candidate (a ``ModelCandidate`` or a
-    ``ComposedDecoder``). ``device`` / ``dtype`` override the spec's."""
+    ``ComposedDecoder``). ``device`` / ``dtype`` override the spec's; ``trust_remote_code`` is
+    passed to transformers (a checkpoint's own modelling code runs only when it is true)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergelab.compose import ComposedDecoder
     from mergelab.compose.vocab import check_shipped_tokenizers
+    from mergelab.inputs import check_model_folder
     from mergelab.merge.config import parse_dtype
     from mergelab.model_candidate import ModelCandidate
 
@@ -225,10 +236,13 @@ def build_candidate(
     for path in spec.inputs():
         if not Path(path).exists():
             raise FileNotFoundError(f"{path} (named in the candidate spec) not found")
+        check_model_folder(path)
 
     def load(path: str):
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
+        )
         return model.to(device).eval()
 
     from mergelab.compose.composed import is_composition_folder
@@ -240,12 +254,15 @@ def build_candidate(
         return ComposedDecoder.from_pretrained(
             spec.model, dtype=torch_dtype, device=device, **named
         )
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder(), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.tokenizer_folder(), local_files_only=True, trust_remote_code=trust_remote_code
+    )
     if spec.kind == "model":
         return ModelCandidate(load(spec.model), tokenizer, name=spec.default_name())
     if spec.kind == "merge":
         from mergelab.lora import is_lora_adapter
         from mergelab.merge import merge_models
+        from mergelab.vocabulary import check_merge_tokenizers
 
         config = spec.merge
         adapters = [m.path for m in config.models if is_lora_adapter(m.path)]
@@ -254,6 +271,8 @@ def build_candidate(
                 f"merging LoRA adapters in memory is not supported ({adapters}); run "
                 "`mergelab merge` and give the output folder as 'model'"
             )
+        inputs = [p for p in [config.base, *(m.path for m in config.models)] if p is not None]
+        check_merge_tokenizers(inputs, inputs)  # rows are merged by id
         base = load(config.base) if config.base else None
         experts = [load(m.path) for m in config.models]
         params, per_model = config.split_params()
@@ -272,6 +291,9 @@ def build_candidate(
     )
     weights = list(spec.weights) if spec.weights is not None else None
     if spec.lora:
+        from mergelab.compose.lora import check_adapters_fit
+
+        check_adapters_fit(spec.base, spec.experts)  # before the base is loaded
         return ComposedDecoder.from_lora(
             load(spec.base), list(spec.experts), tokenizer, weights, **common
         )

@@ -517,18 +517,28 @@ class DirectStream:
         """Write ``views`` (whole blocks each) one after the other at the file position."""
         total = sum(v.nbytes for v in views)
         done = 0
-        while done < total:
-            rest, skip = [], done
-            for v in views:  # what is left of the views after `done` bytes
-                if skip >= v.nbytes:
-                    skip -= v.nbytes
-                    continue
-                rest.append(v[skip:])
-                skip = 0
-            if hasattr(os, "pwritev"):
-                done += os.pwritev(self._direct, rest, self._offset + done)
-            else:
-                done += os.pwrite(self._direct, rest[0], self._offset + done)
+        try:
+            while done < total:
+                rest, skip = [], done
+                for v in views:  # what is left of the views after `done` bytes
+                    if skip >= v.nbytes:
+                        skip -= v.nbytes
+                        continue
+                    rest.append(v[skip:])
+                    skip = 0
+                try:
+                    if hasattr(os, "pwritev"):
+                        done += os.pwritev(self._direct, rest, self._offset + done)
+                    else:
+                        done += os.pwrite(self._direct, rest[0], self._offset + done)
+                finally:
+                    for v in rest:
+                        v.release()
+        finally:
+            # A failed write (disk full) keeps this frame in its traceback: views of the
+            # staging map left alive here would stop _release from closing the map.
+            for v in views:
+                v.release()
         self._offset += total
 
     def _stage(self, data: torch.Tensor) -> None:
@@ -572,7 +582,10 @@ class DirectStream:
         if self._view is not None:
             self._view.release()
             self._staged = self._view = None  # the tensor's export must go before close()
-            self._buffer.close()
+            try:
+                self._buffer.close()
+            except BufferError:  # a view still held by an exception's traceback: the map is
+                pass  # freed with it; the exception being raised is the one to report
             self._buffer = None
         self._file.close()
 

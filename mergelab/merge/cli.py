@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from mergelab.errors import Terminated
+from mergelab.inputs import check_model_folder
 from mergelab.lora import is_lora_adapter
 from mergelab.outputs import check_output_path
 from mergelab.plugins import add_plugin_argument, load_from_args
+from mergelab.vocabulary import check_merge_tokenizers
 
 from .checkpoint import DEFAULT_SHARD_SIZE, plan_checkpoint_merge, run_checkpoint_merge
 from .config import (
@@ -242,6 +244,9 @@ def _run(args: argparse.Namespace) -> int:
     global_params, per_model = config.split_params()
     _locate_missing(config)
     paths = [spec.path for spec in config.models]
+    for folder in [config.base, *paths]:
+        if folder is not None:
+            check_model_folder(folder)  # its files regular, its configs of a sensible depth
     lora = [is_lora_adapter(p) for p in paths]
     if any(lora) and not all(lora):
         raise MergeInputError(
@@ -256,6 +261,9 @@ def _run(args: argparse.Namespace) -> int:
     if all(lora):
         return _run_lora(args, config, paths, common)
     inputs = [p for p in [config.base, *paths] if p is not None]
+    check_merge_tokenizers(
+        inputs, [f"{'base' if p == config.base else 'model'} {p}" for p in inputs]
+    )
     if config.output and (not (args.dry_run or args.explain) or args.dry_run):
         # an output that would be refused is part of a dry run's plan
         check_output_path(config.output, force=args.force, inputs=inputs)
@@ -374,6 +382,7 @@ def _run_mergekit(args: argparse.Namespace, config: MergekitConfig) -> int:
 
     def locate(ref: str) -> Path:
         folder, cached = locate_model(ref, list(dict.fromkeys(roots)))
+        check_model_folder(folder)
         if cached:
             hub.append(ref)
         others = [r / ref for r in roots if (r / ref).exists()]

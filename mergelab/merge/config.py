@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from mergelab.inputs import parse_nested, read_config_bytes
+
 from .checkpoint import parse_size
 from .registry import get_merge_method, to_number
 from .validation import VOCAB_PADDING_RULES
@@ -371,11 +373,7 @@ def load_merge_config(path: str | os.PathLike) -> MergeConfig | MergekitConfig:
     """Read a ``.yaml``/``.yml`` or ``.toml`` merge config, in mergelab's dialect (a
     :class:`MergeConfig`) or mergekit's (a :class:`~mergelab.merge.mergekit_dialect.MergekitConfig`)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"merge config {path} does not exist")
-    if not path.is_file():
-        raise IsADirectoryError(f"merge config {path} is not a file")
-    data = path.read_bytes()
+    data = read_config_bytes(path, "merge config")  # a FIFO or /dev/zero is refused unread
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -390,7 +388,7 @@ def load_merge_config(path: str | os.PathLike) -> MergeConfig | MergekitConfig:
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib  # type: ignore[no-redef]
         try:
-            raw = tomllib.loads(text)  # refuses a key given twice
+            raw = parse_nested(lambda: tomllib.loads(text), str(path))  # refuses a key twice
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: invalid TOML: {exc}") from None
     elif path.suffix.lower() in (".yaml", ".yml"):
@@ -504,7 +502,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(text: str, path: str | os.PathLike = "<string>") -> Any:
     """Parse YAML safely, refusing duplicate keys; errors are one line ``path:line:col: ...``."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+        return parse_nested(lambda: yaml.load(text, Loader=_UniqueKeyLoader), str(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)

@@ -1181,6 +1181,11 @@ def _plan(
         else:
             groups.append(group)
 
+    if tokenizer_plan is None:  # equal shapes, rows merged by id: every id must mean one token
+        from mergelab.vocabulary import MERGEKIT_DIALECT_REMEDY, check_merge_tokenizers
+
+        refs = config.referenced_models()
+        check_merge_tokenizers([paths[r] for r in refs], refs, MERGEKIT_DIALECT_REMEDY)
     if input_dtype is None and len(stored) > 1:
         raise _fail(
             f"the models store tensors in several dtypes ({sorted(map(str, stored))}); set "
