@@ -71,8 +71,9 @@ def mini_experts(cache: Path = MINI_CACHE):
 
     The study's ``mini_setting`` trains (or reloads, when the recipe matches) everything.
     """
-    sys.path.insert(0, str(ROOT / "studies"))
-    from llm_math_code import mini_setting, scale_config
+    sys.path.insert(0, str(ROOT))
+    from studies.llm.config import scale_config
+    from studies.llm.setting import mini_setting
 
     cfg = scale_config("mini", three_experts=False)
     work = STUDY_CHECKPOINTS if (STUDY_CHECKPOINTS / "base" / "config.json").exists() else cache
