@@ -333,7 +333,7 @@ class _Schedule:
         self.probe_every = _PROBE_EVERY[0]
         self.probing = False  # the block under way is a probe
         self.blocks_since_plain = 0
-        self.drafted_last = False  # the last block drafted: the draft is in sync
+        self.drafted_last = False  # the last block drafted: the draft is (nearly) in sync
 
     def ratio(self) -> float | None:
         """One plain step's cost in drafted tokens, ``P / D`` (None: not measured yet)."""
@@ -358,8 +358,9 @@ class _Schedule:
         else:
             self.accepted = _DECAY * self.accepted + accepted
             self.rejected = _DECAY * self.rejected + rejected
-            # After plain steps the draft first catches up on them: not a cost of drafting.
-            if self.drafted_last and self.plain_seconds is not None:
+            # After plain steps the draft first catches up on them: not a cost of drafting (one
+            # plain step leaves it two tokens behind, as a fully accepted block does).
+            if (self.drafted_last or self.plain_run <= 1) and self.plain_seconds is not None:
                 extra = max(seconds - self.plain_seconds, 0.0) / gamma
                 self.token_seconds = _ema(self.token_seconds, extra)
             self.plain_run = 0
