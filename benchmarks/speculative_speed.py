@@ -134,20 +134,27 @@ def perturbed(model, noise: float, seed: int):
 # ---------------------------------------------------------------------------- measuring
 
 
-def timed_round_robin(plan: dict, repeats: int, label: str) -> dict[str, float]:
-    """Best-of-``repeats`` seconds per path, paths interleaved in every repeat."""
+def timed_round_robin(plan: dict, repeats: int, label: str) -> tuple[dict, dict]:
+    """Best-of-``repeats`` wall seconds and CPU seconds (this process, ``time.process_time``)
+    per path, paths interleaved in every repeat. On one thread the CPU seconds are the work
+    itself, what a shared, overloaded machine's wall clock hides."""
     best = dict.fromkeys(plan, float("inf"))
+    cpu = dict.fromkeys(plan, float("inf"))
     for repeat in range(repeats):
         for path, fn in plan.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             best[path] = min(best[path], time.perf_counter() - start)
-            print(f"  {label} run {repeat}: {path:13s} {best[path]:8.2f} s", flush=True)
-    return best
+            cpu[path] = min(cpu[path], time.process_time() - start_cpu)
+            print(
+                f"  {label} run {repeat}: {path:13s} {best[path]:8.2f} s, cpu {cpu[path]:8.2f} s",
+                flush=True,
+            )
+    return best, cpu
 
 
 def forward_seconds(runner, ids: torch.Tensor, width: int, repeats: int) -> float:
-    """Best seconds of one cached forward of ``width`` new tokens after the prompt ``ids``
+    """Best CPU seconds of one cached forward of ``width`` new tokens after the prompt ``ids``
     (every component of ``runner``: the cost of a draft step or of verifying a block)."""
     batch, length = ids.shape
     mask = torch.ones(batch, length + width, dtype=torch.long)
@@ -157,9 +164,9 @@ def forward_seconds(runner, ids: torch.Tensor, width: int, repeats: int) -> floa
     with runner.session():
         runner.extend(ids, mask[:, :length], torch.arange(length).expand(batch, length), True)
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()  # CPU seconds: on one thread, the forward's work
             runner.extend(block, mask, positions)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, time.process_time() - start)
             runner.rollback(width)
     return best
 
@@ -241,7 +248,7 @@ def run_setting(
     short = GenerationSettings(max_new_tokens=4, batch_size=args.batch)
     for candidate in (single, compose_full, compose_lora, spec_full, spec_lora):
         candidate.generate(prompts[:1], short)  # warm up
-    seconds = timed_round_robin(plan, args.repeats, name)
+    seconds, cpu = timed_round_robin(plan, args.repeats, name)
     for kind in ("full", "lora"):  # greedy speculative output is the composition's, token for token
         same = all(
             a.token_ids == b.token_ids
@@ -254,6 +261,8 @@ def run_setting(
             "seconds": s,
             "seconds_per_token": s / tokens,
             "ratio_to_hf_generate": s / seconds["hf_generate"],
+            "cpu_seconds": cpu[label],
+            "cpu_ratio_to_hf_generate": cpu[label] / cpu["hf_generate"],
         }
         for label, s in seconds.items()
     }
@@ -261,6 +270,9 @@ def run_setting(
         rows[f"spec_{kind}"].update(speculative_stats(outputs[f"spec_{kind}"]))
         rows[f"spec_{kind}"]["ratio_to_plain_composition"] = (
             seconds[f"spec_{kind}"] / seconds[f"compose_{kind}"]
+        )
+        rows[f"spec_{kind}"]["cpu_ratio_to_plain_composition"] = (
+            cpu[f"spec_{kind}"] / cpu[f"compose_{kind}"]
         )
 
     # Acceptance with EOS on (the answers alone, as the study decodes them): no timing.
@@ -443,7 +455,9 @@ def report(record: dict) -> None:
     print(
         f"\n{name}: {record['prompts']} prompts × {record['new_tokens']} tokens, batch {record['batch']}"
     )
-    print(f"  {'path':13s} {'s/token':>9s} {'× hf':>6s} {'accept':>7s} {'evals/tok':>9s}")
+    print(
+        f"  {'path':13s} {'s/token':>9s} {'× hf':>6s} {'cpu × hf':>8s} {'accept':>7s} {'evals/tok':>9s}"
+    )
     for label, r in record["paths"].items():
         extra = (
             f" {r['acceptance_rate']:7.2f} {r['model_evaluations_per_token']:9.2f}"
@@ -451,7 +465,8 @@ def report(record: dict) -> None:
             else ""
         )
         print(
-            f"  {label:13s} {r['seconds_per_token']:9.4f} {r['ratio_to_hf_generate']:6.2f}{extra}"
+            f"  {label:13s} {r['seconds_per_token']:9.4f} {r['ratio_to_hf_generate']:6.2f} "
+            f"{r['cpu_ratio_to_hf_generate']:8.2f}{extra}"
         )
     for kind, p in record["predicted"].items():
         r = record["paths"][f"spec_{kind}"]
@@ -470,11 +485,18 @@ def report(record: dict) -> None:
         print(f"  {kind} with EOS (answers only): acceptance {e['acceptance_rate']:.2f}")
     for kind, check in targets(record).items():
         r = record["paths"][f"spec_{kind}"]
-        line = f"  spec_{kind}: {r['ratio_to_plain_composition']:.2f}× plain composition"
-        line += f" (≤ {PLAIN_TARGET}: {'met' if check['vs_plain'] else 'MISSED'})"
+        line = (
+            f"  spec_{kind}: × plain composition {r['ratio_to_plain_composition']:.2f} (cpu "
+            f"{r['cpu_ratio_to_plain_composition']:.2f}; ≤ {PLAIN_TARGET}: "
+            f"{'met' if check['vs_plain'] else 'MISSED'}/{'met' if check['vs_plain_cpu'] else 'MISSED'})"
+        )
         if check["vs_one_model"] is not None:
-            verdict = "met" if check["vs_one_model"] else "MISSED"
-            line += f", {r['ratio_to_hf_generate']:.2f}× one model (≤ {ONE_MODEL_TARGET[kind]}: {verdict})"
+            line += (
+                f", × one model {r['ratio_to_hf_generate']:.2f} (cpu "
+                f"{r['cpu_ratio_to_hf_generate']:.2f}; ≤ {ONE_MODEL_TARGET[kind]}: "
+                f"{'met' if check['vs_one_model'] else 'MISSED'}/"
+                f"{'met' if check['vs_one_model_cpu'] else 'MISSED'})"
+            )
         print(line)
 
 
@@ -483,16 +505,18 @@ ONE_MODEL_TARGET = {"full": 2.0, "lora": 1.5}  # where acceptance ≥ 0.95
 
 
 def targets(record: dict) -> dict[str, dict]:
-    """Issue 54's targets for one setting: vs plain composition always, vs one model (hf
-    generate) where the speculative path's acceptance is ≥ 0.95 (None elsewhere)."""
+    """Issue 54's targets for one setting, on the wall clock and on CPU time: vs plain
+    composition always, vs one model (hf generate) where the speculative path's acceptance is
+    ≥ 0.95 (None elsewhere)."""
     out = {}
     for kind, target in ONE_MODEL_TARGET.items():
         r = record["paths"][f"spec_{kind}"]
+        high = r["acceptance_rate"] >= 0.95
         out[kind] = {
             "vs_plain": r["ratio_to_plain_composition"] <= PLAIN_TARGET,
-            "vs_one_model": (
-                r["ratio_to_hf_generate"] <= target if r["acceptance_rate"] >= 0.95 else None
-            ),
+            "vs_plain_cpu": r["cpu_ratio_to_plain_composition"] <= PLAIN_TARGET,
+            "vs_one_model": r["ratio_to_hf_generate"] <= target if high else None,
+            "vs_one_model_cpu": r["cpu_ratio_to_hf_generate"] <= target if high else None,
         }
     return out
 
