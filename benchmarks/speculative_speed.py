@@ -179,12 +179,14 @@ def speculative_stats(gens) -> dict[str, float]:
     draft = sum(g.cost["draft_forward_passes"] for g in gens)
     verify = sum(g.cost["verify_forward_passes"] for g in gens)
     blocks = sum(g.cost["blocks"] for g in gens)
+    plain = sum(g.cost.get("plain_steps", 0.0) for g in gens)
     return {
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / max(1.0, drafted),
         "decided_tokens": decided,
         "blocks": blocks,
+        "plain_steps": plain,
         "mean_gamma": drafted / max(1.0, blocks),
         "tokens_per_block": decided / max(1.0, blocks),
         "draft_forward_calls_per_token": draft / decided,

@@ -40,8 +40,8 @@ for ``P + γ·D`` (Leviathan et al. 2023, §3.3); the best γ is used when it be
 exactly plain decoding's (the draft does not run; it catches up on the decided tokens in one
 forward when drafting resumes). While plain, a probe block (γ = 2) every 8, 16, 32, then 64 steps
 measures the acceptance again, so decoding returns to drafting when it would pay. With the default
-``cost_ratio=None`` the costs are measured while decoding (seconds of plain steps and of drafted
-blocks: the machine decides); a number fixes ``P = cost_ratio``, ``D = 1`` (then γ depends only on
+``cost_ratio=None`` the costs are measured while decoding (CPU seconds of plain steps and of
+drafted blocks on a CPU, wall seconds on a GPU: the machine decides); a number fixes ``P = cost_ratio``, ``D = 1`` (then γ depends only on
 past acceptances and sampled draws are reproducible for a seed).
 
 Greedy output is token-identical to the composition's (up to float ties: a block forward sums in a
@@ -547,6 +547,9 @@ class SpeculativeDecoder(DecodingCandidate):
         eos_ids = self.call_eos_ids(settings)
         verifier = _CacheTrack(self.runner, batch, self.device)
         schedule = _Schedule(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        # CPU: this process's CPU seconds, the work itself (the wall clock of a shared machine
+        # counts the time other processes run); GPU: wall seconds (each block syncs).
+        clock = time.perf_counter if self.device.type == "cuda" else time.process_time
         rows = RowOutputs(self, batch, settings)
         drafted, accepted, blocks, plain = [0] * batch, [0] * batch, [0] * batch, [0] * batch
         verify_before, draft_before = self.runner.forward_passes, draft.forward_passes
@@ -558,7 +561,7 @@ class SpeculativeDecoder(DecodingCandidate):
             verifier.feed(ids[:, :-1], mask[:, :-1], last_only=True)
             draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist())
             while not all(rows.done):
-                block_started = time.perf_counter()
+                block_started = clock()
                 # A block decides up to γ + 1 tokens of a row: draft no further than its end.
                 row_gamma = [
                     0 if rows.done[r] else max(0, min(schedule.gamma, rows.remaining(r) - 1))
@@ -574,7 +577,7 @@ class SpeculativeDecoder(DecodingCandidate):
                     for r in live:
                         blocks[r] += 1
                         plain[r] += 1
-                    schedule.update(0, 0, 0, time.perf_counter() - block_started)
+                    schedule.update(0, 0, 0, clock() - block_started)
                     continue
                 drafts, qs = draft.propose(gamma, choose)
                 start = verifier.slots
@@ -615,7 +618,7 @@ class SpeculativeDecoder(DecodingCandidate):
                     gamma,
                     sum(n_list[r] for r in used),
                     sum(n_list[r] < row_gamma[r] for r in used),
-                    time.perf_counter() - block_started,
+                    clock() - block_started,
                 )
         seconds = time.perf_counter() - started
         verify_passes = self.runner.forward_passes - verify_before
