@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         cache.mkdir()
         from lm_eval.tasks import TaskManager
 
-        manager = TaskManager(include_path=str(work), verbosity="ERROR")
+        manager = TaskManager(include_path=str(work), include_defaults=False, verbosity="ERROR")
         plan = {
             "gen": {
                 "hf": lambda: lm_eval_run(hf, "speed_gen", manager),
