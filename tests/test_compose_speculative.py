@@ -15,7 +15,14 @@ from scipy.stats import chisquare
 from mergelab.candidate import Candidate, GenerationSettings
 from mergelab.compose import ComposedDecoder, Composition, SpeculativeDecoder
 from mergelab.compose.decoding import warp_logprobs
-from mergelab.compose.speculative import best_gamma, task_arithmetic_draft
+from mergelab.compose.speculative import (
+    _PROBE_EVERY,
+    _REMEASURE_EVERY,
+    _Schedule,
+    best_gamma,
+    task_arithmetic_draft,
+    worth_drafting,
+)
 from mergelab.merge import merge_models
 from mergelab.model_candidate import ModelCandidate
 from mergelab.tiny import char_tokenizer, tiny_causal_lm
@@ -309,6 +316,96 @@ def test_rollback_at_every_block_position(tok, setup):
                 assert g.cost["acceptance_rate"] == pytest.approx(position / gamma, abs=0.12)
 
 
+class WrongAtFirst(ComposedDecoder):
+    """A copy of the composition as a draft that proposes the least likely token in its first
+    ``wrong`` draft steps, then the composition's own choice (always accepted)."""
+
+    def compose(self, component_scores, **kwargs):
+        lp = super().compose(component_scores, **kwargs)
+        if lp.dim() == 2:  # a draft step
+            self.calls += 1
+            if self.calls <= self.wrong:
+                return _sabotage(lp, 0, 1, None)
+        return lp
+
+
+@pytest.mark.parametrize("wrong", [6, 10])
+def test_falls_back_to_plain_steps_and_returns_when_drafts_pay(tok, wrong):
+    """Drafts wrong at first: a few blocks, then plain steps; probes after 8 plain steps (then
+    16, 32: each failed probe doubles the wait); once the draft is right, drafting again. The
+    output is plain composition's throughout, token for token."""
+    base, *experts = _models(len(tok), "llama")
+    composed = ComposedDecoder(base, experts, tok, eos_token_ids=[])
+    settings = GenerationSettings(max_new_tokens=120, batch_size=1)
+    plain = composed.generate(PROMPTS[:1], settings)
+    draft = WrongAtFirst(base, experts, tok, eos_token_ids=[])
+    draft.wrong, draft.calls = wrong, 0
+    # cost_ratio fixed: γ depends only on the acceptances, so the schedule is known.
+    got = SpeculativeDecoder(composed, draft, gamma=4, cost_ratio=3.0).generate(
+        PROMPTS[:1], settings
+    )
+    _same(got, plain)
+    cost = got[0].cost
+    # γ = 4, 1, 1 rejected (6 draft steps), then plain: 8 steps, a probe, 16, a probe, 32, …
+    waits = [8] if wrong == 6 else [8, 16, 32]
+    assert cost["plain_steps"] == sum(waits)
+    blocks_before = 3 + sum(waits) + len(waits)  # the last probe is accepted
+    assert cost["drafted_tokens"] - cost["accepted_tokens"] == wrong  # then every draft accepted
+    assert cost["blocks"] < blocks_before + (120 - blocks_before) / 3  # long blocks again
+
+
+def test_plain_steps_in_a_batch_keep_every_row_exact(tok):
+    """Rows of a batch switch together between drafted blocks and plain steps (the draft catches
+    up on the plain steps' tokens in one forward), greedy and with stop strings and EOS."""
+    base, *experts = _models(len(tok), "llama")
+    composed = ComposedDecoder(base, experts, tok, weights=[1.0, 0.7])
+    draft = WrongAtFirst(base, experts, tok)
+    for settings in (
+        GenerationSettings(max_new_tokens=80, batch_size=4, return_component_logprobs=True),
+        GenerationSettings(max_new_tokens=80, batch_size=4, stop_strings=("e ",)),
+    ):
+        draft.wrong, draft.calls = 10, 0
+        got = SpeculativeDecoder(composed, draft, cost_ratio=3.0).generate(PROMPTS, settings)
+        _same(got, composed.generate(PROMPTS, settings))
+        assert all(g.cost["plain_steps"] > 0 for g in got if len(g.token_ids) > 20)
+
+
+def test_schedule_measures_costs_falls_back_and_probes():
+    """With measured costs (the default), the first block is a plain step (P), the next ones draft
+    (D from a block's seconds); no acceptance → plain steps, probes at growing intervals; full
+    acceptance → drafting, with one plain step every so often to keep P current."""
+    plain, per_token = 1.0, 0.3  # seconds: P / D ≈ 3.3
+    s = _Schedule(4, True, 8, None)
+    assert s.gamma == 0
+    s.update(0, 0, 0, plain)
+    gammas = []
+    for _ in range(200):
+        g = s.gamma
+        gammas.append(g)
+        s.update(g, 0, 1 if g else 0, plain + g * per_token)  # every draft rejected
+    drafted = [i for i, g in enumerate(gammas) if g]
+    assert gammas[0] == 4 and len(drafted) < 12  # a few blocks, then almost only plain steps
+    probes = [b - a - 1 for a, b in zip(drafted, drafted[1:]) if b - a > 1]
+    assert probes[:4] == [8, 16, 32, 64] and set(probes[4:]) == {_PROBE_EVERY[1]}
+    assert {gammas[i] for i in drafted[-3:]} == {2}  # probes draft two tokens
+    waited = 0
+    while s.gamma <= 2:  # the draft turns right: the next probe brings drafting back
+        g = s.gamma
+        s.update(g, g, 0, plain + g * per_token)
+        waited += 1
+    assert waited <= _PROBE_EVERY[1] + 2
+    gammas = []
+    for _ in range(80):
+        g = s.gamma
+        s.update(g, g, 0, plain + g * per_token)
+        gammas.append(g)
+    tail = gammas[-2 * _REMEASURE_EVERY :]
+    assert 0 in tail and sum(g == 0 for g in tail) <= 2 and max(tail) == 8
+    # Drafting costlier than its gain (D = P): plain steps even at acceptance 0.8.
+    assert not worth_drafting(best_gamma(0.8, 1.0, 8), 0.8, 1.0)
+    assert worth_drafting(best_gamma(0.8, 3.0, 8), 0.8, 3.0)
+
+
 def test_always_wrong_draft_still_exact_only_slower(tok):
     base, *experts = _models(len(tok), "llama")
     composed = ComposedDecoder(base, experts, tok)
@@ -400,12 +497,16 @@ def test_sampling_follows_the_composition_exactly_chi_square():
             ),
             dict(temperature=1.0),
         ),  # fmt: skip
+        # Measured costs: token 1 from a plain step, token 2 from a block after it.
+        "plain_step_then_block": (SpeculativeDecoder(composed, gamma=2), dict(temperature=1.0)),
     }
+    first_tokens = {}
     for label, (candidate, warping) in cases.items():
         settings = GenerationSettings(
             max_new_tokens=3, do_sample=True, seed=11, batch_size=n // 4, **warping
         )
         gens = candidate.generate(prompts, settings)
+        first_tokens[label] = [_outcome(g, eos, 1) for g in gens]
         one, two = _exact_distributions(composed, "abc", settings, eos)
         for length, probs in ((1, one), (2, two)):
             counts = Counter(_outcome(g, eos, length) for g in gens)
@@ -414,6 +515,8 @@ def test_sampling_follows_the_composition_exactly_chi_square():
         if label != "plain":
             rate = _rate(gens)
             assert 0.0 <= rate < 1.0
+    # A plain step draws as plain sampling does: the same first token for the same seed.
+    assert first_tokens["plain_step_then_block"] == first_tokens["plain"]
 
 
 def test_sampling_is_reproducible_and_independent_of_the_batch(tok):

@@ -156,7 +156,10 @@ def test_compose_cli_saves_the_composition(folders, tmp_path, capsys):
     # an adapter folder given without --lora is named as such
     bad = ["compose", "--base", str(paths["base"]), "--expert", str(paths["lora"]), "--prompt", "x"]
     assert main(bad) == 2
-    assert "is a PEFT LoRA adapter folder (adapter_config.json); pass --lora" in capsys.readouterr().err
+    assert (
+        "is a PEFT LoRA adapter folder (adapter_config.json); pass --lora"
+        in capsys.readouterr().err
+    )
 
 
 def test_eval_run_and_the_lm_eval_bridge_take_the_folder(folders, tmp_path):

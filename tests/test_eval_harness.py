@@ -400,3 +400,24 @@ def test_cli_limit_below_one_is_refused(tmp_path, capsys, value):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and "argument --limit" in capsys.readouterr().err
+
+
+def test_batches_hold_prompts_of_similar_length(tmp_path):
+    """Items are generated longest prompt first, so a batch's prompts differ little in length
+    (little left padding), whatever the benchmark's order; results keep the benchmark's order."""
+    lengths = [1, 40, 3, 38, 2, 41, 39, 4]
+    items = [Item(f"q/{i}", "x" * n, answer="1") for i, n in enumerate(lengths)]
+    bench = Benchmark.from_items("mixed-lengths", "gsm8k", items)
+
+    class Recording(FakeCandidate):
+        batches: list[list[int]] = []
+
+        def generate(self, prompts, settings=None):
+            self.batches.append(sorted(p.count("x") for p in prompts))
+            return super().generate(prompts, settings)
+
+    fake = Recording({})
+    settings = replace(SETTINGS, prompt=PromptConfig(n_shots=0))
+    result = evaluate(fake, bench, settings, cache_dir=tmp_path / "cache", progress=False)
+    assert fake.batches == [[40, 41], [38, 39], [3, 4], [1, 2]]
+    assert [it["item_id"] for it in result.items] == [it.item_id for it in items]

@@ -416,3 +416,19 @@ def test_the_bridge_is_a_console_script():
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert scripts.get("mergelab-lm-eval") == "mergelab.eval.lm_eval_bridge:main"
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+
+
+def test_requests_with_the_same_input_share_one_forward(models, tok):
+    """Choices that differ only in their last token feed the model the same input: one forward
+    serves them all (as in lm-eval's hf model), with the numbers of scoring each alone."""
+    candidate = ModelCandidate(models[0], tok)
+    lm = MergelabLM(candidate, batch_size=2)
+    context = tok("the answer is")["input_ids"]
+    requests = [(None, context, tok(f" 5{d}")["input_ids"]) for d in "0123"]
+    requests.append((None, tok("ab")["input_ids"], tok("cd")["input_ids"]))
+    before = candidate.runner.forward_passes
+    shared = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert candidate.runner.forward_passes - before == 1  # two distinct inputs, one batch
+    alone = [lm._loglikelihood_tokens([r], disable_tqdm=True)[0] for r in requests]
+    assert [g for _, g in shared] == [g for _, g in alone]
+    assert [s for s, _ in shared] == pytest.approx([s for s, _ in alone], abs=ATOL)

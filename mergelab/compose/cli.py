@@ -93,7 +93,8 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative",
         action="store_true",
-        help="speculative decoding: a draft proposes, the composition verifies (same output)",
+        help="speculative decoding: a draft proposes, the composition verifies (same output); "
+        "falls back to plain steps while drafts do not pay",
     )
     p.add_argument(
         "--draft",
@@ -104,7 +105,9 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "--gamma", type=positive_int, help="with --speculative: drafted tokens per block (4)"
     )
     p.add_argument(
-        "--fixed-gamma", action="store_true", help="with --speculative: do not adapt gamma"
+        "--fixed-gamma",
+        action="store_true",
+        help="with --speculative: do not adapt gamma (and never fall back to plain steps)",
     )
     p.add_argument(
         "--dtype",

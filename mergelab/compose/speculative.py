@@ -31,19 +31,25 @@ One block, for a batch of ``B`` rows and a block length ``γ``:
    padding). At batch 1 there are never holes. Models with sliding-window layers (whose window
    counts cache slots, holes included) are therefore decoded one prompt at a time.
 
-γ is fixed, or adaptive (default): after each block, the γ that maximises the expected number of
-decided tokens per unit of work, ``(1 − α^{γ+1}) / (1 − α) / (γ + cost_ratio)``, for the running
-acceptance rate α (Leviathan et al. 2023, §3.3). ``cost_ratio`` is the cost of one verification
-relative to one draft step, by default the number of components the verification evaluates per
-position (``k + 1``: separate models, or row blocks of the LoRA batch) against the draft's (1);
-pass the measured ratio for a given machine. γ depends only on past acceptances, never on
-timings, so results are reproducible.
+γ is fixed, or adaptive (default). Adaptive, each block of a batch chooses γ in ``0 … max_gamma``
+from the running per-token acceptance rate α of the batch's drafts and two costs: ``P``, one
+plain composition step, and ``D``, what one drafted token adds to a block (a draft step plus a
+wider verification). A block of γ decides ``E_γ = (1 − α^{γ+1}) / (1 − α)`` tokens in expectation
+for ``P + γ·D`` (Leviathan et al. 2023, §3.3); the best γ is used when it beats plain steps
+(``1 / P`` tokens per unit) by 5 %, otherwise the block is **γ = 0: a plain composition step**,
+exactly plain decoding's (the draft does not run; it catches up on the decided tokens in one
+forward when drafting resumes). While plain, a probe block (γ = 2) every 8, 16, 32, then 64 steps
+measures the acceptance again, so decoding returns to drafting when it would pay. With the default
+``cost_ratio=None`` the costs are measured while decoding (CPU seconds of plain steps and of
+drafted blocks on a CPU, wall seconds on a GPU: the machine decides); a number fixes ``P = cost_ratio``, ``D = 1`` (then γ depends only on
+past acceptances and sampled draws are reproducible for a seed).
 
 Greedy output is token-identical to the composition's (up to float ties: a block forward sums in a
-different order than one-token steps). Sampled output follows the composition's distribution but
+different order than one-token steps), whatever γ each block takes. Sampled output follows the
+composition's distribution (γ depends only on what came before a block, never on its draws) but
 draws other random numbers than plain sampling, so it is not the same sample for the same seed;
-for a given seed it is reproducible, and independent of the batch when γ is fixed (adaptive γ is
-shared by the rows of a batch). ``score`` and ``token_logprobs`` are the composition's.
+for a given seed it is reproducible when γ is fixed or the costs are (``cost_ratio``), and
+independent of the batch when γ is fixed (adaptive γ is shared by the rows of a batch). ``score`` and ``token_logprobs`` are the composition's.
 """
 
 from __future__ import annotations
@@ -70,6 +76,11 @@ DEFAULT_GAMMA = 4
 DEFAULT_MAX_GAMMA = 8
 _DECAY = 0.8  # the acceptance rate that adapts γ weighs the last ~5 blocks most
 _PRIOR = (1.6, 0.4)  # pseudo-counts (accepted, rejected) of that rate: 0.8 before any block
+DRAFT_MARGIN = 0.05  # draft only when blocks are expected 5 % faster than plain steps
+_PROBE_GAMMA = 2  # drafts in a probe block while plain steps are the faster
+_PROBE_EVERY = (8, 64)  # plain steps before a probe: 8, doubling after each failed probe, to 64
+_REMEASURE_EVERY = 32  # drafted blocks between two plain steps that re-measure P
+_EMA_WEIGHT = 0.3  # of the newest timing in the running P and D
 
 
 # ---------------------------------------------------------------------------- the default draft
@@ -294,22 +305,85 @@ def best_gamma(acceptance: float, cost_ratio: float, max_gamma: int) -> int:
     return max(range(1, max_gamma + 1), key=lambda g: tokens(g) / (g + cost_ratio))
 
 
-class _AdaptiveGamma:
-    """Running per-token acceptance rate (decayed counts of accepted and rejected drafts) → γ."""
+def worth_drafting(gamma: int, acceptance: float, cost_ratio: float) -> bool:
+    """Whether blocks of ``gamma`` drafts beat plain steps by :data:`DRAFT_MARGIN` in expected
+    decided tokens per unit of work, one plain step costing ``cost_ratio`` draft tokens."""
+    a = min(max(acceptance, 0.0), 1.0)
+    tokens = gamma + 1.0 if a >= 1.0 else (1.0 - a ** (gamma + 1)) / (1.0 - a)
+    return tokens / (gamma + cost_ratio) > (1.0 + DRAFT_MARGIN) / cost_ratio
 
-    def __init__(self, gamma: int, adaptive: bool, max_gamma: int, cost_ratio: float):
-        self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
-        self.cost_ratio = cost_ratio
+
+class _Schedule:
+    """The γ of each block of one batch: drafts while they pay, plain steps (γ = 0) otherwise.
+
+    Running per-token acceptance (decayed counts of accepted and rejected drafts) and, unless
+    ``cost_ratio`` fixes them, the measured seconds of a plain step (``P``) and of one drafted
+    token (``D``: a block's seconds less ``P``, per draft).
+    """
+
+    def __init__(self, gamma: int, adaptive: bool, max_gamma: int, cost_ratio: float | None):
+        self.adaptive, self.max_gamma, self.cost_ratio = adaptive, max_gamma, cost_ratio
         self.accepted = self.rejected = 0.0
+        self.plain_seconds: float | None = None  # P
+        self.token_seconds: float | None = None  # D
+        self.best = gamma  # the block length that maximises tokens per unit of work (≥ 1)
+        # Measured costs: the first block is a plain step, so P is known from the start.
+        self.gamma = 0 if adaptive and cost_ratio is None else gamma
+        self.plain_run = 0  # plain steps since the last drafted block
+        self.probe_every = _PROBE_EVERY[0]
+        self.probing = False  # the block under way is a probe
+        self.blocks_since_plain = 0
+        self.drafted_last = False  # the last block drafted: the draft is (nearly) in sync
 
-    def update(self, accepted: int, rejected: int) -> None:
+    def ratio(self) -> float | None:
+        """One plain step's cost in drafted tokens, ``P / D`` (None: not measured yet)."""
+        if self.cost_ratio is not None:
+            return self.cost_ratio
+        if self.plain_seconds is None or self.token_seconds is None:
+            return None
+        return self.plain_seconds / max(self.token_seconds, 0.02 * self.plain_seconds)
+
+    def rate(self) -> float:
+        # A weak prior (0.8) keeps one lucky or unlucky block from deciding alone.
+        return (self.accepted + _PRIOR[0]) / (self.accepted + self.rejected + sum(_PRIOR))
+
+    def update(self, gamma: int, accepted: int, rejected: int, seconds: float) -> None:
+        """After a block of ``gamma`` drafts (0: a plain step) that took ``seconds``."""
         if not self.adaptive:
             return
-        self.accepted = _DECAY * self.accepted + accepted
-        self.rejected = _DECAY * self.rejected + rejected
-        # A weak prior (0.8) keeps one lucky or unlucky block from deciding alone.
-        rate = (self.accepted + _PRIOR[0]) / (self.accepted + self.rejected + sum(_PRIOR))
-        self.gamma = best_gamma(rate, self.cost_ratio, self.max_gamma)
+        if gamma == 0:
+            self.plain_seconds = _ema(self.plain_seconds, seconds)
+            self.plain_run += 1
+            self.blocks_since_plain = 0
+        else:
+            self.accepted = _DECAY * self.accepted + accepted
+            self.rejected = _DECAY * self.rejected + rejected
+            # After plain steps the draft first catches up on them: not a cost of drafting (one
+            # plain step leaves it two tokens behind, as a fully accepted block does).
+            if (self.drafted_last or self.plain_run <= 1) and self.plain_seconds is not None:
+                extra = max(seconds - self.plain_seconds, 0.0) / gamma
+                self.token_seconds = _ema(self.token_seconds, extra)
+            self.plain_run = 0
+            self.blocks_since_plain += 1
+        self.drafted_last = gamma > 0
+        ratio = self.ratio()
+        if ratio is None:  # D not measured yet: draft at the initial γ
+            self.gamma = self.best
+            return
+        self.best = best_gamma(self.rate(), ratio, self.max_gamma)
+        if worth_drafting(self.best, self.rate(), ratio):
+            self.gamma, self.probe_every, self.probing = self.best, _PROBE_EVERY[0], False
+            if self.cost_ratio is None and self.blocks_since_plain >= _REMEASURE_EVERY:
+                self.gamma = 0  # one plain step now and then keeps P current
+            return
+        if self.probing:  # a probe that did not pay: wait longer before the next one
+            self.probe_every = min(2 * self.probe_every, _PROBE_EVERY[1])
+        self.probing = self.plain_run >= self.probe_every
+        self.gamma = min(_PROBE_GAMMA, self.max_gamma) if self.probing else 0
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - _EMA_WEIGHT) * old + _EMA_WEIGHT * new
 
 
 # ---------------------------------------------------------------------------- the candidate
@@ -321,12 +395,15 @@ class SpeculativeDecoder(DecodingCandidate):
     ``draft``: a Candidate proposing tokens — a :class:`DecodingCandidate` (ModelCandidate, a merge,
     a composition) runs with its own KV cache, any other Candidate through ``token_logprobs``;
     ``None`` or ``"ta"``: :func:`task_arithmetic_draft`. ``gamma``: drafted tokens per block (the
-    first block's when ``adaptive``); ``max_gamma`` bounds adaptive γ; ``cost_ratio``: one
-    verification's cost in draft steps (default: forward calls, see the module docstring).
-    The distribution, ``score`` and ``token_logprobs`` are the composition's.
+    first block's when ``adaptive``); ``max_gamma`` bounds adaptive γ; ``adaptive`` also falls
+    back to plain composition steps while drafting does not pay (and probes to come back);
+    ``cost_ratio``: one plain step's cost in drafted tokens, default measured while decoding
+    (see the module docstring). The distribution, ``score`` and ``token_logprobs`` are the
+    composition's.
 
     ``Generation.cost`` of each row: ``drafted_tokens``, ``accepted_tokens``,
     ``acceptance_rate`` (accepted / drafted), ``blocks`` (verifications the row took part in),
+    ``plain_steps`` (those of them that were plain steps: nothing drafted),
     ``verify_forward_passes`` and ``draft_forward_passes`` (the batch's, divided evenly) and
     ``model_evaluations_per_token`` (both together per decoded position; plain composition: the
     number of models, or 1 on the LoRA fast path).
@@ -369,16 +446,10 @@ class SpeculativeDecoder(DecodingCandidate):
         self.draft = draft
         self._check_draft(draft)
         self.gamma, self.adaptive, self.max_gamma = gamma, adaptive, max_gamma
-        # Default: components evaluated per verified position over those per draft step (k + 1
-        # models, or k + 1 row blocks of the LoRA batch, against one merged model).
-        draft_components = len(draft.runner.names) if self._cached_draft else 1
-        self.cost_ratio = (
-            float(cost_ratio)
-            if cost_ratio is not None
-            else len(self.runner.names) / draft_components
-        )
-        if not self.cost_ratio > 0:
-            raise ValueError(f"cost_ratio must be > 0, got {cost_ratio!r}")
+        # None: plain steps and drafted tokens are timed while decoding (see the module docstring).
+        if cost_ratio is not None and not (isinstance(cost_ratio, (int, float)) and cost_ratio > 0):
+            raise ValueError(f"cost_ratio must be a number > 0 or None, got {cost_ratio!r}")
+        self.cost_ratio = None if cost_ratio is None else float(cost_ratio)
         # Sliding-window caches count slots, holes included: decode one prompt at a time.
         self._one_row_at_a_time = self.runner.has_sliding_window() or (
             self._cached_draft and draft.runner.has_sliding_window()
@@ -475,9 +546,12 @@ class SpeculativeDecoder(DecodingCandidate):
         draft = draft_class(self.draft, batch, self.pad_id, self.device, settings)
         eos_ids = self.call_eos_ids(settings)
         verifier = _CacheTrack(self.runner, batch, self.device)
-        schedule = _AdaptiveGamma(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        schedule = _Schedule(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        # CPU: this process's CPU seconds, the work itself (the wall clock of a shared machine
+        # counts the time other processes run); GPU: wall seconds (each block syncs).
+        clock = time.perf_counter if self.device.type == "cuda" else time.process_time
         rows = RowOutputs(self, batch, settings)
-        drafted, accepted, blocks = [0] * batch, [0] * batch, [0] * batch
+        drafted, accepted, blocks, plain = [0] * batch, [0] * batch, [0] * batch, [0] * batch
         verify_before, draft_before = self.runner.forward_passes, draft.forward_passes
         started = time.perf_counter()
         # Both sides start from the prompt without its last token: that token is the first one
@@ -487,16 +561,25 @@ class SpeculativeDecoder(DecodingCandidate):
             verifier.feed(ids[:, :-1], mask[:, :-1], last_only=True)
             draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist())
             while not all(rows.done):
+                block_started = clock()
                 # A block decides up to γ + 1 tokens of a row: draft no further than its end.
                 row_gamma = [
                     0 if rows.done[r] else max(0, min(schedule.gamma, rows.remaining(r) - 1))
                     for r in range(batch)
                 ]
                 gamma = max(row_gamma)
-                if gamma:
-                    drafts, qs = draft.propose(gamma, choose)
-                else:
-                    drafts, qs = ids.new_zeros((batch, 0)), []
+                if gamma == 0:  # a plain composition step, as plain decoding takes it
+                    live = [r for r in range(batch) if not rows.done[r]]
+                    pending = self._plain_step(
+                        verifier, pending, rows, settings, eos_ids, generators
+                    )
+                    draft.commit([0] * batch, [[] for _ in range(batch)], pending.tolist())
+                    for r in live:
+                        blocks[r] += 1
+                        plain[r] += 1
+                    schedule.update(0, 0, 0, clock() - block_started)
+                    continue
+                drafts, qs = draft.propose(gamma, choose)
                 start = verifier.slots
                 block = torch.cat([pending.unsqueeze(-1), drafts], dim=1)  # [B, γ + 1]
                 comps = verifier.feed(block, torch.ones_like(block))
@@ -526,14 +609,17 @@ class SpeculativeDecoder(DecodingCandidate):
                         )  # fmt: skip
                         if rows.done[r]:
                             break
-                used = [r for r in range(batch) if row_gamma[r]]
-                schedule.update(
-                    sum(n_list[r] for r in used), sum(n_list[r] < row_gamma[r] for r in used)
-                )
                 # Roll back: the verifier keeps t, d_1 … d_n; the final token is fed next block.
                 verifier.keep(start + 1 + n)
                 draft.commit(n_list, drafts.tolist(), final.tolist())
                 pending = final
+                used = [r for r in range(batch) if row_gamma[r]]
+                schedule.update(
+                    gamma,
+                    sum(n_list[r] for r in used),
+                    sum(n_list[r] < row_gamma[r] for r in used),
+                    clock() - block_started,
+                )
         seconds = time.perf_counter() - started
         verify_passes = self.runner.forward_passes - verify_before
         draft_passes = draft.forward_passes - draft_before
@@ -543,12 +629,35 @@ class SpeculativeDecoder(DecodingCandidate):
                 "accepted_tokens": float(accepted[r]),
                 "acceptance_rate": accepted[r] / drafted[r] if drafted[r] else 0.0,
                 "blocks": float(blocks[r]),
+                "plain_steps": float(plain[r]),
                 "verify_forward_passes": verify_passes / batch,
                 "draft_forward_passes": draft_passes / batch,
             }
             for r in range(batch)
         ]
         return rows.generations(prompts, verify_passes + draft_passes, seconds, cost)
+
+    def _plain_step(
+        self,
+        verifier: _CacheTrack,
+        pending: torch.Tensor,
+        rows: RowOutputs,
+        settings: GenerationSettings,
+        eos_ids: torch.Tensor,
+        generators: Sequence[torch.Generator] | None,
+    ) -> torch.Tensor:
+        """Decide one token per row from the composition alone (plain decoding's step: one draw
+        per row when sampling); returns it ``[B]``, to be fed to the caches next."""
+        token = pending.unsqueeze(-1)
+        comps = [z[:, -1] for z in verifier.feed(token, torch.ones_like(token), last_only=True)]
+        lp = self.compose(comps, eos_ids=eos_ids)
+        if settings.do_sample:
+            warped = warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p)
+            next_ids = sample_tokens(warped, generators)
+        else:
+            next_ids = lp.argmax(dim=-1)
+        rows.add_step(next_ids, lp, comps)
+        return next_ids
 
 
 def _verify(

@@ -317,7 +317,10 @@ def _generate_missing(
     """
     batch = max(1, gen_settings.batch_size)
     token = uuid.uuid4().hex
-    wanted = {(item_id, s): (item_id, s, p) for item_id, s, p in jobs}
+    # Longest prompts first (as lm-eval orders its requests): a batch holds prompts of similar
+    # length, so left padding wastes little, and a batch too large for memory fails early.
+    ordered = sorted(jobs, key=lambda job: -len(job[2]))
+    wanted = {(item_id, s): (item_id, s, p) for item_id, s, p in ordered}
     bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
     made, waited = 0, False
     try:

@@ -215,32 +215,35 @@ class MergelabLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), continuation is the greedy path)`` per request."""
         pad_id = _pad_id(self.candidate, self.tokenizer)
+        # What each request feeds the model: left-truncated to the window, the last continuation
+        # token never an input. Requests with the same input (a multiple-choice question whose
+        # choices differ only in their last token) share one forward, as in lm-eval's hf model.
+        users: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, context, continuation) in enumerate(requests):
+            if not context or not continuation:
+                raise ValueError("lm-eval sent an empty context or continuation")
+            key = tuple((context + continuation)[-(self.max_length + 1) :][:-1])
+            users.setdefault(key, []).append(i)
         # Longest first: similar lengths share a batch (little padding), results keep input order.
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1] + requests[i][2]))
+        inputs = sorted(users, key=len, reverse=True)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (mergelab)")
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            inputs, continuations = [], []
-            for i in rows:
-                _, context, continuation = requests[i]
-                if not context or not continuation:
-                    raise ValueError("lm-eval sent an empty context or continuation")
-                # Left-truncate to the window; the last continuation token is never an input.
-                inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
-                continuations.append(continuation)
-            ids, mask = left_pad(inputs, pad_id, self.device)
+        for start in range(0, len(inputs), self.batch_size):
+            chunk = inputs[start : start + self.batch_size]
+            ids, mask = left_pad([list(key) for key in chunk], pad_id, self.device)
             logprobs = self.candidate.token_logprobs(ids, mask).float()
-            for row, i in enumerate(rows):
-                n = len(continuations[row])
-                target = torch.tensor(continuations[row], device=logprobs.device)
-                scored = logprobs[row, -n:]  # position t predicts token t + 1
-                total = float(scored.gather(-1, target[:, None]).sum())
-                greedy = bool((scored.argmax(dim=-1) == target).all())
-                results[i] = (total, greedy)
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
-            bar.update(len(rows))
+            for row, key in enumerate(chunk):
+                for i in users[key]:
+                    continuation = requests[i][2]
+                    n = len(continuation)
+                    target = torch.tensor(continuation, device=logprobs.device)
+                    scored = logprobs[row, -n:]  # position t predicts token t + 1
+                    total = float(scored.gather(-1, target[:, None]).sum())
+                    greedy = bool((scored.argmax(dim=-1) == target).all())
+                    results[i] = (total, greedy)
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+                bar.update(len(users[key]))
         bar.close()
         return results  # type: ignore[return-value]
 
