@@ -789,12 +789,8 @@ class _CgroupWatch:
         self.limit = int(job["memory_bytes"])
 
     def over(self):
-        fd, key = self.made["events_fd"], self.made["events"][1]
-        try:
-            os.lseek(fd, 0, os.SEEK_SET)
-            text = os.read(fd, 65536).decode("ascii", "replace")
-        except OSError:
-            return None
+        text = _read_fd(self.made["events_fd"])
+        key = self.made["events"][1]
         for line in text.splitlines():
             name, _, value = line.partition(" ")
             if name == key and value.strip().isdigit() and int(value) > 0:
@@ -1062,6 +1058,7 @@ def _make_cgroup(cgroups, name, memory_bytes, max_processes):
                 _write_text(f"{path}/memory.oom.group", "1")  # an OOM kill takes the whole job
                 _write_text(f"{path}/pids.max", str(int(max_processes)))
                 made["events"] = (f"{path}/memory.events", "oom_kill")
+                made["peak"] = f"{path}/memory.peak"  # kernels 5.19 and later
             elif controller == "memory":
                 _write_text(f"{path}/memory.limit_in_bytes", str(int(memory_bytes)))
                 if os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
@@ -1070,6 +1067,7 @@ def _make_cgroup(cgroups, name, memory_bytes, max_processes):
                 elif _swap_on():
                     made["swap"] = "unlimited"
                 made["events"] = (f"{path}/memory.oom_control", "oom_kill")
+                made["peak"] = f"{path}/memory.max_usage_in_bytes"
             else:
                 _write_text(f"{path}/pids.max", str(int(max_processes)))
             made["procs"].append(os.open(f"{path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
@@ -1077,6 +1075,15 @@ def _make_cgroup(cgroups, name, memory_bytes, max_processes):
     except OSError:
         _remove_cgroup(made)
         raise
+
+
+def _read_fd(fd):
+    """A cgroup file, read again from its start ("" when it cannot be)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 65536).decode("ascii", "replace")
+    except OSError:
+        return ""
 
 
 def _remove_cgroup(made, wait_s=5.0):
@@ -1218,9 +1225,18 @@ def _run_job(job):
         return _run_launcher(job)
     made["events_fd"] = os.open(made["events"][0], os.O_RDONLY | os.O_CLOEXEC)
     try:
+        made["peak_fd"] = os.open(made.get("peak", "/nonexistent"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        made["peak_fd"] = None
+    try:
         reply = _run_launcher(job)
+        peak = _read_fd(made["peak_fd"]) if made["peak_fd"] is not None else ""
+        if peak.strip().isdigit():
+            reply["memory_peak_bytes"] = int(peak)  # the most the job held at once
     finally:
         os.close(made["events_fd"])
+        if made["peak_fd"] is not None:
+            os.close(made["peak_fd"])
         left = _remove_cgroup(made)
     if left:  # never leave one behind silently
         reply["cgroup_left"] = left

@@ -115,6 +115,7 @@ class ExecutionResult:
     seconds: float = 0.0
     exit_signal: int | None = None
     isolation: list[str] = field(default_factory=list)
+    memory_peak_bytes: int | None = None  # the most the job held at once (cgroup mode only)
 
     @property
     def passed(self) -> bool:
@@ -282,9 +283,8 @@ class Sandbox:
         """Which cgroups the workers can make (each worker looks once, when it starts)."""
         reply = self._all[0].run({"describe": True})
         cgroups = reply.get("cgroups")
-        if not isinstance(cgroups, dict):
-            self.close()
-            raise SandboxUnavailableError(f"the sandbox worker did not start: {reply.get('error')}")
+        if not isinstance(cgroups, dict):  # a worker that cannot answer fails the probe next
+            return {"version": None, "why": f"the sandbox worker did not say: {reply.get('error')}"}
         return cgroups
 
     def memory_notice(self, limits: SandboxLimits | None = None) -> str:
