@@ -959,7 +959,7 @@ def _cgroup_dirs():
                 root, point = mounts[name]
                 if path == root or path.startswith(root.rstrip("/") + "/") or root == "/":
                     rel = path[len(root) :] if root != "/" else path
-                    dirs[name] = os.path.join(point, rel.lstrip("/"))
+                    dirs[name] = os.path.normpath(os.path.join(point, rel.lstrip("/")))
     return dirs
 
 
