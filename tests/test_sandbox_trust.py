@@ -21,7 +21,7 @@ import pytest
 
 from mergelab.eval import plain_data
 from mergelab.eval.benchmarks import CodeTests
-from mergelab.eval.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
+from mergelab.eval.sandbox import CallRequest, Sandbox, SandboxLimits, SandboxUnavailableError
 from mergelab.eval.scoring_code import run_code_tests, solution_code
 
 SECRET = "s3cret-" + uuid.uuid4().hex
@@ -352,7 +352,10 @@ def test_children_and_memfds_are_killed_at_the_jobs_memory_limit(mode, isolation
         notice = {"cgroup": f"a cgroup v{sb.cgroups.get('version')} per job", "polled": "polled"}
         assert notice[mode] in sb.memory_notice()
         results = {name: sb.run(routes.MEMORY[name]) for name in names}
+        called = sb.call(CallRequest("def f():\n    return 1\n", "f", [((), {})]))
         left = _left_behind(sb) if mode == "cgroup" else []
+    assert called.status == "completed" and called.outcomes[0].value == 1
+    assert (called.memory_peak_bytes is not None) == (mode == "cgroup")
     tag = {"cgroup": "job-memory-cgroup", "polled": "job-memory-polled"}[mode]
     for name, res in results.items():
         assert tag in res.isolation, (name, res.isolation)

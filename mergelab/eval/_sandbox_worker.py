@@ -37,8 +37,10 @@ holding /tmp, /var/tmp, /dev/shm and /run, whose /tmp/scratch is its working dir
 capabilities (bounding, ambient, effective, permitted all empty) and no_new_privs, so no setuid
 binary or file capability can give any back. rlimits cap CPU time, address space, file size,
 open files and processes (RLIMIT_NPROC counts per user namespace, so each job has a budget of its
-own; as root, per worker slot's uid); the launcher kills the job when all its processes together
-hold more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
+own; as root, per worker slot's uid); the job's memory and process count are held by a cgroup of
+its own where the worker can make one (:func:`_detect_cgroups`, :func:`_make_cgroup`; the
+program joins it first), else the launcher kills the job when all its processes together hold
+more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
 namespaces: rlimits, a scratch dir under the real /tmp, a Python-level socket block, and for root
 the per-slot uid.
 
@@ -61,8 +63,8 @@ only returns its function's outputs, as plain data, and "passed" there means onl
 returned; the caller compares the outputs, outside (mergelab/eval/scoring_code.py).
 
 Not covered: there is no seccomp filter (kernel bugs reachable from an unprivileged process, or
-from inside a user namespace, are in scope); the job's memory is polled every POLL_S seconds, so
-it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
+from inside a user namespace, are in scope); without a cgroup the job's memory is polled every
+POLL_S seconds, so it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
 caller runs as the caller: it can read and write the caller's files, reach the network through
 ctypes or a subprocess, and signal or trace the caller's other processes (the harness included).
 

@@ -26,8 +26,8 @@ program gets, as root or as an ordinary user alike:
   results, answer keys or Unix sockets;
 * no capabilities and no_new_privs; as root, a uid/gid of its own per worker slot (owning no
   files); as another user, the caller's uid, which the read-only filesystem keeps from writing;
-* limits: memory for the job as a whole (all its processes, memfd and shared memory; polled,
-  see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
+* limits: memory for the job as a whole (all its processes, memfd and shared memory: a cgroup
+  per job where one can be made, else polled; see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
   namespace, or per slot uid as root), file size, open files, no core files; a wall-clock
   timeout enforced by the launcher (and a backstop in the worker);
 * a clean environment (PATH, HOME, LANG only), stdin from /dev/null, no other open descriptor;
@@ -42,7 +42,8 @@ write whatever its uid can. ``memory_limit="process"`` (asked for) limits each p
 ``ExecutionResult.isolation`` always lists what was in force.
 
 Not guaranteed even with namespaces: no seccomp syscall filter, so kernel bugs are in scope for
-an attacker; the job's memory is polled every 20 ms, so a job can overshoot for that long. It is
+an attacker; without a cgroup the job's memory is polled every 20 ms, so a job can overshoot for
+that long. It is
 a guard against accidents and hostile model output, not a hardened jail for code written to
 attack this sandbox's host kernel. docs/sandbox.md has the trust model and the limits.
 """
@@ -161,6 +162,7 @@ class CallResult:
     seconds: float = 0.0
     exit_signal: int | None = None
     isolation: list[str] = field(default_factory=list)
+    memory_peak_bytes: int | None = None  # the most the job held at once (cgroup mode only)
 
 
 class _Worker:
@@ -226,8 +228,10 @@ class Sandbox:
     directory and a Python-level socket block only; ask for it knowingly). ``"strict"`` and
     ``"basic"`` are accepted as their old names. ``packages``: import names of installed
     packages programs may import (default none: the standard library only). ``memory_limit``:
-    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together) or
-    ``"process"`` (each process alone; ask for it knowingly).
+    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together, by a
+    cgroup per job where one can be made, else by polling), ``"cgroup"`` (refused where none
+    can be made), ``"polled"``, or ``"process"`` (each process alone; ask for it knowingly).
+    :attr:`memory_mode` and :meth:`memory_notice` say which applies.
     """
 
     def __init__(
