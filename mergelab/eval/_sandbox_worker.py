@@ -1048,8 +1048,10 @@ def _make_cgroup(cgroups, name, memory_bytes, max_processes):
     try:
         for controller, parent in cgroups["parents"].items():
             path = os.path.join(parent, name)
-            os.mkdir(path, 0o755)
-            made["dirs"].append(path)
+            if path not in made["dirs"]:  # v1 memory and pids may share one hierarchy
+                os.mkdir(path, 0o755)
+                made["dirs"].append(path)
+                made["procs"].append(os.open(f"{path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
             if controller == "v2":
                 _write_text(f"{path}/memory.max", str(int(memory_bytes)))
                 if os.path.exists(f"{path}/memory.swap.max"):
@@ -1072,7 +1074,6 @@ def _make_cgroup(cgroups, name, memory_bytes, max_processes):
                 made["peak"] = f"{path}/memory.max_usage_in_bytes"
             else:
                 _write_text(f"{path}/pids.max", str(int(max_processes)))
-            made["procs"].append(os.open(f"{path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
         return made
     except OSError:
         _remove_cgroup(made)
