@@ -77,10 +77,12 @@ def test_bad_sandbox_options_exit_2_before_loading(tmp_path, capsys, monkeypatch
         raise AssertionError("a model was loaded before the settings were checked")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.chdir(tmp_path)  # nothing may be written before the refusal; here if it were
     (tmp_path / "model").mkdir()
-    argv = ["eval", "run", "--model", str(tmp_path / "model"), "--benchmark", "humaneval",
-            "--cache-dir", str(tmp_path / "c"), *extra]  # fmt: skip
+    model = str(tmp_path / "model")
+    argv = ["eval", "run", "--model", model, "--benchmark", "humaneval", *extra]
     assert main(argv) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
 
@@ -104,8 +106,8 @@ def test_canonical_runs_with_the_options_and_says_which_memory_limit(capsys):
         Sandbox(workers=1).close()
     except SandboxUnavailableError:
         pytest.skip("the kernel refuses namespaces")
-    argv = ["eval", "canonical", "--benchmark", "humaneval", "--limit", "2", "--workers", "1",
-            "--memory-limit", "polled", "--package", "numpy"]  # fmt: skip
+    argv = ["eval", "canonical", "--benchmark", "humaneval", "--limit", "2", "--workers", "1"]
+    argv += ["--memory-limit", "polled", "--package", "numpy"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "polled every 20 ms" in out and "2/2 tests pass" in out

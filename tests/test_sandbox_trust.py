@@ -426,3 +426,27 @@ def test_a_cgroup_that_cannot_be_made_is_refused_in_one_line():
     assert refusal.startswith("memory_limit='cgroup': no cgroup can be made for a job here (")
     assert "memory_limit='job'" in refusal
     assert mode.startswith("polled | ") and "polled every 20 ms (no cgroup: " in mode
+
+
+@pytest.mark.skipif(not CGROUPS, reason="no cgroup can be made here")
+def test_cgroups_of_a_worker_that_died_are_removed_by_the_next_one():
+    import subprocess
+    import sys
+
+    with Sandbox(workers=1, isolation="weak", memory_limit="process") as sb:
+        parents = list(sb.cgroups["parents"].values())
+    argv = [sys.executable, "-c", "import os; print(os.getpid())"]
+    dead = subprocess.run(argv, capture_output=True, text=True, check=True)
+    stale = [f"{parent}/mergelab-sandbox-{int(dead.stdout)}-7" for parent in parents]
+    for path in stale:
+        os.mkdir(path)
+    alive = f"{parents[0]}/mergelab-sandbox-{os.getpid()}-7"  # its worker (this pid) lives
+    os.mkdir(alive)
+    try:
+        Sandbox(workers=1, isolation="weak").close()
+        assert [p for p in stale if os.path.exists(p)] == []
+        assert os.path.isdir(alive)
+    finally:
+        for path in [*stale, alive]:
+            if os.path.isdir(path):
+                os.rmdir(path)
