@@ -59,6 +59,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -202,7 +203,11 @@ class _Worker:
             if len(header) != 4:
                 raise EOFError("sandbox worker exited")
             (n,) = struct.unpack(">I", header)
-            return json.loads(self.proc.stdout.read(n).decode("utf-8"))
+            reply = json.loads(self.proc.stdout.read(n).decode("utf-8"))
+            if reply.get("cgroup_left"):  # processes the kernel would not let go: say so
+                left = reply["cgroup_left"]
+                warnings.warn(f"sandbox: the job's cgroup was not removed: {left}", stacklevel=3)
+            return reply
         except (OSError, EOFError, ValueError) as exc:
             self.close()
             return {"status": "crashed", "error": f"sandbox worker failed: {exc!r}"}
