@@ -86,7 +86,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="sandbox for generated code: 'namespaces' (default) is refused where the kernel "
         "has none; 'weak' = resource limits and a socket guard only, programs run as you",
     )
-    _sandbox_args(run)
     run.add_argument("--cache-dir", default="results/eval_cache")
     run.add_argument(
         "--out", "-o", dest="output", help="results folder (summary.json, items.jsonl)"
@@ -105,6 +104,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="sampling seed (sample j of an item uses seed + j) and bootstrap seed",
     )
     run.set_defaults(func=_run)
+    _sandbox_args(run)
 
     cmp = sub.add_parser("compare", help="paired comparison of two results folders")
     cmp.add_argument("result_a")
