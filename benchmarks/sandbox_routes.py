@@ -19,6 +19,10 @@ user: ``files_outside``). Each reports on stdout what it held or read. Each rout
 gets its canonical solution (``control_canonical``), which must pass.
 
     python benchmarks/sandbox_routes.py --out benchmarks/results/sandbox_routes_after.json
+
+``memory_modes`` (from the cgroup release on: ``sandbox_routes_cgroup.json``) repeats the memory
+programs with ``memory_limit="cgroup"`` (refused where no cgroup can be made, with the reason) and
+``"polled"``, with the peak the kernel measured in cgroup mode.
 """
 
 from __future__ import annotations
@@ -241,10 +245,40 @@ def inner(spec: dict) -> dict:
                 "stdout": r.stdout.strip(),
                 "error": r.error[-200:],
             }
+        out["memory_notice"] = sb.memory_notice()
         r = sb.run(_file_probe(spec["targets"]))
         out["files"] = json.loads(r.stdout) if r.status == "passed" else {"status": r.status}
     out["files_outside"] = _read_here(spec["targets"])
+    out["memory_modes"] = _memory_modes(limits)
     return out
+
+
+def _memory_modes(limits) -> dict:
+    """The memory probes under each job memory mode this user has (a cgroup per job where one
+    can be made, and polling), with the most each job held at once where the kernel says."""
+    from mergelab.eval.sandbox import Sandbox, SandboxUnavailableError
+
+    modes: dict = {}
+    for mode in ("cgroup", "polled"):
+        try:
+            sb = Sandbox(workers=1, limits=limits, memory_limit=mode)
+        except SandboxUnavailableError as exc:
+            modes[mode] = {"refused": str(exc)}
+            continue
+        with sb:
+            modes[mode] = {"notice": sb.memory_notice()}
+            for name, prog in MEMORY.items():
+                r = sb.run(prog)
+                modes[mode][name] = {
+                    "status": r.status,
+                    "stdout": r.stdout.strip(),
+                    "error": r.error[-200:],
+                    "seconds": round(r.seconds, 2),
+                    "peak_mib": None
+                    if r.memory_peak_bytes is None
+                    else round(r.memory_peak_bytes / 2**20, 1),
+                }
+    return modes
 
 
 def main(argv=None) -> int:

@@ -39,10 +39,18 @@ NAMESPACES = _namespaces_work()
 needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="the kernel refuses namespaces")
 
 
-@pytest.fixture(scope="module")
-def sandbox():
+def _memory_modes() -> list[str]:
+    """The job memory modes this machine has: "job" picks a cgroup where one can be made; then
+    the polling it falls back to elsewhere is tested here too."""
+    with Sandbox(workers=1, isolation="weak", memory_limit="process") as sb:
+        return ["job", "polled"] if sb.cgroups.get("version") else ["job"]
+
+
+@pytest.fixture(scope="module", params=_memory_modes())
+def sandbox(request):
     limits = SandboxLimits(timeout_s=5.0, memory_bytes=512 << 20, max_processes=16)
-    with Sandbox(workers=2, limits=limits, isolation="namespaces" if NAMESPACES else "weak") as sb:
+    isolation = "namespaces" if NAMESPACES else "weak"
+    with Sandbox(workers=2, limits=limits, isolation=isolation, memory_limit=request.param) as sb:
         yield sb
 
 

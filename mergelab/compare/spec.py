@@ -111,6 +111,7 @@ STATISTICS_KEYS = {"bootstrap_samples", "confidence", "seed_interval"}
 SEED_INTERVALS = ("t", "percentile")
 EXECUTOR_KEYS = {"kind", "address", "num_cpus", "num_gpus", "resources", "init"}
 EVAL_KEYS = {"n_samples", "pass_k", "gsm8k_extraction", "math_checker", "isolation", "workers"}
+EVAL_KEYS |= {"memory_limit", "packages"}  # the sandbox's (docs/sandbox.md)
 
 
 class SpecError(UserInputError):
@@ -936,8 +937,9 @@ def eval_settings_for(
         if prompt.get(k) is not None:
             prompt[k] = tuple(prompt[k])
     ev = dict(ev)
-    if "pass_k" in ev:
-        ev["pass_k"] = tuple(ev["pass_k"])
+    for k in ("pass_k", "packages"):
+        if isinstance(ev.get(k), list):
+            ev[k] = tuple(ev[k])
     gen_settings = GenerationSettings(**gen)
     return EvalSettings(
         generation=gen_settings,

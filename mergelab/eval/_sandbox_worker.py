@@ -37,8 +37,10 @@ holding /tmp, /var/tmp, /dev/shm and /run, whose /tmp/scratch is its working dir
 capabilities (bounding, ambient, effective, permitted all empty) and no_new_privs, so no setuid
 binary or file capability can give any back. rlimits cap CPU time, address space, file size,
 open files and processes (RLIMIT_NPROC counts per user namespace, so each job has a budget of its
-own; as root, per worker slot's uid); the launcher kills the job when all its processes together
-hold more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
+own; as root, per worker slot's uid); the job's memory and process count are held by a cgroup of
+its own where the worker can make one (:func:`_detect_cgroups`, :func:`_make_cgroup`; the
+program joins it first), else the launcher kills the job when all its processes together hold
+more than memory_bytes (:class:`_JobMeter`). "weak" mode, only when asked for, skips the
 namespaces: rlimits, a scratch dir under the real /tmp, a Python-level socket block, and for root
 the per-slot uid.
 
@@ -61,8 +63,8 @@ only returns its function's outputs, as plain data, and "passed" there means onl
 returned; the caller compares the outputs, outside (mergelab/eval/scoring_code.py).
 
 Not covered: there is no seccomp filter (kernel bugs reachable from an unprivileged process, or
-from inside a user namespace, are in scope); the job's memory is polled every POLL_S seconds, so
-it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
+from inside a user namespace, are in scope); without a cgroup the job's memory is polled every
+POLL_S seconds, so it can overshoot for that long; kernel keyrings are not isolated. In weak mode, a program of a non-root
 caller runs as the caller: it can read and write the caller's files, reach the network through
 ctypes or a subprocess, and signal or trace the caller's other processes (the harness included).
 
@@ -575,6 +577,8 @@ def _enter_program_sandbox(job, scratch, w_out, w_err, w_res, isolation):
     # Descriptors first, so that whatever fails below is reported on stderr: 0 = /dev/null,
     # 1/2 = the output pipes, 3 = the outputs pipe of a call job, nothing else (the launcher's
     # report pipe above all).
+    for fd in job.get("cgroup", {}).get("procs", ()):
+        os.write(fd, b"0")  # join the job's cgroups ("0": this process), before anything runs
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(w_out, 1)
@@ -697,7 +701,10 @@ def _launcher(job, w_out, w_err, w_res):
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the credential change
     isolation += ["no-capabilities", "no-new-privs", "closed-fds", "rlimits"]
     meter = None
-    if job.get("memory_limit", "job") == "job":
+    if job["memory_mode"] == "cgroup":
+        meter = _CgroupWatch(job)
+        isolation += ["job-memory-cgroup", "job-pids-cgroup"]
+    elif job["memory_mode"] == "polled":
         # Orphans of the job become our children, so "our descendants" is the whole job.
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "become a child subreaper")
         meter = _JobMeter(job, private_tmp="weak" not in isolation)
@@ -725,6 +732,11 @@ def _launcher(job, w_out, w_err, w_res):
             f"the job held {held / 2**20:.0f} MiB, over its memory limit of {mib:.0f} MiB (all "
             "its processes together, memfd, SysV and /tmp or /dev/shm memory included)"
         )
+        if job["memory_mode"] == "cgroup":
+            error = (
+                f"the kernel stopped the job at its memory limit of {mib:.0f} MiB (its cgroup: "
+                "all its processes together, memfd, SysV and /tmp or /dev/shm memory included)"
+            )
         report = {"status": "crashed", "error": error, "exit_code": None, "signal": signal.SIGKILL}
         return {**report, "isolation": isolation}
     return {**_judge(status, rusage, timed_out, codes, job), "isolation": isolation}
@@ -745,9 +757,8 @@ def _wait(child, timeout_s, killpg, meter):
             timed_out = not ready and remaining <= step
             if ready or timed_out:
                 break
-            used = meter.held()
-            if used > meter.limit:
-                held = used
+            held = meter.over()
+            if held is not None:
                 break
         if timed_out or held is not None:
             # In a pid namespace, killing its pid 1 kills every process in it.
@@ -764,7 +775,32 @@ def _wait(child, timeout_s, killpg, meter):
         _, status, rusage = os.wait4(child, 0)
     finally:
         os.close(pidfd)
+    if held is None and isinstance(meter, _CgroupWatch):
+        held = meter.over()  # the kernel's kill may have ended the program between two looks
     return status, rusage, timed_out, held
+
+
+class _CgroupWatch:
+    """The job's cgroup, as the launcher sees it (through a descriptor the worker opened: the
+    launcher's own root no longer shows /sys): the kernel holds the job to its memory limit;
+    this says when the kernel had to kill one of its processes for it, so that the launcher
+    ends the rest of the job too."""
+
+    def __init__(self, job):
+        self.made = job["cgroup"]
+        self.limit = int(job["memory_bytes"])
+
+    def over(self):
+        text = _read_fd(self.made["events_fd"])
+        key = self.made["events"][1]
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit() and int(value) > 0:
+                return self.limit
+        return None
+
+    def kill_all(self):
+        pass  # the worker kills what is left in the cgroup when it removes it
 
 
 class _JobMeter:
@@ -817,6 +853,10 @@ class _JobMeter:
             except OSError:
                 continue  # gone meanwhile
         return found
+
+    def over(self):
+        used = self.held()
+        return used if used > self.limit else None
 
     def held(self):
         total, files = 0, {}
@@ -885,6 +925,236 @@ class _JobMeter:
                 pass
 
 
+# ---------------------------------------------------------------------------------------------
+# Cgroups: a hard limit on the job's memory and process count, where one can be made
+
+
+CGROUP_PREFIX = "mergelab-sandbox-"
+CGROUPS = None  # what _detect_cgroups found, once per worker (main)
+
+
+def _cgroup_dirs():
+    """This process's cgroup directories: {"v2": dir} and/or {"memory": dir, "pids": dir} (v1),
+    from /proc/self/cgroup and the cgroup mounts of /proc/self/mountinfo."""
+    mounts = {}  # controller ("v2" for the unified tree) -> (mount root, mount point)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) < 5 or len(rfields) < 3:
+                continue
+            root, point = _unescape(fields[3]), _unescape(fields[4])
+            if rfields[0] == "cgroup2":
+                mounts.setdefault("v2", (root, point))
+            elif rfields[0] == "cgroup":
+                for option in rfields[2].split(","):
+                    if option in ("memory", "pids"):
+                        mounts.setdefault(option, (root, point))
+    dirs = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            names = ["v2"] if controllers == "" else controllers.split(",")
+            for name in names:
+                if name not in mounts:
+                    continue
+                root, point = mounts[name]
+                if path == root or path.startswith(root.rstrip("/") + "/") or root == "/":
+                    rel = path[len(root) :] if root != "/" else path
+                    dirs[name] = os.path.normpath(os.path.join(point, rel.lstrip("/")))
+    return dirs
+
+
+def _detect_cgroups():
+    """Where this worker can make a cgroup per job, tried once: the unified hierarchy (v2) with
+    the memory and pids controllers enabled for children, else the v1 memory and pids
+    hierarchies. Returns {"version": 2 | 1, "parents": {controller: dir}, "swap": how swap is
+    limited} or {"version": None, "why": the reason none can be made}."""
+    try:
+        dirs = _cgroup_dirs()
+    except OSError as exc:
+        return {"version": None, "why": f"cannot read this process's cgroups: {exc.strerror}"}
+    reasons = []
+    if "v2" in dirs:
+        found = _try_cgroup({"v2": dirs["v2"]}, 2, reasons)
+        if found:
+            return found
+    if "memory" in dirs and "pids" in dirs:
+        found = _try_cgroup({"memory": dirs["memory"], "pids": dirs["pids"]}, 1, reasons)
+        if found:
+            return found
+    elif "memory" not in dirs or "pids" not in dirs:
+        missing = [c for c in ("memory", "pids") if c not in dirs]
+        reasons.append(f"cgroup v1: no {' or '.join(missing)} hierarchy mounted")
+    return {"version": None, "why": "; ".join(reasons) or "no cgroup hierarchy mounted"}
+
+
+def _try_cgroup(parents, version, reasons):
+    """Make a trial cgroup under ``parents`` with limits set, then remove it."""
+    if version == 2:
+        parent = parents["v2"]
+        try:
+            enabled = set(_read_text(os.path.join(parent, "cgroup.subtree_control")).split())
+            if not {"memory", "pids"} <= enabled:
+                available = set(_read_text(os.path.join(parent, "cgroup.controllers")).split())
+                if not {"memory", "pids"} <= available:
+                    lacking = " and ".join(sorted({"memory", "pids"} - available))
+                    reasons.append(f"cgroup v2 ({parent}): no {lacking} controller delegated")
+                    return None
+                _write_text(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+        except OSError as exc:
+            reasons.append(f"cgroup v2 ({parent}): cannot enable memory and pids: {exc.strerror}")
+            return None
+    _sweep_stale(parents)
+    found = {"version": version, "parents": parents, "swap": "none"}
+    try:
+        made = _make_cgroup(found, f"{CGROUP_PREFIX}{os.getpid()}-probe", 64 << 20, 8)
+    except OSError as exc:
+        where = ", ".join(parents.values())
+        reasons.append(f"cgroup v{version} ({where}): cannot make a cgroup: {exc.strerror}")
+        return None
+    found["swap"] = made["swap"]
+    _remove_cgroup(made)
+    if made["swap"] == "unlimited":
+        reasons.append(f"cgroup v{version}: swap is on and cannot be limited (no memsw accounting)")
+        return None
+    return found
+
+
+def _read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _write_text(path, text):
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _swap_on():
+    try:
+        return len(_read_text("/proc/swaps").splitlines()) > 1
+    except OSError:
+        return False
+
+
+def _make_cgroup(cgroups, name, memory_bytes, max_processes):
+    """A cgroup for one job, limits set: {"dirs": [...], "procs": [fds], "events": fd, ...}.
+    Removed again if any step fails."""
+    made = {"version": cgroups["version"], "dirs": [], "procs": [], "swap": "none"}
+    try:
+        for controller, parent in cgroups["parents"].items():
+            path = os.path.join(parent, name)
+            if path not in made["dirs"]:  # v1 memory and pids may share one hierarchy
+                os.mkdir(path, 0o755)
+                made["dirs"].append(path)
+                made["procs"].append(os.open(f"{path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+            if controller == "v2":
+                _write_text(f"{path}/memory.max", str(int(memory_bytes)))
+                if os.path.exists(f"{path}/memory.swap.max"):
+                    _write_text(f"{path}/memory.swap.max", "0")
+                    made["swap"] = "limited"
+                elif _swap_on():
+                    made["swap"] = "unlimited"
+                _write_text(f"{path}/memory.oom.group", "1")  # an OOM kill takes the whole job
+                _write_text(f"{path}/pids.max", str(int(max_processes)))
+                made["events"] = (f"{path}/memory.events", "oom_kill")
+                made["peak"] = f"{path}/memory.peak"  # kernels 5.19 and later
+            elif controller == "memory":
+                _write_text(f"{path}/memory.limit_in_bytes", str(int(memory_bytes)))
+                if os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
+                    _write_text(f"{path}/memory.memsw.limit_in_bytes", str(int(memory_bytes)))
+                    made["swap"] = "limited"
+                elif _swap_on():
+                    made["swap"] = "unlimited"
+                made["events"] = (f"{path}/memory.oom_control", "oom_kill")
+                made["peak"] = f"{path}/memory.max_usage_in_bytes"
+            else:
+                _write_text(f"{path}/pids.max", str(int(max_processes)))
+        return made
+    except OSError:
+        _remove_cgroup(made)
+        raise
+
+
+def _read_fd(fd):
+    """A cgroup file, read again from its start ("" when it cannot be)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 65536).decode("ascii", "replace")
+    except OSError:
+        return ""
+
+
+def _remove_cgroup(made, wait_s=5.0):
+    """Kill whatever is left in the job's cgroups (weak mode has no pid namespace to end it)
+    and remove them. Returns the directories that could not be removed."""
+    for fd in made["procs"]:
+        os.close(fd)
+    made["procs"] = []
+    deadline = time.monotonic() + wait_s
+    left = list(made["dirs"])
+    while left:
+        for path in list(left):
+            try:
+                for pid in _read_text(f"{path}/cgroup.procs").split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+                os.rmdir(path)
+                left.remove(path)
+            except FileNotFoundError:
+                left.remove(path)
+            except OSError:
+                pass  # exiting processes still in it: again shortly
+        if left and time.monotonic() > deadline:
+            break
+        if left:
+            time.sleep(0.01)
+    made["dirs"] = left
+    return left
+
+
+def _sweep_stale(parents):
+    """Remove the empty cgroups of sandbox workers that died in the middle of a job."""
+    for parent in parents.values():
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            pid = name[len(CGROUP_PREFIX) :].split("-")[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+
+
+def _describe_cgroups():
+    """What the Sandbox says about the memory limit: the cgroup version and where, or why
+    none."""
+    if CGROUPS and CGROUPS["version"]:
+        return {"version": CGROUPS["version"], "parents": CGROUPS["parents"]}
+    return {"version": None, "why": (CGROUPS or {}).get("why", "not detected")}
+
+
+def _memory_mode(job):
+    """ "cgroup", "polled" or "process" for this job, from its memory_limit and what the worker
+    found: "job" takes a cgroup where one can be made, else polls."""
+    asked = job.get("memory_limit", "job")
+    if asked == "job":
+        return "cgroup" if CGROUPS and CGROUPS["version"] else "polled"
+    if asked == "cgroup" and not (CGROUPS and CGROUPS["version"]):
+        why = (CGROUPS or {}).get("why", "not detected")
+        raise SetupError(f"make a cgroup for the job's memory ({why})", errno.EPERM)
+    return asked
+
+
 def _judge(status, rusage, timed_out, codes, job):
     passed, failed, crashed = codes
     report = {"exit_code": None, "signal": None, "error": None}
@@ -931,6 +1201,52 @@ def _kill_uid(uid):
 
 
 def _run_job(job):
+    """Make the job's cgroup (where it has one), run the job, remove the cgroup."""
+    try:
+        job["memory_mode"] = _memory_mode(job)
+        if job["memory_mode"] == "cgroup":
+            name = f"{CGROUP_PREFIX}{os.getpid()}-{next(_JOB_NUMBERS)}"
+            try:
+                made = _make_cgroup(CGROUPS, name, job["memory_bytes"], job["max_processes"])
+            except OSError as exc:
+                raise SetupError("make the job's cgroup", exc.errno) from None
+            job["cgroup"] = made
+    except SetupError as exc:
+        text = os.strerror(exc.errno)
+        return {
+            "status": "crashed",
+            "error": f"sandbox set-up failed: {exc.step}: {text}",
+            "setup_error": {"step": exc.step, "errno": exc.errno, "strerror": text},
+            "stdout": "",
+            "stderr": "",
+            "seconds": 0.0,
+            "exit_signal": None,
+            "isolation": [],
+        }
+    made = job.get("cgroup")
+    if made is None:
+        return _run_launcher(job)
+    made["events_fd"] = os.open(made["events"][0], os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        made["peak_fd"] = os.open(made.get("peak", "/nonexistent"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        made["peak_fd"] = None
+    try:
+        reply = _run_launcher(job)
+        peak = _read_fd(made["peak_fd"]) if made["peak_fd"] is not None else ""
+        if peak.strip().isdigit():
+            reply["memory_peak_bytes"] = int(peak)  # the most the job held at once
+    finally:
+        os.close(made["events_fd"])
+        if made["peak_fd"] is not None:
+            os.close(made["peak_fd"])
+        left = _remove_cgroup(made)
+    if left:  # never leave one behind silently
+        reply["cgroup_left"] = left
+    return reply
+
+
+def _run_launcher(job):
     t0 = time.monotonic()
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
@@ -1078,6 +1394,7 @@ def _reply(rep, out, err, backstop_kill, seconds):
 
 
 CAP_LAST, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS = 40, [], [], []
+_JOB_NUMBERS = itertools.count()
 PROTOCOL_FDS = (0, 1)
 RESULTS_FD = 3
 
@@ -1097,13 +1414,14 @@ PLAIN = _load_plain_data()
 
 
 def main():
-    global CAP_LAST, PROTOCOL_FDS, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS
+    global CAP_LAST, CGROUPS, PROTOCOL_FDS, PYTHON_DIRS, PYTHON_ALIASES, SITE_DIRS
     # Programs (and in weak mode, other processes of our uid) may not read our memory or fds.
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     PYTHON_DIRS, SITE_DIRS = _python_dirs(), _site_dirs()
     PYTHON_ALIASES = _python_aliases(PYTHON_DIRS)
     with open("/proc/sys/kernel/cap_last_cap") as f:
         CAP_LAST = int(f.read())
+    CGROUPS = _detect_cgroups()
     # Keep the protocol pipes off fds 0/1 so nothing a program does can write into them.
     PROTOCOL_FDS = proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -1117,7 +1435,7 @@ def main():
         (n,) = struct.unpack(">I", header)
         job = json.loads(_read_exact(proto_in, n).decode("utf-8"))
         try:
-            reply = _run_job(job)
+            reply = {"cgroups": _describe_cgroups()} if job.get("describe") else _run_job(job)
         except Exception:  # noqa: BLE001 - never let one job take the worker down
             reply = {"status": "crashed", "error": "worker error: " + traceback.format_exc()}
         data = json.dumps(reply).encode("utf-8")

@@ -122,6 +122,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="sampling seed (sample j of an item uses seed + j) and bootstrap seed",
     )
     run.set_defaults(func=_run)
+    _sandbox_args(run)
 
     cmp = sub.add_parser("compare", help="paired comparison of two results folders")
     cmp.add_argument("result_a", help="results folder of the first candidate")
@@ -148,8 +149,27 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="sandbox for generated code: 'namespaces' (default) is refused where the kernel "
         "has none; 'weak' = resource limits and a socket guard only, programs run as you",
     )
+    _sandbox_args(canon)
     canon.set_defaults(func=_canonical)
     return p
+
+
+def _sandbox_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--memory-limit",
+        choices=["job", "cgroup", "polled", "process"],
+        default="job",
+        help="generated code's memory limit: 'job' (default) = all of a job's processes together, "
+        "a cgroup per job where one can be made, else polled; 'cgroup' or 'polled' to choose; "
+        "'process' = each process alone (docs/sandbox.md)",
+    )
+    p.add_argument(
+        "--package",
+        action="append",
+        dest="packages",
+        metavar="NAME",
+        help="an installed package test programs may import, e.g. numpy (repeat; default none)",
+    )
 
 
 def _benchmark_args(p: argparse.ArgumentParser) -> None:
@@ -213,6 +233,8 @@ def _run(args: argparse.Namespace) -> int:
         math_checker=args.math_checker,
         sandbox=SandboxLimits(timeout_s=args.timeout),
         isolation=args.isolation,
+        memory_limit=args.memory_limit,
+        packages=tuple(args.packages or ()),
         workers=args.workers,
         seed=args.seed,
     )
@@ -290,7 +312,14 @@ def _canonical(args: argparse.Namespace) -> int:
         for it in bench.items
     ]
     limits = SandboxLimits(timeout_s=args.timeout)
-    with Sandbox(workers=args.workers, limits=limits, isolation=args.isolation) as sandbox:
+    sandbox = Sandbox(
+        workers=args.workers,
+        limits=limits,
+        isolation=args.isolation,
+        memory_limit=args.memory_limit,
+        packages=args.packages or (),
+    )
+    with sandbox:
         print(sandbox.memory_notice())
         verdicts, isolation = run_code_tests(sandbox, cases, progress=True)
     results = [(it.item_id, k, v) for it, vs in zip(bench.items, verdicts) for k, v in vs.items()]

@@ -42,7 +42,13 @@ from tqdm.auto import tqdm
 from mergelab.candidate import Candidate, Generation, GenerationSettings
 from mergelab.eval.benchmarks import Benchmark
 from mergelab.eval.prompts import PromptConfig, build_prompt, stop_strings
-from mergelab.eval.sandbox import ISOLATION_MODES, Sandbox, SandboxLimits
+from mergelab.eval.sandbox import (
+    ISOLATION_MODES,
+    Sandbox,
+    SandboxLimits,
+    check_memory_limit,
+    check_packages,
+)
 from mergelab.eval.scoring_math import MATH_CHECKERS
 from mergelab.eval.stats import bootstrap_ci
 from mergelab.eval.tasks import get_task
@@ -83,7 +89,10 @@ class EvalSettings:
     :mod:`mergelab.eval.scoring_math` and docs/evaluators.md). ``sandbox``: limits per test
     program; ``workers``: parallel programs;
     ``isolation``: "namespaces" (the default: refused where the kernel has none) or "weak"
-    (resource limits only; see :mod:`mergelab.eval.sandbox`). ``bootstrap_samples``/``confidence``/``seed``: the CIs.
+    (resource limits only; see :mod:`mergelab.eval.sandbox`). ``memory_limit``: "job" (default:
+    a cgroup per job where one can be made, else polled), "cgroup", "polled" or "process";
+    ``packages``: import names test programs may import (docs/sandbox.md).
+    ``bootstrap_samples``/``confidence``/``seed``: the CIs.
     """
 
     generation: GenerationSettings = GenerationSettings(max_new_tokens=512)
@@ -95,6 +104,8 @@ class EvalSettings:
     sandbox: SandboxLimits = SandboxLimits()
     workers: int | None = None
     isolation: str = "namespaces"
+    memory_limit: str = "job"
+    packages: tuple[str, ...] = ()
     bootstrap_samples: int = 10_000
     confidence: float = 0.95
     seed: int = 0
@@ -109,6 +120,8 @@ class EvalSettings:
             raise ValueError(
                 f"isolation must be one of {sorted(ISOLATION_MODES)}, got {self.isolation!r}"
             )
+        check_memory_limit(self.memory_limit)
+        object.__setattr__(self, "packages", check_packages(self.packages))
         if self.gsm8k_extraction not in ("flexible", "strict"):
             raise ValueError("gsm8k_extraction must be 'flexible' or 'strict'")
         if self.math_checker not in MATH_CHECKERS:
@@ -128,6 +141,12 @@ class EvalSettings:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        # The sandbox's memory_limit and packages only where set: keys of earlier runs stay.
+        sandbox_options = {
+            k: v
+            for k, v in (("memory_limit", self.memory_limit), ("packages", list(self.packages)))
+            if v not in ("job", [])
+        }
         return {
             **self.generation_key(),
             "pass_k": list(self.pass_k),
@@ -136,6 +155,7 @@ class EvalSettings:
             "sandbox": self.sandbox.to_job(),
             "workers": self.workers,
             "isolation": self.isolation,
+            **sandbox_options,
             "bootstrap_samples": self.bootstrap_samples,
             "confidence": self.confidence,
             "seed": self.seed,

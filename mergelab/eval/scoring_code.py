@@ -514,7 +514,11 @@ def score_code(benchmark, samples, settings, *, sandbox=None, progress=False):
             index.append((it.item_id, s))
     own = sandbox is None
     sandbox = sandbox or Sandbox(
-        workers=settings.workers, limits=settings.sandbox, isolation=settings.isolation
+        workers=settings.workers,
+        limits=settings.sandbox,
+        isolation=settings.isolation,
+        memory_limit=settings.memory_limit,
+        packages=settings.packages,
     )
     memory_notice = sandbox.memory_notice(settings.sandbox)
     try:
