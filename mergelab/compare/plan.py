@@ -196,11 +196,32 @@ def load_benchmark_spec(b: BenchmarkSpec, source: str) -> Benchmark:
     load = b.load
     if "object" in load:
         bench = load["object"]
+    elif "fields" in load:  # a generic task over the user's records (eval.generic_tasks)
+        from mergelab.eval.benchmarks import BenchmarkFormatError
+        from mergelab.eval.generic_tasks import load_generic
+
+        try:
+            bench = load_generic(
+                load["file"],
+                task=load["task"],
+                fields=load["fields"],
+                split=load.get("dataset_split"),
+                name=b.name,
+            )
+        except BenchmarkFormatError as exc:  # names the file, line and field
+            raise SpecError(f"{source}: benchmarks[{b.name}]: {exc}") from exc
     elif "file" in load:
         records = [rec for _, rec in read_records(load["file"])]
         try:
             bench = Benchmark.from_items(b.name, load["task"], records)
-        except (TypeError, ValueError) as exc:
+        except TypeError as exc:  # a record with fields an Item does not have
+            raise SpecError(
+                f"{source}: benchmarks[{b.name}].file: {load['file']}: records of task "
+                f"{load['task']!r} have the fields item_id, prompt, answer (and solution, tests, "
+                f"meta); for your own fields use task: exact_match, normalized_match, regex or "
+                f"multiple_choice with fields: (docs/compare.md, 'Your own data') — {exc}"
+            ) from exc
+        except ValueError as exc:
             raise SpecError(f"{source}: benchmarks[{b.name}].file: {load['file']}: {exc}") from exc
         bench.source = load["file"]
     else:

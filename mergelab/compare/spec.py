@@ -100,6 +100,8 @@ BENCHMARK_KEYS = {
     "prompt",
     "eval",
     "baselines",
+    "fields",
+    "dataset_split",
 }
 SPLIT_KEYS = {"validation", "test", "seed"}
 SELECTION_KEYS = {"metric", "tie_break"}
@@ -744,13 +746,35 @@ class _Parser:
                 "Benchmark object) and `file` (items as JSONL/JSON)",
             )
         if "file" in entry:
+            from mergelab.eval.generic_tasks import GENERIC_TASKS, check_fields
+
             task = entry.get("task")
             known = list_tasks()
             if task not in known:
                 raise self.fail(f"{key}.task", f"a benchmark file needs task: one of {known}")
             load = {"file": self.path(f"{key}.file", entry["file"]), "task": task}
-            if not Path(load["file"]).is_file():
-                raise self.fail(f"{key}.file", f"{load['file']} does not exist")
+            if task in GENERIC_TASKS:  # your own records, through field templates
+                try:
+                    load["fields"] = check_fields(
+                        self.mapping(f"{key}.fields", entry.get("fields")), task
+                    )
+                except ValueError as exc:
+                    raise self.fail(key, str(exc)) from None
+                split = entry.get("dataset_split")
+                if split is not None and not isinstance(split, str):
+                    raise self.fail(f"{key}.dataset_split", f"expected a name, got {split!r}")
+                load["dataset_split"] = split
+                if not Path(load["file"]).exists():
+                    raise self.fail(f"{key}.file", f"{load['file']} does not exist")
+            else:
+                for k in ("fields", "dataset_split"):
+                    if k in entry:
+                        raise self.fail(
+                            f"{key}.{k}",
+                            f"only for the generic tasks {', '.join(GENERIC_TASKS)}",
+                        )
+                if not Path(load["file"]).is_file():
+                    raise self.fail(f"{key}.file", f"{load['file']} does not exist")
         else:
             bench = entry["benchmark"]
             if isinstance(bench, str):
@@ -777,8 +801,9 @@ class _Parser:
                 raise self.fail(
                     f"{key}.benchmark", f"expected a name or a Benchmark, got {bench!r}"
                 )
-            if "task" in entry:
-                raise self.fail(f"{key}.task", "only for `file` benchmarks")
+            for k in ("task", "fields", "dataset_split"):
+                if k in entry:
+                    raise self.fail(f"{key}.{k}", "only for `file` benchmarks")
         split = self.mapping(f"{key}.split", entry.get("split"), SPLIT_KEYS)
         val, test = split.get("validation"), split.get("test", "rest")
         for part, v in (("validation", val), ("test", test)):
