@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergelab.compare.spec import BenchmarkSpec, CompareSpec, Family, SpecError
+from mergelab.errors import UserInputError
 from mergelab.eval.benchmarks import Benchmark, read_records
 
 
@@ -196,6 +197,18 @@ def load_benchmark_spec(b: BenchmarkSpec, source: str) -> Benchmark:
     load = b.load
     if "object" in load:
         bench = load["object"]
+    elif "lm_eval" in load:  # an lm-eval task, evaluated by lm-eval (eval.lm_eval_tasks)
+        from mergelab.eval.lm_eval_tasks import load_lm_eval_task
+
+        try:
+            bench = load_lm_eval_task(load["lm_eval"], name=b.name)
+        except ImportError as exc:
+            raise SpecError(
+                f"{source}: benchmarks[{b.name}].lm_eval: needs lm-eval "
+                f"(pip install 'mergelab[lm_eval]'): {exc}"
+            ) from None
+        except (UserInputError, ValueError) as exc:
+            raise SpecError(f"{source}: benchmarks[{b.name}]: {exc}") from exc
     elif "fields" in load:  # a generic task over the user's records (eval.generic_tasks)
         from mergelab.eval.benchmarks import BenchmarkFormatError
         from mergelab.eval.generic_tasks import load_generic

@@ -102,6 +102,7 @@ BENCHMARK_KEYS = {
     "baselines",
     "fields",
     "dataset_split",
+    "lm_eval",
 }
 SPLIT_KEYS = {"validation", "test", "seed"}
 SELECTION_KEYS = {"metric", "tie_break"}
@@ -738,14 +739,29 @@ class _Parser:
         return out
 
     def benchmark(self, key, name, entry, defaults) -> BenchmarkSpec:
-        sources = [k for k in ("benchmark", "file") if k in entry]
+        sources = [k for k in ("benchmark", "file", "lm_eval") if k in entry]
         if len(sources) != 1:
             raise self.fail(
                 key,
                 "give exactly one of `benchmark` (a mergelab benchmark name or a "
-                "Benchmark object) and `file` (items as JSONL/JSON)",
+                "Benchmark object), `file` (your records) and `lm_eval` (an lm-eval task)",
             )
-        if "file" in entry:
+        if "lm_eval" in entry:
+            from mergelab.eval.lm_eval_tasks import check_config
+
+            config = self.mapping(f"{key}.lm_eval", entry["lm_eval"])
+            if config.get("include_path") is not None:
+                config["include_path"] = self.path(
+                    f"{key}.lm_eval.include_path", config["include_path"]
+                )
+            try:
+                load = {"lm_eval": check_config(config)}
+            except ValueError as exc:
+                raise self.fail(key, str(exc)) from None
+            for k in ("task", "fields", "dataset_split", "path"):
+                if k in entry:
+                    raise self.fail(f"{key}.{k}", "not for `lm_eval` benchmarks")
+        elif "file" in entry:
             from mergelab.eval.generic_tasks import GENERIC_TASKS, check_fields
 
             task = entry.get("task")

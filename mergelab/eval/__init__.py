@@ -19,6 +19,7 @@ docs/plugins.md). mergelab's own tasks are registered at the end of this file.
 from mergelab.eval import (  # noqa: E402, F401
     generic_tasks,
     letter_tasks,
+    lm_eval_tasks,
     standard_tasks,
     synthetic_tasks,
 )

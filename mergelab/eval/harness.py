@@ -308,6 +308,7 @@ def _generate_missing(
     progress: bool,
     desc: str,
     continuations: dict[str, list[str]] | None = None,
+    run_items: Any = None,
 ) -> int:
     """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache;
     returns how many this call generated.
@@ -316,7 +317,8 @@ def _generate_missing(
     live run, claims the next batch, and later appends it. With nothing left to claim it waits
     for the other runs' batches (or for their death, which frees their claims).
     """
-    batch = max(1, gen_settings.batch_size)
+    # A task run outside the decoding loop (lm-eval) evaluates every missing item in one call.
+    batch = len(jobs) if run_items is not None else max(1, gen_settings.batch_size)
     token = uuid.uuid4().hex
     wanted = {(item_id, s): (item_id, s, p) for item_id, s, p in jobs}
     bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
@@ -344,10 +346,12 @@ def _generate_missing(
                 waited = True
                 time.sleep(CLAIM_POLL_SECONDS)
                 continue
-            if continuations is None:
-                lines = _generate_batch(candidate, chunk, settings, gen_settings)
-            else:
+            if run_items is not None:
+                lines = _run_items_batch(candidate, chunk, run_items)
+            elif continuations is not None:
                 lines = _score_batch(candidate, chunk, continuations)
+            else:
+                lines = _generate_batch(candidate, chunk, settings, gen_settings)
             with _cache_lock(cache_file):
                 _drop_torn_tail(cache_file)
                 with open(cache_file, "a", encoding="utf-8") as f:
@@ -387,6 +391,21 @@ def _generate_batch(
         for (item_id, s, prompt), gen in zip(group, gens):
             lines.append(_cache_record(item_id, s, prompt, gen))
     return lines
+
+
+def _run_items_batch(candidate: Candidate, chunk, run_items) -> list[dict[str, Any]]:
+    """Cache records of a task that evaluates its items itself (``Task.run_items``)."""
+    items, by_id = run_items
+    records = items(candidate, [by_id[i] for i in dict.fromkeys(i for i, _, _ in chunk)])
+    return [
+        {
+            **records[item_id],
+            "item_id": item_id,
+            "sample": sample,
+            "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+        }
+        for item_id, sample, prompt in chunk
+    ]
 
 
 def _score_batch(
@@ -485,6 +504,9 @@ def evaluate(
     continuations = None
     if task.continuations is not None:  # a log-likelihood task: nothing is generated
         continuations = {it.item_id: list(task.continuations(it)) for it in bench.items}
+    run_items = None
+    if task.run_items is not None:  # evaluated outside the decoding loop (lm-eval)
+        run_items = (task.run_items, {it.item_id: it for it in bench.items})
 
     cache_file = run_dir / "generations.jsonl"
     done = _repair_cache(cache_file)
@@ -499,7 +521,15 @@ def evaluate(
     if jobs:
         desc = f"{candidate.name} · {bench.name}"
         generated = _generate_missing(
-            candidate, jobs, settings, gen_settings, cache_file, progress, desc, continuations
+            candidate,
+            jobs,
+            settings,
+            gen_settings,
+            cache_file,
+            progress,
+            desc,
+            continuations,
+            run_items,
         )
         done, _ = _read_cache(cache_file, warn=False)
     generation_seconds = time.time() - t0

@@ -83,7 +83,10 @@ class Task:
     ``score`` like a model's, e.g. a floor). ``continuations(item)``, when given, makes the task
     one of log-likelihoods: nothing is generated; the candidate scores each continuation after
     the prompt (:meth:`Candidate.score`) and the sample's record holds them as
-    ``loglikelihoods`` (its ``text`` is the most likely continuation)."""
+    ``loglikelihoods`` (its ``text`` is the most likely continuation). ``run_items(candidate,
+    items)``, when given, evaluates a split's items in one call outside mergelab's decoding loop
+    (an lm-eval run) and returns item id → the sample's record (``text``, ``finish_reason``,
+    ``n_tokens``, ``seconds``, ``forward_passes`` and whatever ``score`` reads)."""
 
     name: str
     kind: str
@@ -98,6 +101,7 @@ class Task:
     variants: tuple[str, ...] = ()
     bundled: tuple[str, ...] = ()
     continuations: Callable[[Item], Sequence[str]] | None = None
+    run_items: Callable[..., Mapping[str, Mapping[str, Any]]] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
