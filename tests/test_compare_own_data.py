@@ -321,3 +321,37 @@ def test_generic_tasks_are_in_the_one_registry():
     assert all(origins[t] == "builtin" for t in GENERIC_TASKS)
     assert get_task("multiple_choice").continuations is not None
     assert all(get_task(t).continuations is None for t in GENERIC_TASKS[:3])
+
+
+def test_mergelab_eval_run_with_fields(models, tmp_path, capsys):
+    from mergelab import ModelCandidate
+    from mergelab.cli import main
+
+    data = _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
+    out = tmp_path / "out"
+    args = ["eval", "run", "--model", str(models["root"] / "math"), "--benchmark",
+            "multiple_choice", "--data", str(data), "--field", "prompt={x}", "--field",
+            "choices=choices", "--field", "label=label", "--cache-dir", str(tmp_path / "c"),
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
+    cand = ModelCandidate(models["math"], models["tok"], name="math")
+    for it, rec in zip(items, LM_EVAL_RECORDS):
+        lls = cand.score([rec["x"]] * 4, [" " + c for c in rec["choices"]])
+        best = max(range(4), key=lambda i: (lls[i], -i))
+        assert it["scores"]["acc"] == float(best == rec["label"])
+    bad = ["eval", "run", "--model", str(models["root"] / "math"), "--benchmark", "gsm8k",
+           "--data", str(data), "--field", "prompt={x}"]  # fmt: skip
+    assert main(bad) == 2
+    assert "takes no option 'fields'" in capsys.readouterr().err
+
+
+def test_few_shot_exemplars_precede_the_prompt(tmp_path):
+    from mergelab.eval.prompts import PromptConfig, build_prompt
+
+    path = _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
+    bench = load_generic(path, task="exact_match", fields={"prompt": "{x}>", "target": "y"})
+    config = PromptConfig(n_shots=1, exemplars=({"prompt": "0 plus 0 is>", "target": "0"},))
+    assert build_prompt(bench.items[0], bench, config) == "0 plus 0 is>0\n\n1 plus 2 is>"
+    mc = load_generic(path, task="multiple_choice", fields={"prompt": "{x}"})
+    assert build_prompt(mc.items[0], mc, config) == "0 plus 0 is> 0\n\n1 plus 2 is"
