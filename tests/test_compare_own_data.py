@@ -355,3 +355,22 @@ def test_few_shot_exemplars_precede_the_prompt(tmp_path):
     assert build_prompt(bench.items[0], bench, config) == "0 plus 0 is>0\n\n1 plus 2 is>"
     mc = load_generic(path, task="multiple_choice", fields={"prompt": "{x}"})
     assert build_prompt(mc.items[0], mc, config) == "0 plus 0 is> 0\n\n1 plus 2 is"
+
+
+def test_executor_ray_from_the_command_line_keeps_the_specs_cluster_settings(models, tmp_path):
+    from mergelab.compare.spec import load_spec, with_executor
+
+    _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
+    path = _spec(models, tmp_path, [{"name": "s", "file": "sums.jsonl", "task": "exact_match",
+                                     "fields": {"prompt": "{x}", "target": "y"},
+                                     "split": {"validation": 2}}])  # fmt: skip
+    spec = yaml.safe_load(path.read_text())
+    spec["executor"] = {"kind": "ray", "address": "auto", "num_gpus": 0.5, "num_cpus": 2,
+                        "resources": {"big_mem": 1}}  # fmt: skip
+    path.write_text(yaml.safe_dump(spec))
+    loaded = load_spec(path)
+    ray = with_executor(loaded, "ray")
+    assert ray.executor == loaded.executor and ray.executor["num_gpus"] == 0.5
+    moved = with_executor(loaded, {"kind": "ray", "address": "ray://head:10001"})
+    assert moved.executor == {**loaded.executor, "address": "ray://head:10001"}
+    assert with_executor(loaded, "local").executor["kind"] == "local"

@@ -273,9 +273,16 @@ def with_plugins(spec: CompareSpec, plugins: Sequence[str]) -> CompareSpec:
 
 def with_executor(spec: CompareSpec, executor: Any) -> CompareSpec:
     """``spec`` with its executor replaced by ``executor`` ("local", "ray" or a mapping like the
-    spec's ``executor`` section), checked like the spec's own."""
+    spec's ``executor`` section), checked like the spec's own. Switching a Ray spec to Ray
+    (``--executor ray``, ``--ray-address``) keeps its cluster settings (address, resources per
+    job, ``init``) where ``executor`` does not give them."""
     import dataclasses
 
+    if isinstance(executor, str):
+        executor = {"kind": executor}
+    if spec.executor.get("kind") == "ray" and executor.get("kind", "local") == "ray":
+        kept = {k: v for k, v in spec.executor.items() if v is not None}
+        executor = {**kept, **{k: v for k, v in executor.items() if v is not None}}
     return dataclasses.replace(spec, executor=_Parser(Path.cwd(), "--executor").executor(executor))
 
 
