@@ -374,3 +374,27 @@ def test_executor_ray_from_the_command_line_keeps_the_specs_cluster_settings(mod
     moved = with_executor(loaded, {"kind": "ray", "address": "ray://head:10001"})
     assert moved.executor == {**loaded.executor, "address": "ray://head:10001"}
     assert with_executor(loaded, "local").executor["kind"] == "local"
+
+
+def test_code_with_tests_from_your_own_records(tmp_path):
+    from dataclasses import replace
+
+    recs = [
+        {"name": "add", "stub": "def add(a, b):\n", "checks": ["assert add(1, 2) == 3",
+                                                            "assert add(-1, 1) == 0"]},
+        {"name": "neg", "stub": "def neg(a):\n", "checks": "assert neg(2) == -2"},
+    ]  # fmt: skip
+    path = _write_jsonl(tmp_path / "code.jsonl", recs)
+    fields = {"id": "name", "prompt": "{stub}", "tests": "checks", "entry_point": "name"}
+    bench = load_generic(path, task="code_tests", fields=fields)
+    assert bench.items[0].tests.asserts == tuple(recs[0]["checks"])
+    assert bench.items[1].tests.asserts == (recs[1]["checks"],)
+    settings = replace(EvalSettings(), isolation="weak")
+    right = {"add": "    return a + b\n", "neg": "    return -a\n"}
+    wrong = {"add": "    return a - b\n", "neg": "    return -a\n"}
+    assert score_completions(bench, right, settings) == {"add": True, "neg": True}
+    assert score_completions(bench, wrong, settings) == {"add": False, "neg": True}
+    with pytest.raises(ValueError, match="fields.entry_point: the code_tests task needs it"):
+        load_generic(path, task="code_tests", fields={"prompt": "{stub}", "tests": "checks"})
+    with pytest.raises(ValueError, match="fields.tests: only for the code_tests task"):
+        load_generic(path, task="exact_match", fields={"prompt": "{stub}", "tests": "checks"})

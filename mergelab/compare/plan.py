@@ -231,8 +231,8 @@ def load_benchmark_spec(b: BenchmarkSpec, source: str) -> Benchmark:
             raise SpecError(
                 f"{source}: benchmarks[{b.name}].file: {load['file']}: records of task "
                 f"{load['task']!r} have the fields item_id, prompt, answer (and solution, tests, "
-                f"meta); for your own fields use task: exact_match, normalized_match, regex or "
-                f"multiple_choice with fields: (docs/compare.md, 'Your own data') — {exc}"
+                f"meta); for your own fields use task: exact_match, normalized_match, regex, "
+                f"multiple_choice or code_tests with fields: (docs/compare.md, 'Your own data') — {exc}"
             ) from exc
         except ValueError as exc:
             raise SpecError(f"{source}: benchmarks[{b.name}].file: {load['file']}: {exc}") from exc

@@ -140,7 +140,8 @@ def _benchmark_args(p: argparse.ArgumentParser) -> None:
         "--field",
         action="append",
         metavar="KEY=TEMPLATE",
-        help="your own file (--benchmark exact_match, normalized_match, regex, multiple_choice): "
+        help="your own file (--benchmark exact_match, normalized_match, regex, multiple_choice, "
+        "code_tests): "
         "how a record becomes an item, e.g. --field 'prompt={x}>' --field 'target={y}' "
         "(repeatable; docs/compare.md, 'Your own data')",
     )

@@ -1,6 +1,6 @@
 """Tasks over your own data: a file of records and field templates, no Python.
 
-Four tasks, registered like mergelab's own (:func:`generic_task` builds each):
+Five tasks, registered like mergelab's own (:func:`generic_task` builds each):
 
 * ``exact_match`` — the completion's first line (stripped) equals the target (stripped);
 * ``normalized_match`` — equal after SQuAD's normalisation (lower case, punctuation and the
@@ -11,7 +11,10 @@ Four tasks, registered like mergelab's own (:func:`generic_task` builds each):
 * ``multiple_choice`` — no generation: the candidate's log-likelihood of each choice after the
   prompt (``delimiter`` + choice, lm-eval's ``target_delimiter``, ``" "`` by default); ``acc`` is
   whether the most likely choice is the labelled one, ``acc_norm`` the same with each
-  log-likelihood divided by its choice's length in characters (lm-eval's ``acc``/``acc_norm``).
+  log-likelihood divided by its choice's length in characters (lm-eval's ``acc``/``acc_norm``);
+* ``code_tests`` — the completion (after the prompt when ``prompt_is_code``, the default) run
+  with the record's ``tests`` (a list of assert lines or one block of test code, after
+  ``setup``) in the sandbox, as the ``code`` task runs them; ``entry_point`` names the function.
 
 Records come from JSONL (``.jsonl``/``.jsonl.gz``), a JSON list, CSV, Parquet (needs
 ``pyarrow``) or a folder written by Hugging Face ``datasets``' ``save_to_disk`` (needs
@@ -44,12 +47,33 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mergelab.eval.benchmarks import Benchmark, BenchmarkFormatError, Item, read_records
+from mergelab.eval.benchmarks import (
+    Benchmark,
+    BenchmarkFormatError,
+    CodeTests,
+    Item,
+    read_records,
+)
+from mergelab.eval.prompts import code_stop_strings
+from mergelab.eval.scoring_code import score_code
 from mergelab.eval.scoring_math import answer_scorer
 from mergelab.eval.tasks import Task, TaskScores, register_task
 
-GENERIC_TASKS = ("exact_match", "normalized_match", "regex", "multiple_choice")
-FIELD_KEYS = ("prompt", "target", "choices", "label", "id", "pattern", "delimiter")
+GENERIC_TASKS = ("exact_match", "normalized_match", "regex", "multiple_choice", "code_tests")
+FIELD_KEYS = (
+    "prompt",
+    "target",
+    "choices",
+    "label",
+    "id",
+    "pattern",
+    "delimiter",
+    "tests",
+    "entry_point",
+    "setup",
+    "prompt_is_code",
+)
+CODE_KEYS = ("tests", "entry_point", "setup", "prompt_is_code")
 # Field names used when ``fields`` leaves them out.
 DEFAULT_FIELDS = {"prompt": "prompt", "target": "target", "choices": "choices", "label": "label"}
 
@@ -142,6 +166,20 @@ def check_fields(fields: Mapping[str, Any], task: str) -> dict[str, Any]:
     out = {"prompt": fields.get("prompt", DEFAULT_FIELDS["prompt"])}
     if "id" in fields:
         out["id"] = fields["id"]
+    code_keys = sorted(set(fields) & set(CODE_KEYS))
+    if task == "code_tests":
+        for key in ("tests", "entry_point"):
+            if key not in fields:
+                raise ValueError(f"fields.{key}: the code_tests task needs it")
+        other = sorted(set(fields) & {"target", "choices", "label", "delimiter"})
+        if other:
+            raise ValueError(f"fields.{other[0]}: not for code_tests (its tests decide)")
+        out.update({k: fields[k] for k in code_keys})
+        out["prompt_is_code"] = fields.get("prompt_is_code", True)
+        if not isinstance(out["prompt_is_code"], bool):
+            raise ValueError("fields.prompt_is_code: expected true or false")
+    elif code_keys:
+        raise ValueError(f"fields.{code_keys[0]}: only for the code_tests task")
     if task == "multiple_choice":
         out["choices"] = fields.get("choices", DEFAULT_FIELDS["choices"])
         if "target" in fields and "label" not in fields:
@@ -151,7 +189,7 @@ def check_fields(fields: Mapping[str, Any], task: str) -> dict[str, Any]:
         out["delimiter"] = fields.get("delimiter", " ")
         if not isinstance(out["delimiter"], str):
             raise ValueError("fields.delimiter: expected a string")
-    else:
+    elif task != "code_tests":
         out["target"] = fields.get("target", DEFAULT_FIELDS["target"])
         if "delimiter" in fields:
             raise ValueError("fields.delimiter: only for multiple_choice")
@@ -165,7 +203,7 @@ def check_fields(fields: Mapping[str, Any], task: str) -> dict[str, Any]:
         out["pattern"] = fields["pattern"]
     elif "pattern" in fields:
         raise ValueError("fields.pattern: only for the regex task")
-    for key in ("prompt", "target", "label", "id"):
+    for key in ("prompt", "target", "label", "id", "tests", "entry_point", "setup"):
         if key in out and not isinstance(out[key], str):
             raise ValueError(f"fields.{key}: expected a template or a field name (a string)")
     choices = out.get("choices")
@@ -174,7 +212,7 @@ def check_fields(fields: Mapping[str, Any], task: str) -> dict[str, Any]:
         or (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices))
     ):
         raise ValueError("fields.choices: a field name, or a list of templates")
-    for key in ("prompt", "target", "label", "id", "choices"):
+    for key in ("prompt", "target", "label", "id", "choices", "tests", "entry_point", "setup"):
         for template in [out[key]] if isinstance(out.get(key), str) else out.get(key) or []:
             template_fields(template)  # malformed templates are refused before any record
     return out
@@ -208,6 +246,26 @@ def _record_label(value: Any, choices: list[str], key: str) -> int:
     raise ValueError(f"fields.{key}: {value!r} is neither a choice index nor one of {choices}")
 
 
+def _record_tests(fields: Mapping[str, Any], record: Mapping[str, Any]) -> CodeTests:
+    """A record's tests: ``tests`` gives a list of assert lines or one block of test code
+    (run after ``setup`` and the solution); ``entry_point`` names the function."""
+    tests = render(fields["tests"], record)
+    if isinstance(tests, str):
+        tests = [tests]
+    if (
+        not isinstance(tests, (list, tuple))
+        or not tests
+        or not all(isinstance(t, str) for t in tests)
+    ):
+        raise ValueError(f"fields.tests: {fields['tests']!r} gives {tests!r}, not test code")
+    return CodeTests(
+        entry_point=str(render(fields["entry_point"], record)),
+        prompt_is_code=fields["prompt_is_code"],
+        asserts=tuple(tests),
+        setup=str(render(fields["setup"], record)) if "setup" in fields else "",
+    )
+
+
 def items_from_records(
     records: Sequence[tuple[int, Mapping[str, Any]]], task: str, fields: Mapping[str, Any], path
 ) -> list[Item]:
@@ -218,7 +276,7 @@ def items_from_records(
     for lineno, rec in records:
         where = f"{path}:{lineno}"
         for key, template in fields.items():
-            if key in ("pattern", "delimiter"):
+            if key in ("pattern", "delimiter", "prompt_is_code"):
                 continue
             for t in template if isinstance(template, list) else [template]:
                 for name in template_fields(t):
@@ -231,7 +289,10 @@ def items_from_records(
             prompt = str(render(fields["prompt"], rec))
             item_id = str(render(fields["id"], rec)) if "id" in fields else str(lineno)
             meta: dict[str, Any] = {}
-            if task == "multiple_choice":
+            tests = answer = None
+            if task == "code_tests":
+                tests = _record_tests(fields, rec)
+            elif task == "multiple_choice":
                 choices = _record_choices(fields["choices"], rec)
                 key = "label" if "label" in fields else "target"
                 label = _record_label(render(fields[key], rec), choices, key)
@@ -243,7 +304,7 @@ def items_from_records(
                     meta = {"pattern": fields["pattern"]}
         except (ValueError, IndexError, KeyError, AttributeError) as exc:
             raise BenchmarkFormatError(f"{where}: {exc}") from None
-        items.append(Item(item_id, prompt, answer=answer, meta=meta))
+        items.append(Item(item_id, prompt, answer=answer, tests=tests, meta=meta))
     return items
 
 
@@ -344,12 +405,14 @@ _SCORERS = {
     "normalized_match": answer_scorer(normalized_check),
     "regex": answer_scorer(regex_check),
     "multiple_choice": score_multiple_choice,
+    "code_tests": score_code,
 }
 _DESCRIPTIONS = {
     "exact_match": "your file: the completion's first line equals the target",
     "normalized_match": "your file: first line equals the target after SQuAD normalisation",
     "regex": "your file: the pattern's first group in the completion equals the target",
     "multiple_choice": "your file: the most likely choice (log-likelihood) is the label",
+    "code_tests": "your file: the completed code passes the record's tests (sandboxed)",
 }
 
 
@@ -361,13 +424,19 @@ def generic_task(name: str) -> Task:
     def load(path=None, limit=None, **options):
         return load_generic(path, limit, task=name, **options)
 
+    if name == "code_tests":
+        stops = code_stop_strings
+    elif name == "regex":
+        stops = lambda b: ()  # noqa: E731
+    else:
+        stops = lambda b: ("\n",)  # noqa: E731
     return Task(
         name=name,
-        kind="answer",
+        kind="code" if name == "code_tests" else "answer",
         load=load,
         build_prompt=generic_prompt,
         score=_SCORERS[name],
-        stop_strings=(lambda b: ()) if name == "regex" else (lambda b: ("\n",)),
+        stop_strings=stops,
         description=_DESCRIPTIONS[name],
         continuations=choice_continuations if name == "multiple_choice" else None,
     )

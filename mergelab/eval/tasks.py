@@ -17,8 +17,9 @@ registered when :mod:`mergelab.eval` is imported (which importing this module do
   ``synth_mixed``, ``synth_mixed_fresh`` (the mini LLM study's sets, scored strictly);
 * ``mergelab.eval.letter_tasks`` — ``letter_map`` (the toy letter-replacement strings) and
   ``letter_skill`` (one skill's positions of them);
-* ``mergelab.eval.generic_tasks`` — ``exact_match``, ``normalized_match``, ``regex`` and
-  ``multiple_choice`` over your own file of records, with field templates.
+* ``mergelab.eval.generic_tasks`` — ``exact_match``, ``normalized_match``, ``regex``,
+  ``multiple_choice`` and ``code_tests`` over your own file of records, with field templates;
+* ``mergelab.eval.lm_eval_tasks`` — ``lm_eval``: an lm-evaluation-harness task, run by lm-eval.
 
 A prompt builder is called as ``build_prompt(item, config)`` with ``config`` a
 :class:`~mergelab.eval.PromptConfig` whose ``n_shots`` and ``exemplars`` are already the task's
