@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergelab.compare.spec import BenchmarkSpec, CompareSpec, Family, SpecError
+from mergelab.errors import UserInputError
 from mergelab.eval.benchmarks import Benchmark, read_records
 
 
@@ -276,11 +277,44 @@ def load_benchmark_spec(b: BenchmarkSpec, source: str) -> Benchmark:
     load = b.load
     if "object" in load:
         bench = load["object"]
+    elif "lm_eval" in load:  # an lm-eval task, evaluated by lm-eval (eval.lm_eval_tasks)
+        from mergelab.eval.lm_eval_tasks import load_lm_eval_task
+
+        try:
+            bench = load_lm_eval_task(load["lm_eval"], name=b.name)
+        except ImportError as exc:
+            raise SpecError(
+                f"{source}: benchmarks[{b.name}].lm_eval: needs lm-eval "
+                f"(pip install 'mergelab[lm_eval]'): {exc}"
+            ) from None
+        except (UserInputError, ValueError) as exc:
+            raise SpecError(f"{source}: benchmarks[{b.name}]: {exc}") from exc
+    elif "fields" in load:  # a generic task over the user's records (eval.generic_tasks)
+        from mergelab.eval.benchmarks import BenchmarkFormatError
+        from mergelab.eval.generic_tasks import load_generic
+
+        try:
+            bench = load_generic(
+                load["file"],
+                task=load["task"],
+                fields=load["fields"],
+                split=load.get("dataset_split"),
+                name=b.name,
+            )
+        except BenchmarkFormatError as exc:  # names the file, line and field
+            raise SpecError(f"{source}: benchmarks[{b.name}]: {exc}") from exc
     elif "file" in load:
         records = [rec for _, rec in read_records(load["file"])]
         try:
             bench = Benchmark.from_items(b.name, load["task"], records)
-        except (TypeError, ValueError) as exc:
+        except TypeError as exc:  # a record with fields an Item does not have
+            raise SpecError(
+                f"{source}: benchmarks[{b.name}].file: {load['file']}: records of task "
+                f"{load['task']!r} have the fields item_id, prompt, answer (and solution, tests, "
+                f"meta); for your own fields use task: exact_match, normalized_match, regex, "
+                f"multiple_choice or code_tests with fields: (docs/compare.md, 'Your own data') — {exc}"
+            ) from exc
+        except ValueError as exc:
             raise SpecError(f"{source}: benchmarks[{b.name}].file: {load['file']}: {exc}") from exc
         bench.source = load["file"]
     else:

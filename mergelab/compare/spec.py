@@ -103,6 +103,9 @@ BENCHMARK_KEYS = {
     "prompt",
     "eval",
     "baselines",
+    "fields",
+    "dataset_split",
+    "lm_eval",
 }
 SPLIT_KEYS = {"validation", "test", "seed"}
 SELECTION_KEYS = {"metric", "tie_break"}
@@ -279,9 +282,16 @@ def with_plugins(spec: CompareSpec, plugins: Sequence[str]) -> CompareSpec:
 
 def with_executor(spec: CompareSpec, executor: Any) -> CompareSpec:
     """``spec`` with its executor replaced by ``executor`` ("local", "ray" or a mapping like the
-    spec's ``executor`` section), checked like the spec's own."""
+    spec's ``executor`` section), checked like the spec's own. Switching a Ray spec to Ray
+    (``--executor ray``, ``--ray-address``) keeps its cluster settings (address, resources per
+    job, ``init``) where ``executor`` does not give them."""
     import dataclasses
 
+    if isinstance(executor, str):
+        executor = {"kind": executor}
+    if spec.executor.get("kind") == "ray" and executor.get("kind", "local") == "ray":
+        kept = {k: v for k, v in spec.executor.items() if v is not None}
+        executor = {**kept, **{k: v for k, v in executor.items() if v is not None}}
     return dataclasses.replace(spec, executor=_Parser(Path.cwd(), "--executor").executor(executor))
 
 
@@ -796,21 +806,58 @@ class _Parser:
         return out
 
     def benchmark(self, key, name, entry, defaults) -> BenchmarkSpec:
-        sources = [k for k in ("benchmark", "file") if k in entry]
+        sources = [k for k in ("benchmark", "file", "lm_eval") if k in entry]
         if len(sources) != 1:
             raise self.fail(
                 key,
                 "give exactly one of `benchmark` (a mergelab benchmark name or a "
-                "Benchmark object) and `file` (items as JSONL/JSON)",
+                "Benchmark object), `file` (your records) and `lm_eval` (an lm-eval task)",
             )
-        if "file" in entry:
+        if "lm_eval" in entry:
+            from mergelab.eval.lm_eval_tasks import check_config
+
+            config = self.mapping(f"{key}.lm_eval", entry["lm_eval"])
+            if config.get("include_path") is not None:
+                config["include_path"] = self.path(
+                    f"{key}.lm_eval.include_path", config["include_path"]
+                )
+            try:
+                load = {"lm_eval": check_config(config)}
+            except ValueError as exc:
+                raise self.fail(key, str(exc)) from None
+            for k in ("task", "fields", "dataset_split", "path"):
+                if k in entry:
+                    raise self.fail(f"{key}.{k}", "not for `lm_eval` benchmarks")
+        elif "file" in entry:
+            from mergelab.eval.generic_tasks import GENERIC_TASKS, check_fields
+
             task = entry.get("task")
             known = list_tasks()
             if task not in known:
                 raise self.fail(f"{key}.task", f"a benchmark file needs task: one of {known}")
             load = {"file": self.path(f"{key}.file", entry["file"]), "task": task}
-            if not Path(load["file"]).is_file():
-                raise self.fail(f"{key}.file", f"{load['file']} does not exist")
+            if task in GENERIC_TASKS:  # your own records, through field templates
+                try:
+                    load["fields"] = check_fields(
+                        self.mapping(f"{key}.fields", entry.get("fields")), task
+                    )
+                except ValueError as exc:
+                    raise self.fail(key, str(exc)) from None
+                split = entry.get("dataset_split")
+                if split is not None and not isinstance(split, str):
+                    raise self.fail(f"{key}.dataset_split", f"expected a name, got {split!r}")
+                load["dataset_split"] = split
+                if not Path(load["file"]).exists():
+                    raise self.fail(f"{key}.file", f"{load['file']} does not exist")
+            else:
+                for k in ("fields", "dataset_split"):
+                    if k in entry:
+                        raise self.fail(
+                            f"{key}.{k}",
+                            f"only for the generic tasks {', '.join(GENERIC_TASKS)}",
+                        )
+                if not Path(load["file"]).is_file():
+                    raise self.fail(f"{key}.file", f"{load['file']} does not exist")
         else:
             bench = entry["benchmark"]
             if isinstance(bench, str):
@@ -837,8 +884,9 @@ class _Parser:
                 raise self.fail(
                     f"{key}.benchmark", f"expected a name or a Benchmark, got {bench!r}"
                 )
-            if "task" in entry:
-                raise self.fail(f"{key}.task", "only for `file` benchmarks")
+            for k in ("task", "fields", "dataset_split"):
+                if k in entry:
+                    raise self.fail(f"{key}.{k}", "only for `file` benchmarks")
         split = self.mapping(f"{key}.split", entry.get("split"), SPLIT_KEYS)
         val, test = split.get("validation"), split.get("test", "rest")
         for part, v in (("validation", val), ("test", test)):

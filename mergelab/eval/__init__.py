@@ -16,7 +16,13 @@ docs/guides/plugins.md). mergelab's own tasks are registered at the end of this 
 """
 
 # The built-in tasks (importing a module registers its tasks).
-from mergelab.eval import letter_tasks, standard_tasks, synthetic_tasks  # noqa: E402, F401
+from mergelab.eval import (  # noqa: E402, F401
+    generic_tasks,
+    letter_tasks,
+    lm_eval_tasks,
+    standard_tasks,
+    synthetic_tasks,
+)
 from mergelab.eval.benchmarks import (
     Benchmark,
     BenchmarkFormatError,

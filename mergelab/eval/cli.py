@@ -180,7 +180,37 @@ def _benchmark_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", help="local data file (or MATH folder); HumanEval is bundled")
     p.add_argument("--limit", type=positive_int, help="only the first N items (default: all)")
+    p.add_argument(
+        "--field",
+        action="append",
+        metavar="KEY=TEMPLATE",
+        help="your own file (--benchmark exact_match, normalized_match, regex, multiple_choice, "
+        "code_tests): "
+        "how a record becomes an item, e.g. --field 'prompt={x}>' --field 'target={y}' "
+        "(repeatable; docs/compare.md, 'Your own data')",
+    )
+    p.add_argument("--dataset-split", help="the split of a Hugging Face datasets folder")
     add_plugin_argument(p)
+
+
+def _load_options(args: argparse.Namespace) -> dict:
+    """The generic tasks' loader options from --field KEY=TEMPLATE and --dataset-split."""
+    import json
+
+    options: dict = {}
+    for entry in args.field or ():
+        key, sep, value = entry.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--field {entry!r}: expected KEY=TEMPLATE, e.g. 'prompt={{x}}>'")
+        if value.startswith("["):  # a list of templates (choices)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--field {entry!r}: not a JSON list ({exc.msg})") from None
+        options.setdefault("fields", {})[key] = value
+    if args.dataset_split:
+        options["split"] = args.dataset_split
+    return options
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -243,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         check_output_path(args.output, force=args.force, inputs=inputs)
     if args.evalplus_samples:
         check_output_file(args.evalplus_samples, force=args.force, inputs=inputs)
-    bench = load_benchmark(args.benchmark, args.data)
+    bench = load_benchmark(args.benchmark, args.data, options=_load_options(args))
     if args.evalplus_samples and get_task(bench.task).kind != "code":
         raise ValueError(f"--evalplus-samples: {bench.name} is not a code benchmark")
     torch.manual_seed(args.seed)
@@ -304,7 +334,7 @@ def _canonical(args: argparse.Namespace) -> int:
     from mergelab.eval.tasks import get_task, load_benchmark
 
     load_from_args(args)
-    bench = load_benchmark(args.benchmark, args.data, limit=args.limit)
+    bench = load_benchmark(args.benchmark, args.data, args.limit, _load_options(args))
     if get_task(bench.task).kind != "code":
         raise ValueError(f"{bench.name} is not a code benchmark")
     cases = [

@@ -327,6 +327,8 @@ def _generate_missing(
     cache_file: Path,
     progress: bool,
     desc: str,
+    continuations: dict[str, list[str]] | None = None,
+    run_items: Any = None,
 ) -> int:
     """Generate (item_id, sample, prompt) jobs in batches, appending each batch to the cache;
     returns how many this call generated.
@@ -335,7 +337,8 @@ def _generate_missing(
     live run, claims the next batch, and later appends it. With nothing left to claim it waits
     for the other runs' batches (or for their death, which frees their claims).
     """
-    batch = max(1, gen_settings.batch_size)
+    # A task run outside the decoding loop (lm-eval) evaluates every missing item in one call.
+    batch = len(jobs) if run_items is not None else max(1, gen_settings.batch_size)
     token = uuid.uuid4().hex
     # Longest prompts first (as lm-eval orders its requests): a batch holds prompts of similar
     # length, so left padding wastes little, and a batch too large for memory fails early.
@@ -366,7 +369,12 @@ def _generate_missing(
                 waited = True
                 time.sleep(CLAIM_POLL_SECONDS)
                 continue
-            lines = _generate_batch(candidate, chunk, settings, gen_settings)
+            if run_items is not None:
+                lines = _run_items_batch(candidate, chunk, run_items)
+            elif continuations is not None:
+                lines = _score_batch(candidate, chunk, continuations)
+            else:
+                lines = _generate_batch(candidate, chunk, settings, gen_settings)
             with _cache_lock(cache_file):
                 _drop_torn_tail(cache_file)
                 with open(cache_file, "a", encoding="utf-8") as f:
@@ -405,6 +413,51 @@ def _generate_batch(
             )
         for (item_id, s, prompt), gen in zip(group, gens):
             lines.append(_cache_record(item_id, s, prompt, gen))
+    return lines
+
+
+def _run_items_batch(candidate: Candidate, chunk, run_items) -> list[dict[str, Any]]:
+    """Cache records of a task that evaluates its items itself (``Task.run_items``)."""
+    items, by_id = run_items
+    records = items(candidate, [by_id[i] for i in dict.fromkeys(i for i, _, _ in chunk)])
+    return [
+        {
+            **records[item_id],
+            "item_id": item_id,
+            "sample": sample,
+            "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+        }
+        for item_id, sample, prompt in chunk
+    ]
+
+
+def _score_batch(
+    candidate: Candidate, chunk: list[tuple[str, int, str]], continuations: dict[str, list[str]]
+) -> list[dict[str, Any]]:
+    """Cache records of a log-likelihood task: each item's continuations scored after its
+    prompt in one call; ``text`` is the most likely one (the first of equals)."""
+    prompts = [p for item_id, _, p in chunk for _ in continuations[item_id]]
+    conts = [c for item_id, _, _ in chunk for c in continuations[item_id]]
+    t0 = time.time()
+    scores = candidate.score(prompts, conts)
+    seconds = (time.time() - t0) / max(1, len(chunk))
+    lines, at = [], 0
+    for item_id, sample, prompt in chunk:
+        k = len(continuations[item_id])
+        lls = [float(x) for x in scores[at : at + k]]
+        at += k
+        best = max(range(k), key=lambda i: (lls[i], -i))
+        lines.append({
+            "item_id": item_id,
+            "sample": sample,
+            "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+            "text": continuations[item_id][best],
+            "finish_reason": "loglikelihood",
+            "loglikelihoods": lls,
+            "n_tokens": 0,
+            "seconds": seconds,
+            "forward_passes": k,
+        })  # fmt: skip
     return lines
 
 
@@ -470,6 +523,14 @@ def evaluate(
         it.item_id: build_prompt(it, bench, settings.prompt, tokenizer) for it in bench.items
     }
 
+    task = get_task(bench.task)
+    continuations = None
+    if task.continuations is not None:  # a log-likelihood task: nothing is generated
+        continuations = {it.item_id: list(task.continuations(it)) for it in bench.items}
+    run_items = None
+    if task.run_items is not None:  # evaluated outside the decoding loop (lm-eval)
+        run_items = (task.run_items, {it.item_id: it for it in bench.items})
+
     cache_file = run_dir / "generations.jsonl"
     done = _repair_cache(cache_file)
     jobs = [
@@ -483,7 +544,15 @@ def evaluate(
     if jobs:
         desc = f"{candidate.name} · {bench.name}"
         generated = _generate_missing(
-            candidate, jobs, settings, gen_settings, cache_file, progress, desc
+            candidate,
+            jobs,
+            settings,
+            gen_settings,
+            cache_file,
+            progress,
+            desc,
+            continuations,
+            run_items,
         )
         done, _ = _read_cache(cache_file, warn=False)
     generation_seconds = time.time() - t0
@@ -491,8 +560,7 @@ def evaluate(
     samples = {
         it.item_id: [done[(it.item_id, s)] for s in range(settings.n_samples)] for it in bench.items
     }
-    scored = get_task(bench.task).score(bench, samples, settings, sandbox=sandbox,
-                                        progress=progress)  # fmt: skip
+    scored = task.score(bench, samples, settings, sandbox=sandbox, progress=progress)
     items, metrics, primary = scored.items, scored.metrics, scored.primary
     for it in items:
         it["prompt"] = prompts[it["item_id"]]

@@ -16,7 +16,10 @@ registered when :mod:`mergelab.eval` is imported (which importing this module do
 * ``mergelab.eval.synthetic_tasks`` — ``synth_math``, ``synth_count``, ``synth_code``,
   ``synth_mixed``, ``synth_mixed_fresh`` (the mini LLM study's sets, scored strictly);
 * ``mergelab.eval.letter_tasks`` — ``letter_map`` (the toy letter-replacement strings) and
-  ``letter_skill`` (one skill's positions of them).
+  ``letter_skill`` (one skill's positions of them);
+* ``mergelab.eval.generic_tasks`` — ``exact_match``, ``normalized_match``, ``regex``,
+  ``multiple_choice`` and ``code_tests`` over your own file of records, with field templates;
+* ``mergelab.eval.lm_eval_tasks`` — ``lm_eval``: an lm-evaluation-harness task, run by lm-eval.
 
 A prompt builder is called as ``build_prompt(item, config)`` with ``config`` a
 :class:`~mergelab.eval.PromptConfig` whose ``n_shots`` and ``exemplars`` are already the task's
@@ -78,7 +81,13 @@ class Task:
     protocol's default number of few-shot examples; ``exemplars()``: the pool they come from.
     ``stop_strings(benchmark)`` gives the default stop sequences of plain-text prompts.
     ``baselines`` maps a name to a function giving a trivial completion for an item (scored by
-    ``score`` like a model's, e.g. a floor)."""
+    ``score`` like a model's, e.g. a floor). ``continuations(item)``, when given, makes the task
+    one of log-likelihoods: nothing is generated; the candidate scores each continuation after
+    the prompt (:meth:`Candidate.score`) and the sample's record holds them as
+    ``loglikelihoods`` (its ``text`` is the most likely continuation). ``run_items(candidate,
+    items)``, when given, evaluates a split's items in one call outside mergelab's decoding loop
+    (an lm-eval run) and returns item id → the sample's record (``text``, ``finish_reason``,
+    ``n_tokens``, ``seconds``, ``forward_passes`` and whatever ``score`` reads)."""
 
     name: str
     kind: str
@@ -92,6 +101,8 @@ class Task:
     exemplars: Callable[[], Sequence[Mapping[str, str]]] | None = None
     variants: tuple[str, ...] = ()
     bundled: tuple[str, ...] = ()
+    continuations: Callable[[Item], Sequence[str]] | None = None
+    run_items: Callable[..., Mapping[str, Mapping[str, Any]]] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -213,16 +224,26 @@ def needs_path(name: str) -> bool:
 
 
 def load_benchmark(
-    name: str, path: str | os.PathLike | None = None, limit: int | None = None
+    name: str,
+    path: str | os.PathLike | None = None,
+    limit: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Benchmark:
     """Load benchmark ``name`` (a task's name, or ``<task>_<variant>`` / ``<task>+``) from
-    ``path`` through its task's loader."""
+    ``path`` through its task's loader; ``options`` are more keyword arguments of the loader
+    (the generic tasks' ``fields`` and ``split``)."""
     task, variant = _split_name(name)
     if path is None and needs_path(name):
         raise FileNotFoundError(f"benchmark {name!r} needs a local file: pass path=...")
-    if "limit" in inspect.signature(task.load).parameters:
-        return task.load(path, limit=limit, **variant)
-    return task.load(path, **variant).head(limit)
+    options = dict(options or {})
+    params = inspect.signature(task.load).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in options if k not in params and not takes_any)
+    if unknown:
+        raise UnknownTaskError(f"benchmark {name!r} takes no option {unknown[0]!r}")
+    if "limit" in params or takes_any:
+        return task.load(path, limit=limit, **variant, **options)
+    return task.load(path, **variant, **options).head(limit)
 
 
 def score_completions(
