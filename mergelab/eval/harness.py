@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 import uuid
 import warnings
@@ -36,8 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-from tqdm.auto import tqdm
 
 from mergelab.candidate import Candidate, Generation, GenerationSettings
 from mergelab.eval.benchmarks import Benchmark
@@ -59,6 +58,8 @@ from mergelab.outputs import (
     owner_is_gone,
     owner_record,
 )
+
+from ..progress import progress_bar
 
 try:  # POSIX; elsewhere runs on one cache are not coordinated
     import fcntl
@@ -344,7 +345,7 @@ def _generate_missing(
     # length, so left padding wastes little, and a batch too large for memory fails early.
     ordered = sorted(jobs, key=lambda job: -len(job[2]))
     wanted = {(item_id, s): (item_id, s, p) for item_id, s, p in ordered}
-    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
+    bar = progress_bar(total=len(jobs), desc=desc, unit="item", enabled=progress)
     made, waited = 0, False
     try:
         while True:
@@ -365,7 +366,10 @@ def _generate_missing(
             if not chunk:
                 if not waited and progress:
                     owners = sorted({f"pid {c['owner'].get('pid')}" for c in claims})
-                    tqdm.write(f"waiting for items another run is generating ({', '.join(owners)})")
+                    print(
+                        f"waiting for items another run is generating ({', '.join(owners)})",
+                        file=sys.stderr,
+                    )
                 waited = True
                 time.sleep(CLAIM_POLL_SECONDS)
                 continue

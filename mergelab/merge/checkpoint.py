@@ -88,10 +88,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from mergelab.outputs import atomic_output_dir, check_output_path
 
+from ..progress import progress_bar
 from . import accelerator
 from .accelerator import kernels
 from .accelerator.scheduler import OUTPUT_SLOTS, WRITE_BEHIND, LookAhead
@@ -681,7 +681,7 @@ def write_sharded(
         )
     weight_map: dict[str, str] = {}
     total = sum(t.nbytes for t in tensors)
-    bar = tqdm(total=len(tensors), desc=description, unit="tensor", disable=not progress)
+    bar = progress_bar(total=len(tensors), desc=description, unit="tensor", enabled=progress)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergelab-writer")
     pending: deque[Future] = deque()
 

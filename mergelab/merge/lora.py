@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from mergelab.lora import ADAPTER_WEIGHTS_NAMES, PEFT_PREFIX, LoraAdapter
 from mergelab.outputs import atomic_output_dir, check_output_path
 
+from ..progress import progress_bar
 from .checkpoint import (
     DEFAULT_SHARD_SIZE,
     MERGE_RECORD_NAME,
@@ -324,7 +324,7 @@ def _write_adapter(
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
     coefficients = merge.linear_coefficients() if exact else None
-    for module in tqdm(merge.modules, desc="merging LoRA", unit="module", disable=not progress):
+    for module in progress_bar(merge.modules, desc="merging LoRA", unit="module", enabled=progress):
         out_features, in_features = merge.shapes[module]
         fan_in_fan_out = any(
             a.modules[module].fan_in_fan_out for a in merge.adapters if module in a.modules
