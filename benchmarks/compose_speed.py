@@ -110,9 +110,13 @@ def run_shape(shape: str, batches, args, tokenizer) -> list[dict]:
         def hf_generate(first_ids=ids[:batch]):
             with torch.no_grad():
                 out = base.generate(
-                    first_ids, attention_mask=torch.ones_like(first_ids), do_sample=False,
-                    max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
-                )  # fmt: skip
+                    first_ids,
+                    attention_mask=torch.ones_like(first_ids),
+                    do_sample=False,
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    pad_token_id=0,
+                )
             assert out.shape[1] == args.prompt_tokens + args.new_tokens
 
         plan = [("hf_generate", hf_generate, batch)]

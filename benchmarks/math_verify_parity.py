@@ -80,25 +80,33 @@ def markdown(result: dict) -> str:
     ]
     for cat in [*cats, None]:
         counts = [
-            result["summary"][c]["by_category"][cat] if cat
+            result["summary"][c]["by_category"][cat]
+            if cat
             else [result["summary"][c]["right"], result["summary"][c]["cases"]]
             for c in MATH_CHECKERS
-        ]  # fmt: skip
+        ]
         label = cat or "**all**"
         lines.append(
             f"| {label} | {counts[0][1]} | " + " | ".join(f"{r}/{n}" for r, n in counts) + " |"
         )
-    lines += ["", "| prediction | reference | should be | " + " | ".join(MATH_CHECKERS) + " |",
-              "|---|---|---|" + "---|" * len(MATH_CHECKERS)]  # fmt: skip
+    lines += [
+        "",
+        "| prediction | reference | should be | " + " | ".join(MATH_CHECKERS) + " |",
+        "|---|---|---|" + "---|" * len(MATH_CHECKERS),
+    ]
     for row in result["rows"]:
         v = row["verdicts"]
         if all(v[c] == row["equal"] for c in MATH_CHECKERS):
             continue
         pred = row.get("prediction", "(whole solution)")
-        marks = [("equal" if v[c] else "differ") + ("" if v[c] == row["equal"] else " ✗")
-                 for c in MATH_CHECKERS]  # fmt: skip
-        lines.append(f"| `{pred}` | `{row['reference']}` | {'equal' if row['equal'] else 'differ'} "
-                     f"| " + " | ".join(marks) + " |")  # fmt: skip
+        marks = [
+            ("equal" if v[c] else "differ") + ("" if v[c] == row["equal"] else " ✗")
+            for c in MATH_CHECKERS
+        ]
+        lines.append(
+            f"| `{pred}` | `{row['reference']}` | {'equal' if row['equal'] else 'differ'} "
+            f"| " + " | ".join(marks) + " |"
+        )
     return "\n".join(lines)
 
 

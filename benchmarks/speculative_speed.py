@@ -223,10 +223,14 @@ def run_setting(
             ids = torch.tensor(chunk)
             with torch.no_grad():
                 out = base.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                    max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    pad_token_id=tokenizer.pad_token_id or 0, eos_token_id=None,
-                )  # fmt: skip
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    pad_token_id=tokenizer.pad_token_id or 0,
+                    eos_token_id=None,
+                )
             assert out.shape[1] == ids.shape[1] + new_tokens
 
     outputs: dict[str, list] = {}

@@ -162,10 +162,17 @@ GENERATION_CONFIG_FIELDS = {
 }
 # Fields that do not change what is decoded (ids the tokenizer already fixes, bookkeeping).
 GENERATION_CONFIG_IGNORED = {
-    "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config",
-    "output_attentions", "output_hidden_states", "return_dict_in_generate", "output_scores",
+    "pad_token_id",
+    "bos_token_id",
+    "use_cache",
+    "transformers_version",
+    "_from_model_config",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict_in_generate",
+    "output_scores",
     "output_logits",
-}  # fmt: skip
+}
 # generate() keyword arguments of mergelab's own (no GenerationConfig field).
 MERGELAB_GENERATION_KWARGS = {"seed", "batch_size", "return_component_logprobs"}
 

@@ -65,10 +65,16 @@ def demo_model(seed: int):
     from mergelab.tiny import tiny_llama
 
     model = tiny_llama(
-        VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_positions=SEQ_LEN, seed=seed,
+        VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_positions=SEQ_LEN,
+        seed=seed,
         pad_token_id=None,  # no padding row: every id is a number or a marker
-    )  # fmt: skip
+    )
     return model.train()  # the demo trains it
 
 

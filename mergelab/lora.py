@@ -82,8 +82,10 @@ class LoraAdapter:
         digest = hashlib.sha1()
         for key in sorted(self.modules):
             m = self.modules[key]
-            digest.update(f"{key}:{float(m.A.double().sum()):.8e}:"
-                          f"{float(m.B.double().sum()):.8e}:{m.scaling}".encode())  # fmt: skip
+            digest.update(
+                f"{key}:{float(m.A.double().sum()):.8e}:"
+                f"{float(m.B.double().sum()):.8e}:{m.scaling}".encode()
+            )
         return digest.hexdigest()[:16]
 
     @classmethod
@@ -146,14 +148,16 @@ class LoraAdapter:
         modules = {}
         for module_name, module in model.named_modules():
             if adapter_name in (getattr(module, "lora_embedding_A", None) or {}):
-                raise LoraAdapterError(f"{where}: LoRA on embeddings ({module_name}) is not "
-                                       "supported")  # fmt: skip
+                raise LoraAdapterError(
+                    f"{where}: LoRA on embeddings ({module_name}) is not supported"
+                )
             lora_a = getattr(module, "lora_A", None)
             if lora_a is None or adapter_name not in lora_a:
                 continue
             if getattr(module, "lora_variant", {}).get(adapter_name) is not None:
-                raise LoraAdapterError(f"{where}: {module_name} is a LoRA variant (DoRA, ...), "
-                                       "not plain LoRA")  # fmt: skip
+                raise LoraAdapterError(
+                    f"{where}: {module_name} is a LoRA variant (DoRA, ...), not plain LoRA"
+                )
             key = module_name.removeprefix(PEFT_PREFIX)
             a = lora_a[adapter_name].weight.detach()
             b = module.lora_B[adapter_name].weight.detach()
@@ -187,8 +191,10 @@ def check_lora_config(config: dict[str, Any], where: str) -> None:
     if config.get("use_dora"):
         raise LoraAdapterError(f"{where} is a DoRA adapter; only plain LoRA is supported")
     if config.get("modules_to_save"):
-        raise LoraAdapterError(f"{where} has modules_to_save {config['modules_to_save']}; "
-                               "only LoRA matrices are supported")  # fmt: skip
+        raise LoraAdapterError(
+            f"{where} has modules_to_save {config['modules_to_save']}; "
+            "only LoRA matrices are supported"
+        )
     if (config.get("bias") or "none") != "none" or config.get("lora_bias"):
         raise LoraAdapterError(f"{where} trains biases; only LoRA matrices are supported")
 
@@ -204,13 +210,13 @@ def _pattern_value(pattern: dict[str, Any] | None, module: str, default: Any) ->
 
 def _lora_module(module: str, a: torch.Tensor, b: torch.Tensor, config: dict, where: str):
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-        raise LoraAdapterError(f"{where}: module {module} has A {tuple(a.shape)}, "
-                               f"B {tuple(b.shape)}")  # fmt: skip
+        raise LoraAdapterError(
+            f"{where}: module {module} has A {tuple(a.shape)}, B {tuple(b.shape)}"
+        )
     r = a.shape[0]
     expected = _pattern_value(config.get("rank_pattern"), module, config.get("r", r))
     if expected != r:
-        raise LoraAdapterError(f"{where}: module {module} has rank {r}, its config says "
-                               f"{expected}")  # fmt: skip
+        raise LoraAdapterError(f"{where}: module {module} has rank {r}, its config says {expected}")
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise LoraAdapterError(f"{where}: module {module} contains NaN or Inf")
     alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
@@ -225,8 +231,9 @@ def _read_weights(path: Path, where: str) -> dict[str, torch.Tensor]:
 
             return load_file(str(path / ADAPTER_WEIGHTS_NAMES[0]), device="cpu")
         if (path / ADAPTER_WEIGHTS_NAMES[1]).is_file():
-            return torch.load(path / ADAPTER_WEIGHTS_NAMES[1], map_location="cpu",
-                              weights_only=True)  # fmt: skip
+            return torch.load(
+                path / ADAPTER_WEIGHTS_NAMES[1], map_location="cpu", weights_only=True
+            )
     except Exception as exc:  # a corrupt file: safetensors, pickle and OS errors alike
         raise LoraAdapterError(f"{where}: cannot read the adapter weights ({exc})") from None
     raise LoraAdapterError(f"{where}: no {' or '.join(ADAPTER_WEIGHTS_NAMES)}")

@@ -69,8 +69,12 @@ def _special_ids(vocab: int | Any, pad_token_id, eos_token_id, bos_token_id) -> 
         return {"vocab_size": vocab, **ids}
     eos = vocab.eos_token_id
     bos = vocab.bos_token_id if vocab.bos_token_id is not None else eos
-    return {"vocab_size": len(vocab), "pad_token_id": vocab.pad_token_id, "eos_token_id": eos,
-            "bos_token_id": bos}  # fmt: skip
+    return {
+        "vocab_size": len(vocab),
+        "pad_token_id": vocab.pad_token_id,
+        "eos_token_id": eos,
+        "bos_token_id": bos,
+    }
 
 
 def _build(architecture: str, vocab, ids: tuple, seed: int, **config_fields):
@@ -112,11 +116,20 @@ def tiny_gpt2(
     0.3) gives peaked next-token distributions, so greedy decoding is less tie-prone in tests.
     """
     return _build(
-        "gpt2", vocab, (pad_token_id, eos_token_id, bos_token_id), seed,
-        n_positions=n_positions, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-        initializer_range=initializer_range, **config_overrides,
-    )  # fmt: skip
+        "gpt2",
+        vocab,
+        (pad_token_id, eos_token_id, bos_token_id),
+        seed,
+        n_positions=n_positions,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        initializer_range=initializer_range,
+        **config_overrides,
+    )
 
 
 def tiny_llama(
@@ -144,14 +157,20 @@ def tiny_llama(
     tie_word_embeddings=True`` (about 1M parameters).
     """
     return _build(
-        "llama", vocab, (pad_token_id, eos_token_id, bos_token_id), seed,
+        "llama",
+        vocab,
+        (pad_token_id, eos_token_id, bos_token_id),
+        seed,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size if intermediate_size is None else intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
         num_key_value_heads=num_heads if num_key_value_heads is None else num_key_value_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range, **config_overrides,
-    )  # fmt: skip
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        **config_overrides,
+    )
 
 
 def tiny_causal_lm(
@@ -168,11 +187,25 @@ def tiny_causal_lm(
     """:func:`tiny_gpt2` or :func:`tiny_llama` (``architecture``) under common size names —
     hidden 32, 2 layers, 2 heads, 256 positions by default; other keywords go to the builder."""
     if architecture == "gpt2":
-        return tiny_gpt2(vocab, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-                         n_positions=max_positions, seed=seed, **kwargs)  # fmt: skip
+        return tiny_gpt2(
+            vocab,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            seed=seed,
+            **kwargs,
+        )
     if architecture == "llama":
-        return tiny_llama(vocab, hidden_size=hidden_size, num_layers=num_layers,
-                          num_heads=num_heads, max_positions=max_positions, seed=seed, **kwargs)  # fmt: skip
+        return tiny_llama(
+            vocab,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            max_positions=max_positions,
+            seed=seed,
+            **kwargs,
+        )
     raise ValueError(f"unknown architecture {architecture!r}; use 'gpt2' or 'llama'")
 
 

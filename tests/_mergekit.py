@@ -36,8 +36,16 @@ def run(method, base, experts, name="w", seed=0, **params):
 def tiny_llama_family():
     """A 2-layer Llama base (vocab 96, hidden 32, GQA 4/2 heads, untied) and three experts =
     base + dense perturbations of scale 0.02, 0.01, 0.03 (seeded)."""
-    base = tiny_llama(96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_key_value_heads=2, seed=0, pad_token_id=None)  # fmt: skip
+    base = tiny_llama(
+        96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_key_value_heads=2,
+        seed=0,
+        pad_token_id=None,
+    )
     experts = []
     for scale in (0.02, 0.01, 0.03):
         expert = copy.deepcopy(base)

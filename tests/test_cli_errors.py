@@ -54,8 +54,18 @@ def write_config(path, text_or_dict):
 
 
 def merge_argv(models, out, *extra):
-    return ["merge", "--method", "linear", "--models", models / "math", models / "code",
-            "--out", out, "--no-progress", *extra]  # fmt: skip
+    return [
+        "merge",
+        "--method",
+        "linear",
+        "--models",
+        models / "math",
+        models / "code",
+        "--out",
+        out,
+        "--no-progress",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------- bad input: exit 2
@@ -110,7 +120,7 @@ def test_string_parameters_are_numbers_on_the_command_line(models, tmp_path, cap
         "models": [
             {"model": str(models / "math"), "parameters": {"density": "0.5"}},
             str(models / "code"),
-        ],  # fmt: skip
+        ],
         "parameters": {"density": "0.25", "lambda": "0.5"},
         "output": str(tmp_path / "ties"),
     }
@@ -124,8 +134,18 @@ def test_string_parameters_are_numbers_on_the_command_line(models, tmp_path, cap
 
 @pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
 def test_compose_refuses_a_non_finite_weight(models, tmp_path, capsys, weight):
-    argv = ["compose", "--base", models / "base", "--expert", models / "math", "--prompt", "ab",
-            "--max-new-tokens", "2", f"--weight={weight}"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        models / "base",
+        "--expert",
+        models / "math",
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "2",
+        f"--weight={weight}",
+    ]
     code, err = run(argv, capsys)
     assert code == 2
     assert_one_line(err, "mergelab compose: error: ")
@@ -140,8 +160,16 @@ def test_compose_refuses_a_non_finite_weight_before_loading_anything(models, cap
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
-    argv = ["compose", "--base", models / "base", "--expert", models / "math", "--prompt", "ab",
-            "--weight=nan"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        models / "base",
+        "--expert",
+        models / "math",
+        "--prompt",
+        "ab",
+        "--weight=nan",
+    ]
     code, err = run(argv, capsys)
     assert code == 2 and "must be a finite number" in err
 
@@ -149,8 +177,20 @@ def test_compose_refuses_a_non_finite_weight_before_loading_anything(models, cap
 def test_eval_data_errors_exit_2_naming_the_file(models, tmp_path, capsys):
     data = tmp_path / "gsm8k.jsonl"
     data.write_bytes('{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"))
-    argv = ["eval", "run", "--model", models / "base", "--benchmark", "gsm8k", "--data", data,
-            "--out", tmp_path / "res", "--cache-dir", tmp_path / "cache"]  # fmt: skip
+    argv = [
+        "eval",
+        "run",
+        "--model",
+        models / "base",
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "res",
+        "--cache-dir",
+        tmp_path / "cache",
+    ]
     code, err = run(argv, capsys)
     assert code == 2
     assert_one_line(err, "mergelab eval run: error: ")
@@ -221,9 +261,21 @@ def test_the_installed_command_prints_one_line(models, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("MERGELAB_DEBUG", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "mergelab.cli", "merge", "--config", str(path), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mergelab.cli",
+            "merge",
+            "--config",
+            str(path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
@@ -247,9 +299,21 @@ def test_the_command_exits_without_teardown_yet_runs_exit_handlers_and_flushes(t
     env.pop("PYTHONUNBUFFERED", None)  # stdout to a pipe is then block-buffered
     missing = tmp_path / "missing.yaml"
     proc = subprocess.run(
-        [sys.executable, "-c", script, "merge", "--config", str(missing), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            script,
+            "merge",
+            "--config",
+            str(missing),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stdout.splitlines() == ["before the command", "exit handler ran"]
     assert proc.stderr.startswith("mergelab merge: error:") and "missing.yaml" in proc.stderr

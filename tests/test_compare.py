@@ -596,16 +596,23 @@ def test_lora_families_and_adapter_experts(world, tmp_path):
 
 def test_lora_merge_of_an_in_memory_base_equals_the_one_from_its_folder(world, tmp_path):
     adapters = _lora_adapters(world, tmp_path)
-    family = {"family": "lora_merge", "name": "merged", "method": "task_arithmetic",
-              "params": {"lambda": 1.0}}  # fmt: skip
+    family = {
+        "family": "lora_merge",
+        "name": "merged",
+        "method": "task_arithmetic",
+        "params": {"lambda": 1.0},
+    }
     outputs = []
     for base in (world["base"], str(world["root"] / "base")):
         spec = _spec_dict(
             world,
-            models={"base": base, "tokenizer": world["tok"],
-                    "experts": {n: {"adapter": str(p)} for n, p in adapters.items()}},
+            models={
+                "base": base,
+                "tokenizer": world["tok"],
+                "experts": {n: {"adapter": str(p)} for n, p in adapters.items()},
+            },
             candidates=[{"family": "base"}, family],
-        )  # fmt: skip
+        )
         cache = tmp_path / f"c{len(outputs)}"
         res = mc.run(spec, cache_dir=cache, progress=False)
         merged = [r for r in res["runs"] if r["row"] == "merged"]
@@ -626,13 +633,18 @@ def test_lora_merge_of_an_in_memory_base_equals_the_one_from_its_folder(world, t
 def test_expert_rows_outside_the_best_expert_choice(world, tmp_path):
     spec = _spec_dict(
         world,
-        models={"base": world["base"], "tokenizer": world["tok"],
-                "experts": {**world["experts"], "extra": world["experts"]["math"]}},
-        candidates=[{"family": "base"}, {"family": "expert", "experts": ["code", "math"]},
-                    {"family": "composition", "experts": ["math", "code"]},
-                    {"family": "expert", "name": "rows_only", "experts": ["extra"],
-                     "best_expert": False}],
-    )  # fmt: skip
+        models={
+            "base": world["base"],
+            "tokenizer": world["tok"],
+            "experts": {**world["experts"], "extra": world["experts"]["math"]},
+        },
+        candidates=[
+            {"family": "base"},
+            {"family": "expert", "experts": ["code", "math"]},
+            {"family": "composition", "experts": ["math", "code"]},
+            {"family": "expert", "name": "rows_only", "experts": ["extra"], "best_expert": False},
+        ],
+    )
     res = mc.run(spec, cache_dir=tmp_path / "c", progress=False)
     # rows in the spec's order, the second expert family after the composition
     assert [r["row"] for r in res["rows"]] == ["base", "code", "math", "composition", "extra"]
@@ -657,8 +669,14 @@ def test_an_in_memory_merge_is_built_once_per_grid_point(world, tmp_path, monkey
     monkeypatch.setattr(
         mergelab.merge, "merge_models", lambda *a, **k: built.append(k["params"]) or merge(*a, **k)
     )
-    second = {"name": "arith2", "benchmark": world["bench"], "split": {"validation": 8, "test": 8},
-              "generation": GEN, "prompt": {"n_shots": 0}, "baselines": {}}  # fmt: skip
+    second = {
+        "name": "arith2",
+        "benchmark": world["bench"],
+        "split": {"validation": 8, "test": 8},
+        "generation": GEN,
+        "prompt": {"n_shots": 0},
+        "baselines": {},
+    }
     spec = _spec_dict(world)
     spec["benchmarks"] = [*spec["benchmarks"], second]
     res = mc.run(spec, cache_dir=tmp_path / "c", progress=False)

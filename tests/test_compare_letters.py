@@ -50,11 +50,13 @@ def test_score_completions_and_copy_baseline():
     assert task.kind == "math"  # an answer task: no chat code instruction, no sandbox
     scores = task.score(
         bench,
-        {"0": [{"text": "BXD", "finish_reason": "eos"}, {"text": "BXC", "finish_reason": "eos"}],
-         "1": [{"text": "BBQ", "finish_reason": "length"}],
-         "2": [{"text": "Q Q[EOS]", "finish_reason": "length"}]},
+        {
+            "0": [{"text": "BXD", "finish_reason": "eos"}, {"text": "BXC", "finish_reason": "eos"}],
+            "1": [{"text": "BBQ", "finish_reason": "length"}],
+            "2": [{"text": "Q Q[EOS]", "finish_reason": "length"}],
+        },
         settings,
-    )  # fmt: skip
+    )
     assert scores.primary == "accuracy"
     assert scores.metrics["accuracy"] == [0.5, 0.0, 1.0]
 
@@ -74,8 +76,9 @@ def test_prompt_ends_with_the_training_separator():
 def test_loader_reads_jsonl_and_refuses_items_without_answer(tmp_path):
     task = get_task("letter_map")
     path = tmp_path / "items.jsonl"
-    path.write_text('{"item_id": "x", "prompt": "AQ", "answer": "BQ"}\n{"prompt": "CQ", '
-                    '"answer": "DQ"}\n')  # fmt: skip
+    path.write_text(
+        '{"item_id": "x", "prompt": "AQ", "answer": "BQ"}\n{"prompt": "CQ", "answer": "DQ"}\n'
+    )
     bench = task.load(path)
     assert [(it.item_id, it.prompt, it.answer) for it in bench.items] == [
         ("x", "AQ", "BQ"),
@@ -99,8 +102,10 @@ def test_benchmark_items_meet_their_conditions():
             assert len(s) == 6
             assert r["answer"] == s.replace("A", "B").replace("C", "D") != s
             assert ("A" in s, "C" in s) == {
-                "a_to_b": (True, False), "c_to_d": (False, True), "both": (True, True)
-            }[name]  # fmt: skip
+                "a_to_b": (True, False),
+                "c_to_d": (False, True),
+                "both": (True, True),
+            }[name]
     excluded = letter_benchmark_items(30, seed=3, length=6, exclude=frozenset(strings[:10]))
     assert not set(strings[:10]) & {r["prompt"] for recs in excluded.values() for r in recs}
 
@@ -157,8 +162,16 @@ def test_shortened_example_runs_end_to_end(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     results = mc.load_results(out / "results.json")
     rows = {r["row"] for r in results["runs"] if r["split"] == "test"}
-    assert rows == {"base", "a_to_b", "c_to_d", "composition", "task_arithmetic", "ties",
-                    "dare_ties", "linear"}  # fmt: skip
+    assert rows == {
+        "base",
+        "a_to_b",
+        "c_to_d",
+        "composition",
+        "task_arithmetic",
+        "ties",
+        "dare_ties",
+        "linear",
+    }
     for bench in ("a_to_b", "c_to_d", "both"):
         assert f"- baseline `copy` on {bench}: 0.0 [0.0, 0.0]" in table
         assert len(results["splits"]["0"][bench]["test"]) == 100

@@ -102,12 +102,23 @@ def test_csv_parquet_and_datasets_folder_give_the_same_items(tmp_path):
     import csv
 
     rows = [
-        {"id": f"r{i}", "q": r["x"], "a": r["choices"][0], "b": r["choices"][1],
-         "c": r["choices"][2], "d": r["choices"][3], "answer": str(r["label"])}
+        {
+            "id": f"r{i}",
+            "q": r["x"],
+            "a": r["choices"][0],
+            "b": r["choices"][1],
+            "c": r["choices"][2],
+            "d": r["choices"][3],
+            "answer": str(r["label"]),
+        }
         for i, r in enumerate(LM_EVAL_RECORDS)
-    ]  # fmt: skip
-    fields = {"id": "id", "prompt": "Q: {q}\nA:", "choices": ["{a}", "{b}", "{c}", "{d}"],
-              "label": "answer"}  # fmt: skip
+    ]
+    fields = {
+        "id": "id",
+        "prompt": "Q: {q}\nA:",
+        "choices": ["{a}", "{b}", "{c}", "{d}"],
+        "label": "answer",
+    }
     with open(tmp_path / "sums.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -137,15 +148,24 @@ def test_csv_parquet_and_datasets_folder_give_the_same_items(tmp_path):
 @pytest.mark.parametrize(
     "task, fields, words",
     [
-        ("exact_match", {"prompt": "{question}>", "target": "{y}"},
-         "sums.jsonl:1: field 'question' (used by fields.prompt: '{question}>') is not in the "
-         "record; it has x, y, choices, label"),
-        ("multiple_choice", {"prompt": "{x}", "choices": "options", "label": "label"},
-         "field 'options' (used by fields.choices"),
-        ("multiple_choice", {"prompt": "{x}", "choices": "choices", "target": "x"},
-         "is neither a choice index nor one of"),
+        (
+            "exact_match",
+            {"prompt": "{question}>", "target": "{y}"},
+            "sums.jsonl:1: field 'question' (used by fields.prompt: '{question}>') is not in the "
+            "record; it has x, y, choices, label",
+        ),
+        (
+            "multiple_choice",
+            {"prompt": "{x}", "choices": "options", "label": "label"},
+            "field 'options' (used by fields.choices",
+        ),
+        (
+            "multiple_choice",
+            {"prompt": "{x}", "choices": "choices", "target": "x"},
+            "is neither a choice index nor one of",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_field_missing_in_the_file_names_the_field_and_the_line(tmp_path, task, fields, words):
     path = _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
     with pytest.raises(BenchmarkFormatError) as exc:
@@ -162,8 +182,9 @@ def test_answer_scorers(tmp_path):
     fields = {"prompt": "{q}", "target": "a"}
     em = load_generic(path, task="exact_match", fields=fields)
     assert score_completions(em, {"1": " Paris \nmore", "2": "four"}, settings) == {
-        "1": True, "2": False,
-    }  # fmt: skip
+        "1": True,
+        "2": False,
+    }
     assert score_completions(em, {"1": "paris", "2": "4"}, settings) == {"1": False, "2": True}
     nm = load_generic(path, task="normalized_match", fields=fields)
     assert score_completions(nm, {"1": "the PARIS.", "2": "4!"}, settings) == {"1": True, "2": True}
@@ -239,12 +260,21 @@ def _compare(capsys, *args):
 def test_compare_spec_with_own_jsonl_runs_with_paired_statistics(models, tmp_path, capsys):
     _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS * 2)  # ids are line numbers: 16 items
     benchmarks = [
-        {"name": "sums_mc", "file": "sums.jsonl", "task": "multiple_choice",
-         "fields": {"prompt": "{x}", "choices": "choices", "label": "label"},
-         "split": {"validation": 6, "test": "rest"}},
-        {"name": "sums_em", "file": "sums.jsonl", "task": "exact_match",
-         "fields": {"prompt": "{x}>", "target": "{y}"}, "validation_from": "sums_mc"},
-    ]  # fmt: skip
+        {
+            "name": "sums_mc",
+            "file": "sums.jsonl",
+            "task": "multiple_choice",
+            "fields": {"prompt": "{x}", "choices": "choices", "label": "label"},
+            "split": {"validation": 6, "test": "rest"},
+        },
+        {
+            "name": "sums_em",
+            "file": "sums.jsonl",
+            "task": "exact_match",
+            "fields": {"prompt": "{x}>", "target": "{y}"},
+            "validation_from": "sums_mc",
+        },
+    ]
     spec = _spec(models, tmp_path, benchmarks)
     code, plan, err = _compare(capsys, spec, "--dry-run")
     assert code == 0, err
@@ -272,10 +302,18 @@ def test_compare_spec_with_own_jsonl_runs_with_paired_statistics(models, tmp_pat
 def test_a_bad_template_is_one_line_and_exit_2_at_dry_run(models, tmp_path, capsys):
     _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
     spec = _spec(
-        models, tmp_path,
-        [{"name": "sums", "file": "sums.jsonl", "task": "exact_match",
-          "fields": {"prompt": "{question}", "target": "{y}"}, "split": {"validation": 2}}],
-    )  # fmt: skip
+        models,
+        tmp_path,
+        [
+            {
+                "name": "sums",
+                "file": "sums.jsonl",
+                "task": "exact_match",
+                "fields": {"prompt": "{question}", "target": "{y}"},
+                "split": {"validation": 2},
+            }
+        ],
+    )
     code, _, err = _compare(capsys, spec, "--dry-run")
     assert code == 2
     lines = err.strip().splitlines()
@@ -296,14 +334,23 @@ def test_a_bad_template_is_one_line_and_exit_2_at_dry_run(models, tmp_path, caps
 @pytest.mark.parametrize(
     "entry, key, words",
     [
-        ({"task": "regex", "fields": {"prompt": "{x}", "target": "{y}"}}, "benchmarks[0]",
-         "fields.pattern: the regex task needs a pattern"),
-        ({"task": "exact_match", "fields": {"prompt": "{x}", "choice": "c"}}, "benchmarks[0]",
-         "fields.choice: unknown"),
-        ({"task": "gsm8k", "fields": {"prompt": "{x}"}}, "benchmarks[0].fields",
-         "only for the generic tasks"),
+        (
+            {"task": "regex", "fields": {"prompt": "{x}", "target": "{y}"}},
+            "benchmarks[0]",
+            "fields.pattern: the regex task needs a pattern",
+        ),
+        (
+            {"task": "exact_match", "fields": {"prompt": "{x}", "choice": "c"}},
+            "benchmarks[0]",
+            "fields.choice: unknown",
+        ),
+        (
+            {"task": "gsm8k", "fields": {"prompt": "{x}"}},
+            "benchmarks[0].fields",
+            "only for the generic tasks",
+        ),
     ],
-)  # fmt: skip
+)
 def test_spec_errors_of_generic_benchmarks(models, tmp_path, entry, key, words):
     from mergelab.compare.spec import SpecError, load_spec
 
@@ -329,10 +376,26 @@ def test_mergelab_eval_run_with_fields(models, tmp_path, capsys):
 
     data = _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
     out = tmp_path / "out"
-    args = ["eval", "run", "--model", str(models["root"] / "math"), "--benchmark",
-            "multiple_choice", "--data", str(data), "--field", "prompt={x}", "--field",
-            "choices=choices", "--field", "label=label", "--cache-dir", str(tmp_path / "c"),
-            "--out", str(out)]  # fmt: skip
+    args = [
+        "eval",
+        "run",
+        "--model",
+        str(models["root"] / "math"),
+        "--benchmark",
+        "multiple_choice",
+        "--data",
+        str(data),
+        "--field",
+        "prompt={x}",
+        "--field",
+        "choices=choices",
+        "--field",
+        "label=label",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0, capsys.readouterr().err
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
     cand = ModelCandidate(models["math"], models["tok"], name="math")
@@ -340,8 +403,18 @@ def test_mergelab_eval_run_with_fields(models, tmp_path, capsys):
         lls = cand.score([rec["x"]] * 4, [" " + c for c in rec["choices"]])
         best = max(range(4), key=lambda i: (lls[i], -i))
         assert it["scores"]["acc"] == float(best == rec["label"])
-    bad = ["eval", "run", "--model", str(models["root"] / "math"), "--benchmark", "gsm8k",
-           "--data", str(data), "--field", "prompt={x}"]  # fmt: skip
+    bad = [
+        "eval",
+        "run",
+        "--model",
+        str(models["root"] / "math"),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(data),
+        "--field",
+        "prompt={x}",
+    ]
     assert main(bad) == 2
     assert "takes no option 'fields'" in capsys.readouterr().err
 
@@ -361,12 +434,27 @@ def test_executor_ray_from_the_command_line_keeps_the_specs_cluster_settings(mod
     from mergelab.compare.spec import load_spec, with_executor
 
     _write_jsonl(tmp_path / "sums.jsonl", LM_EVAL_RECORDS)
-    path = _spec(models, tmp_path, [{"name": "s", "file": "sums.jsonl", "task": "exact_match",
-                                     "fields": {"prompt": "{x}", "target": "y"},
-                                     "split": {"validation": 2}}])  # fmt: skip
+    path = _spec(
+        models,
+        tmp_path,
+        [
+            {
+                "name": "s",
+                "file": "sums.jsonl",
+                "task": "exact_match",
+                "fields": {"prompt": "{x}", "target": "y"},
+                "split": {"validation": 2},
+            }
+        ],
+    )
     spec = yaml.safe_load(path.read_text())
-    spec["executor"] = {"kind": "ray", "address": "auto", "num_gpus": 0.5, "num_cpus": 2,
-                        "resources": {"big_mem": 1}}  # fmt: skip
+    spec["executor"] = {
+        "kind": "ray",
+        "address": "auto",
+        "num_gpus": 0.5,
+        "num_cpus": 2,
+        "resources": {"big_mem": 1},
+    }
     path.write_text(yaml.safe_dump(spec))
     loaded = load_spec(path)
     ray = with_executor(loaded, "ray")
@@ -380,10 +468,13 @@ def test_code_with_tests_from_your_own_records(tmp_path):
     from dataclasses import replace
 
     recs = [
-        {"name": "add", "stub": "def add(a, b):\n", "checks": ["assert add(1, 2) == 3",
-                                                            "assert add(-1, 1) == 0"]},
+        {
+            "name": "add",
+            "stub": "def add(a, b):\n",
+            "checks": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
+        },
         {"name": "neg", "stub": "def neg(a):\n", "checks": "assert neg(2) == -2"},
-    ]  # fmt: skip
+    ]
     path = _write_jsonl(tmp_path / "code.jsonl", recs)
     fields = {"id": "name", "prompt": "{stub}", "tests": "checks", "entry_point": "name"}
     bench = load_generic(path, task="code_tests", fields=fields)

@@ -21,10 +21,14 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 REPO = str(Path(mc.__file__).parents[2])
 RECORDS = [
-    {"x": f"{a} plus {b} is", "y": str(a + b), "choices": [str(a + b + d) for d in (1, 0, -1)],
-     "label": 1}
+    {
+        "x": f"{a} plus {b} is",
+        "y": str(a + b),
+        "choices": [str(a + b + d) for d in (1, 0, -1)],
+        "label": 1,
+    }
     for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (7, 1), (4, 4), (6, 3), (0, 5), (2, 7), (3, 3)]
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +69,21 @@ def _spec(root: Path, benchmarks: list) -> dict:
 
 
 OWN = [
-    {"name": "mc", "file": "sums.jsonl", "task": "multiple_choice",
-     "fields": {"prompt": "{x}", "choices": "choices", "label": "label"},
-     "split": {"validation": 4, "test": "rest"}},
-    {"name": "em", "file": "sums.jsonl", "task": "exact_match",
-     "fields": {"prompt": "{x}>", "target": "{y}"}, "validation_from": "mc"},
-]  # fmt: skip
+    {
+        "name": "mc",
+        "file": "sums.jsonl",
+        "task": "multiple_choice",
+        "fields": {"prompt": "{x}", "choices": "choices", "label": "label"},
+        "split": {"validation": 4, "test": "rest"},
+    },
+    {
+        "name": "em",
+        "file": "sums.jsonl",
+        "task": "exact_match",
+        "fields": {"prompt": "{x}>", "target": "{y}"},
+        "validation_from": "mc",
+    },
+]
 
 
 def _outcomes(results: dict) -> list:
@@ -89,13 +102,22 @@ def test_own_data_and_an_lm_eval_task_on_ray_equal_the_local_run(world, tmp_path
     from test_compare_lm_eval import _task_folder
 
     tasks = _task_folder(tmp_path)
-    benchmarks = [*OWN, {"name": "lm", "lm_eval": {"task": "mergelab_own_mc",
-                                                   "include_path": str(tasks)},
-                         "validation_from": "mc"}]  # fmt: skip
+    benchmarks = [
+        *OWN,
+        {
+            "name": "lm",
+            "lm_eval": {"task": "mergelab_own_mc", "include_path": str(tasks)},
+            "validation_from": "mc",
+        },
+    ]
     path = _write(world, _spec(world, benchmarks), "own_and_lm_eval.yaml")
     local = mc.run(path, cache_dir=tmp_path / "local", progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})  # fmt: skip
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO}},
+    )
     try:
         remote = mc.run(path, cache_dir=tmp_path / "ray", executor="ray", progress=False)
     finally:
@@ -116,8 +138,9 @@ def test_a_worker_node_killed_mid_run_on_a_multi_node_cluster(world, tmp_path):
     )
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})  # fmt: skip
+    ray.init(
+        address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}}
+    )
     out: dict = {}
 
     def compare():

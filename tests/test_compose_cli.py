@@ -43,19 +43,50 @@ def test_cli_writes_the_decoder_generations(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": "ab"}\n')
     out = tmp_path / "gen.jsonl"
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--expert", str(paths["code"]), "--expert-name", "math", "--expert-name", "code",
-            "--weight", "1", "--weight", "0.5", "--eos-policy", "base",
-            "--prompts-file", str(prompts), "--out", str(out), "--max-new-tokens", "6",
-            "--sample", "--seed", "4", "--top-k", "10"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--expert",
+        str(paths["code"]),
+        "--expert-name",
+        "math",
+        "--expert-name",
+        "code",
+        "--weight",
+        "1",
+        "--weight",
+        "0.5",
+        "--eos-policy",
+        "base",
+        "--prompts-file",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "6",
+        "--sample",
+        "--seed",
+        "4",
+        "--top-k",
+        "10",
+    ]
     assert main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records[0]["candidate"] == "base + 1.0·(math − base) + 0.5·(code − base)"
     from transformers import AutoModelForCausalLM
 
     load = lambda p: AutoModelForCausalLM.from_pretrained(p).eval()  # noqa: E731
-    decoder = ComposedDecoder(load(paths["base"]), [load(paths["math"]), load(paths["code"])], tok,
-                              [1, 0.5], expert_names=["math", "code"], eos_policy="base")  # fmt: skip
+    decoder = ComposedDecoder(
+        load(paths["base"]),
+        [load(paths["math"]), load(paths["code"])],
+        tok,
+        [1, 0.5],
+        expert_names=["math", "code"],
+        eos_policy="base",
+    )
     expected = decoder.generate(
         ["hello", "ab"], GenerationSettings(max_new_tokens=6, do_sample=True, seed=4, top_k=10)
     )
@@ -111,8 +142,16 @@ def test_output_may_not_overwrite_an_input(checkpoints, tmp_path, capsys, no_mod
     before = weights.read_bytes()
     prompts = tmp_path / "p.txt"
     prompts.write_text("ab\n")
-    common = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-              "--prompts-file", str(prompts), "--force"]  # fmt: skip
+    common = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompts-file",
+        str(prompts),
+        "--force",
+    ]
     for out in [weights, paths["math"] / "gen.jsonl", prompts, paths["base"]]:
         code, err = run_cli([*common, "--out", str(out)], capsys)
         assert code == 2 and "overlaps input" in err and "Traceback" not in err
@@ -123,8 +162,20 @@ def test_force_replaces_only_generations_mergelab_wrote(checkpoints, tmp_path, c
     paths, _ = checkpoints
     out = tmp_path / "gen.jsonl"
     out.write_text("my own notes, not generations\n")
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--prompt", "ab", "--max-new-tokens", "2", "--out", str(out), "--force"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "2",
+        "--out",
+        str(out),
+        "--force",
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and "not a file mergelab wrote" in err
     assert out.read_text() == "my own notes, not generations\n"
@@ -169,8 +220,15 @@ def test_prompts_file_errors_name_the_file_and_line(
 
     paths, _ = checkpoints
     (tmp_path / name).write_bytes(content)
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--prompts-file", str(tmp_path / name)]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompts-file",
+        str(tmp_path / name),
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and re.search(message, err), err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -189,13 +247,26 @@ def test_json_prompts_file_is_read_as_json(tmp_path):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--batch-size", "0"),
-     ("--max-new-tokens", "x")],
-)  # fmt: skip
+    [
+        ("--max-new-tokens", "-1"),
+        ("--max-new-tokens", "0"),
+        ("--batch-size", "0"),
+        ("--max-new-tokens", "x"),
+    ],
+)
 def test_counts_are_checked_by_the_argument_parser(checkpoints, capsys, flag, value):
     paths, _ = checkpoints
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--prompt", "ab", flag, value]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompt",
+        "ab",
+        flag,
+        value,
+    ]
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
@@ -205,9 +276,21 @@ def test_counts_are_checked_by_the_argument_parser(checkpoints, capsys, flag, va
 @pytest.mark.parametrize("draft", ["ta", "math"])
 def test_speculative_flag_gives_the_plain_composition(checkpoints, tmp_path, draft):
     paths, _ = checkpoints
-    common = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-              "--expert", str(paths["code"]), "--prompt", "hello", "--prompt", "ab",
-              "--max-new-tokens", "24"]  # fmt: skip
+    common = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--expert",
+        str(paths["code"]),
+        "--prompt",
+        "hello",
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "24",
+    ]
     plain, fast = tmp_path / "plain.jsonl", tmp_path / "fast.jsonl"
     assert main([*common, "--out", str(plain)]) == 0
     draft_arg = "ta" if draft == "ta" else str(paths[draft])
@@ -222,11 +305,30 @@ def test_speculative_flag_gives_the_plain_composition(checkpoints, tmp_path, dra
 
 def test_speculative_only_flags_need_speculative(checkpoints, capsys):
     paths, _ = checkpoints
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--prompt", "ab", "--gamma", "3"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompt",
+        "ab",
+        "--gamma",
+        "3",
+    ]
     assert main(argv) == 2
     assert "--gamma: only with --speculative" in capsys.readouterr().err
-    argv = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"]),
-            "--prompt", "ab", "--speculative", "--draft", str(paths["base"]) + "-missing"]  # fmt: skip
+    argv = [
+        "compose",
+        "--base",
+        str(paths["base"]),
+        "--expert",
+        str(paths["math"]),
+        "--prompt",
+        "ab",
+        "--speculative",
+        "--draft",
+        str(paths["base"]) + "-missing",
+    ]
     assert main(argv) == 2
     assert "draft model folder" in capsys.readouterr().err

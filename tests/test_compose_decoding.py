@@ -58,9 +58,14 @@ def _same(gens_a, gens_b, atol=ATOL):
 def test_cached_equals_full_prefix_recomputation(both_archs, tok, do_sample):
     models = both_archs
     settings = GenerationSettings(
-        max_new_tokens=10, do_sample=do_sample, seed=7, top_k=20, top_p=0.95, temperature=1.3,
+        max_new_tokens=10,
+        do_sample=do_sample,
+        seed=7,
+        top_k=20,
+        top_p=0.95,
+        temperature=1.3,
         return_component_logprobs=True,
-    )  # fmt: skip
+    )
     cached = _composed(models, tok).generate(PROMPTS, settings)
     naive = _composed(models, tok, use_cache=False).generate(PROMPTS, settings)
     _same(cached, naive)
@@ -89,9 +94,13 @@ def test_model_candidate_matches_transformers_generate(models, tok):
     ours = candidate.generate(PROMPTS[:1], GenerationSettings(max_new_tokens=10))[0]
     ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
     theirs = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     generated = theirs[0, ids.shape[1] :].tolist()
     if tok.eos_token_id in generated:
         generated = generated[: generated.index(tok.eos_token_id)]
@@ -234,8 +243,9 @@ def test_composition_and_models_must_match(models, tok):
         )
     proxy = ComposedDecoder.from_models(
         {"large": models[0], "small_tuned": models[1], "small_base": models[2]},
-        Composition.proxy_tuning("large", "small_tuned", "small_base"), tok,
-    )  # fmt: skip
+        Composition.proxy_tuning("large", "small_tuned", "small_base"),
+        tok,
+    )
     d = proxy.describe()
     json.dumps(d)  # JSON-able: the evaluation harness keys its cache on it
     assert d["composition"]["formula"] == "large + 1.0·(small_tuned − small_base)"

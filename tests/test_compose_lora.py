@@ -21,9 +21,14 @@ TARGETS = {
 
 def _lora(base, arch, targets, r, seed, **kw):
     config = LoraConfig(
-        r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0,
-        fan_in_fan_out=(arch == "gpt2"), init_lora_weights=False, **kw,
-    )  # fmt: skip
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=targets,
+        lora_dropout=0.0,
+        fan_in_fan_out=(arch == "gpt2"),
+        init_lora_weights=False,
+        **kw,
+    )
     torch.manual_seed(seed)
     peft_model = get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():  # make the adapters matter

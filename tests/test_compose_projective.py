@@ -143,10 +143,14 @@ def test_diagnostics_measure_kl_activity_and_new_top1():
     for text in texts:
         ids = torch.tensor([tok(text)["input_ids"]])
         composed_top1 = decoder.token_logprobs(ids)[0, :-1].argmax(-1)
-        singles = [ModelCandidate(m, tok).token_logprobs(ids)[0, :-1].argmax(-1)
-                   for m in (base, expert, other)]  # fmt: skip
-        new_tokens += [bool((composed_top1[i] != torch.stack(singles)[:, i]).all())
-                       for i in range(len(composed_top1))]  # fmt: skip
+        singles = [
+            ModelCandidate(m, tok).token_logprobs(ids)[0, :-1].argmax(-1)
+            for m in (base, expert, other)
+        ]
+        new_tokens += [
+            bool((composed_top1[i] != torch.stack(singles)[:, i]).all())
+            for i in range(len(composed_top1))
+        ]
     assert both.composed_top1_differs_fraction == pytest.approx(sum(new_tokens) / len(new_tokens))
     assert 0 < sum(new_tokens) < len(new_tokens)  # the case is not trivial
     for t in ("0.01", "0.1", "1"):

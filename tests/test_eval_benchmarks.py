@@ -124,9 +124,10 @@ def test_in_memory_benchmarks_and_fingerprints():
     c = Benchmark.from_items("toy", "gsm8k", [Item("a", "1+1?", answer="3")])
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
     code = Benchmark.from_items(
-        "toy-code", "code",
+        "toy-code",
+        "code",
         [{"prompt": "def f():\n", "tests": {"entry_point": "f", "asserts": ["assert f() == 1"]}}],
-    )  # fmt: skip
+    )
     assert code.items[0].tests.asserts == ("assert f() == 1",)
     with pytest.raises(ValueError, match="duplicate item_id"):
         Benchmark.from_items("dup", "math", [Item("x", "p"), Item("x", "q")])

@@ -24,22 +24,65 @@ def folders(tmp_path_factory):
         # HumanEval prompts run to ~600 characters, one token each.
         tiny_causal_lm(len(tok), seed=seed, max_positions=1024).save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    (root / "compose.yaml").write_text(yaml.safe_dump({
-        "base": "base", "experts": ["math", "code"], "weights": [1.0, 0.5], "eos_policy": "base",
-    }))  # fmt: skip
-    (root / "merge.yaml").write_text(yaml.safe_dump({"merge": {
-        "method": "ties", "base": "base", "models": ["math", "code"],
-        "parameters": {"density": 0.5},
-    }}))  # fmt: skip
+    (root / "compose.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "base": "base",
+                "experts": ["math", "code"],
+                "weights": [1.0, 0.5],
+                "eos_policy": "base",
+            }
+        )
+    )
+    (root / "merge.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "merge": {
+                    "method": "ties",
+                    "base": "base",
+                    "models": ["math", "code"],
+                    "parameters": {"density": 0.5},
+                }
+            }
+        )
+    )
     return root
 
 
 def test_a_composition_spec_with_sampling_and_n_samples(folders, tmp_path):
-    argv = ["eval", "run", "--spec", str(folders / "compose.yaml"), "--benchmark", "gsm8k",
-            "--data", str(FIXTURES / "gsm8k.jsonl"), "--max-new-tokens", "3", "--n-shots", "0",
-            "--sample", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
-            "--n-samples", "2", "--seed", "5", "--device", "cpu", "--dtype", "float32",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "eval",
+        "run",
+        "--spec",
+        str(folders / "compose.yaml"),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--max-new-tokens",
+        "3",
+        "--n-shots",
+        "0",
+        "--sample",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--n-samples",
+        "2",
+        "--seed",
+        "5",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["candidate"]["type"] == "ComposedDecoder"
@@ -55,19 +98,42 @@ def test_a_composition_spec_with_sampling_and_n_samples(folders, tmp_path):
 
 def test_a_merge_spec_on_code_with_pass_at_k_and_evalplus_samples(folders, tmp_path):
     samples = tmp_path / "samples.jsonl"
-    argv = ["eval", "run", "--spec", str(folders / "merge.yaml"), "--benchmark", "humaneval+",
-            "--data", str(FIXTURES / "humaneval_plus.jsonl"), "--max-new-tokens", "2",
-            "--sample", "--n-samples", "3", "--pass-k", "1", "--pass-k", "3",
-            "--isolation", "weak", "--cache-dir", str(tmp_path / "cache"),
-            "--out", str(tmp_path / "out"), "--evalplus-samples", str(samples)]  # fmt: skip
+    argv = [
+        "eval",
+        "run",
+        "--spec",
+        str(folders / "merge.yaml"),
+        "--benchmark",
+        "humaneval+",
+        "--data",
+        str(FIXTURES / "humaneval_plus.jsonl"),
+        "--max-new-tokens",
+        "2",
+        "--sample",
+        "--n-samples",
+        "3",
+        "--pass-k",
+        "1",
+        "--pass-k",
+        "3",
+        "--isolation",
+        "weak",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "out"),
+        "--evalplus-samples",
+        str(samples),
+    ]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["candidate"]["type"] == "ModelCandidate"
     assert summary["candidate"]["name"] == "ties(math, code)"
     assert {"pass@1_base", "pass@3_base", "pass@1_plus", "pass@3_plus"} <= set(summary["metrics"])
     lines = [json.loads(x) for x in samples.read_text().splitlines()]
-    assert [x["task_id"] for x in lines] == [t for t in ["HumanEval/0", "HumanEval/2",
-                                                         "HumanEval/32"] for _ in range(3)]  # fmt: skip
+    assert [x["task_id"] for x in lines] == [
+        t for t in ["HumanEval/0", "HumanEval/2", "HumanEval/32"] for _ in range(3)
+    ]
 
 
 def test_dtype_and_device_reach_the_models(folders):
@@ -94,8 +160,19 @@ def test_bad_settings_exit_2_before_loading(folders, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.chdir(tmp_path)
-    argv = ["eval", "run", "--spec", str(folders / "compose.yaml"), "--benchmark", "gsm8k",
-            "--data", str(FIXTURES / "gsm8k.jsonl"), "--cache-dir", str(tmp_path / "c"), *extra]  # fmt: skip
+    argv = [
+        "eval",
+        "run",
+        "--spec",
+        str(folders / "compose.yaml"),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        *extra,
+    ]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 

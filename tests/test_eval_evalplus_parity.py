@@ -37,7 +37,7 @@ HUMANEVAL = {
             "               for j, b in enumerate(numbers) if i != j)\n",
             "plus-only failure",
         ),
-    ],  # fmt: skip
+    ],
     "HumanEval/2": [
         ("    return number - int(number)\n", "equivalent"),
         ("    return (\n", "syntax error"),
@@ -55,7 +55,7 @@ MBPP = {
             "reordered",
         ),
         ("def similar_elements(a, b):\n    return tuple(a)\n", "wrong"),
-    ],  # fmt: skip
+    ],
     "Mbpp/3": [
         (None, "canonical"),
         # Misses n == 1 (only in the plus inputs).
@@ -63,11 +63,11 @@ MBPP = {
             "def is_not_prime(n):\n    return any(n % i == 0 for i in range(2, n))\n",
             "plus-only failure",
         ),
-    ],  # fmt: skip
+    ],
     "Mbpp/17": [
         (None, "canonical"),
         ("def square_perimeter(a):\n    return 4 * int(a)\n", "plus-only failure"),
-    ],  # fmt: skip
+    ],
 }
 # EvalPlus 0.3.1 fails every HumanEval/32 (find_zero) solution: its special oracle `continue`s
 # before recording the test as passed (fixed upstream after the release, evalplus PR #241).
@@ -104,10 +104,14 @@ class Scripted:
 
     def generate(self, prompts, settings=None):
         return [
-            Generation(prompt=p, text=self.by_prompt[p][settings.seed], token_ids=[],
-                       finish_reason="length")
+            Generation(
+                prompt=p,
+                text=self.by_prompt[p][settings.seed],
+                token_ids=[],
+                finish_reason="length",
+            )
             for p in prompts
-        ]  # fmt: skip
+        ]
 
     def describe(self):
         return {"type": "scripted", "completions": self.by_prompt}
@@ -131,10 +135,13 @@ def _ours(bench, scripted, tmp_path):
         )
     settings = EvalSettings(
         generation=GenerationSettings(do_sample=True, seed=0, max_new_tokens=8),
-        n_samples=n, isolation="weak", sandbox=SandboxLimits(timeout_s=10.0),
-    )  # fmt: skip
-    return evaluate(Scripted(by_prompt), bench, settings, cache_dir=tmp_path / "cache",
-                    progress=False)  # fmt: skip
+        n_samples=n,
+        isolation="weak",
+        sandbox=SandboxLimits(timeout_s=10.0),
+    )
+    return evaluate(
+        Scripted(by_prompt), bench, settings, cache_dir=tmp_path / "cache", progress=False
+    )
 
 
 def _evalplus(dataset, data_file, samples, tmp_path):
@@ -148,8 +155,13 @@ def _evalplus(dataset, data_file, samples, tmp_path):
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    done = subprocess.run([sys.executable, "-c", EVALPLUS, dataset, str(samples)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", EVALPLUS, dataset, str(samples)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -219,8 +219,14 @@ def test_cache_key_separates_candidates_benchmarks_and_settings(tmp_path):
 def test_outputs_written_atomically_and_not_overwritten(tmp_path):
     bench = _toy_math_benchmark(4)
     out = tmp_path / "results" / "toy"
-    res = evaluate(FakeCandidate(_half_right(bench)), bench, SETTINGS, cache_dir=tmp_path / "c",
-                   output_dir=out, progress=False)  # fmt: skip
+    res = evaluate(
+        FakeCandidate(_half_right(bench)),
+        bench,
+        SETTINGS,
+        cache_dir=tmp_path / "c",
+        output_dir=out,
+        progress=False,
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metrics"]["accuracy"]["mean"] == 0.5
     assert summary["candidate"] == {"kind": "FakeCandidate", "name": "fake"}
@@ -229,10 +235,23 @@ def test_outputs_written_atomically_and_not_overwritten(tmp_path):
     assert [json.loads(x)["item_id"] for x in lines] == [it.item_id for it in bench.items]
     assert res.output_dir == out
     with pytest.raises(OutputExistsError):
-        evaluate(FakeCandidate(_half_right(bench)), bench, SETTINGS, cache_dir=tmp_path / "c",
-                 output_dir=out, progress=False)  # fmt: skip
-    evaluate(FakeCandidate(_half_right(bench)), bench, SETTINGS, cache_dir=tmp_path / "c",
-             output_dir=out, force=True, progress=False)  # fmt: skip
+        evaluate(
+            FakeCandidate(_half_right(bench)),
+            bench,
+            SETTINGS,
+            cache_dir=tmp_path / "c",
+            output_dir=out,
+            progress=False,
+        )
+    evaluate(
+        FakeCandidate(_half_right(bench)),
+        bench,
+        SETTINGS,
+        cache_dir=tmp_path / "c",
+        output_dir=out,
+        force=True,
+        progress=False,
+    )
 
 
 def test_paired_comparison_of_two_candidates(tmp_path):
@@ -269,8 +288,10 @@ def test_sampled_pass_at_k_uses_every_sample(tmp_path):
 
     settings = EvalSettings(
         generation=GenerationSettings(do_sample=True, seed=0, batch_size=4),
-        n_samples=4, pass_k=(1, 2), bootstrap_samples=200,
-    )  # fmt: skip
+        n_samples=4,
+        pass_k=(1, 2),
+        bootstrap_samples=200,
+    )
     res = evaluate(Alternating({}), bench, settings, cache_dir=tmp_path, progress=False)
     assert res.items[0]["scores"]["pass@1_base"] == pytest.approx(0.5)
     assert res.items[0]["scores"]["pass@2_base"] == pytest.approx(1 - 1 / 6)
@@ -285,16 +306,27 @@ def test_with_a_real_model_candidate(tmp_path):
     model = tiny_causal_lm(len(tok), seed=0)
     cand = ModelCandidate(model, tok, name="tiny-gpt2")
     bench = Benchmark.from_items(
-        "tiny-code", "code",
-        [Item(f"t{i}", f"def f{i}(x):\n    return ", tests=CodeTests(f"f{i}", asserts=(f"assert f{i}(1) == 1",)))
-         for i in range(3)],
-    )  # fmt: skip
-    settings = EvalSettings(generation=GenerationSettings(max_new_tokens=6, batch_size=3),
-                            bootstrap_samples=200)  # fmt: skip
+        "tiny-code",
+        "code",
+        [
+            Item(
+                f"t{i}",
+                f"def f{i}(x):\n    return ",
+                tests=CodeTests(f"f{i}", asserts=(f"assert f{i}(1) == 1",)),
+            )
+            for i in range(3)
+        ],
+    )
+    settings = EvalSettings(
+        generation=GenerationSettings(max_new_tokens=6, batch_size=3), bootstrap_samples=200
+    )
     first = evaluate(cand, bench, settings, cache_dir=tmp_path, progress=False)
     assert first.summary["generated_this_call"] == 3
-    assert all(s["base"]["status"] in ("passed", "failed", "crashed") for it in first.items
-               for s in it["samples"])  # fmt: skip
+    assert all(
+        s["base"]["status"] in ("passed", "failed", "crashed")
+        for it in first.items
+        for s in it["samples"]
+    )
     second = evaluate(cand, bench, settings, cache_dir=tmp_path, progress=False)
     assert second.summary["generated_this_call"] == 0
     assert _strip_timing(second.items) == _strip_timing(first.items)
@@ -310,9 +342,22 @@ def test_cli_run_and_compare(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     tiny_causal_lm(len(tok), seed=0).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    common = ["eval", "run", "--model", str(model_dir), "--benchmark", "gsm8k",
-              "--data", str(FIXTURES / "gsm8k.jsonl"), "--max-new-tokens", "4", "--n-shots", "0",
-              "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    common = [
+        "eval",
+        "run",
+        "--model",
+        str(model_dir),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--max-new-tokens",
+        "4",
+        "--n-shots",
+        "0",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     assert main([*common, "--out", str(tmp_path / "a")]) == 0
     assert main([*common, "--out", str(tmp_path / "b")]) == 0
     assert main([*common, "--out", str(tmp_path / "b")]) == 2  # exists, no --force
@@ -336,11 +381,24 @@ def test_outputs_are_checked_before_anything_is_generated(tmp_path):
     with pytest.raises(OutputExistsError, match="--force"):
         evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c", output_dir=out, progress=False)
     with pytest.raises(ForeignOutputError, match="paper.tex"):
-        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c", output_dir=out, force=True,
-                 progress=False)  # fmt: skip
+        evaluate(
+            cand,
+            bench,
+            SETTINGS,
+            cache_dir=tmp_path / "c",
+            output_dir=out,
+            force=True,
+            progress=False,
+        )
     with pytest.raises(ValueError, match="overlaps input"):
-        evaluate(cand, bench, SETTINGS, cache_dir=tmp_path / "c",
-                 output_dir=tmp_path / "c" / "results", progress=False)  # fmt: skip
+        evaluate(
+            cand,
+            bench,
+            SETTINGS,
+            cache_dir=tmp_path / "c",
+            output_dir=tmp_path / "c" / "results",
+            progress=False,
+        )
     assert cand.seen == 0 and (out / "paper.tex").read_text() == "the user's file"
 
 
@@ -379,9 +437,20 @@ def test_cli_run_refuses_an_existing_out_before_loading_the_model(
     out = tmp_path / "results"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    common = ["eval", "run", "--model", str(saved_tiny_model), "--benchmark", "gsm8k",
-              "--data", str(FIXTURES / "gsm8k.jsonl"), "--cache-dir", str(tmp_path / "cache"),
-              "--out", str(out)]  # fmt: skip
+    common = [
+        "eval",
+        "run",
+        "--model",
+        str(saved_tiny_model),
+        "--benchmark",
+        "gsm8k",
+        "--data",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out),
+    ]
     assert main(common) == 2
     assert "already exists" in capsys.readouterr().err
     assert main([*common, "--force"]) == 2

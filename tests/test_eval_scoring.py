@@ -157,8 +157,9 @@ def test_differential_tests_base_and_plus_reported_separately(sandbox):
     # Float outputs within 1e-6 are accepted even with atol = 0 (as EvalPlus enforces); integer
     # outputs must match exactly.
     close = "    return [x * k + 1e-9 for x in xs]\n"
-    floats_only = CodeTests("scale", canonical_solution=tests.canonical_solution,
-                            base_inputs=[[[0.1, 0.2], 3]])  # fmt: skip
+    floats_only = CodeTests(
+        "scale", canonical_solution=tests.canonical_solution, base_inputs=[[[0.1, 0.2], 3]]
+    )
     assert _run(sandbox, prompt, close, floats_only)[0]["base"] == "passed"
     assert _run(sandbox, prompt, close, tests)[0]["base"] == "failed"
     off = "    return [x * k + 1 for x in xs]\n"

@@ -25,8 +25,17 @@ WEAK = EvalSettings(isolation="weak", bootstrap_samples=100)
 
 def test_builtin_tasks_and_a_clear_error():
     names = list_tasks()
-    for name in ["gsm8k", "math", "humaneval", "mbpp", "code", "synth_math", "synth_count",
-                 "synth_code", "synth_mixed"]:  # fmt: skip
+    for name in [
+        "gsm8k",
+        "math",
+        "humaneval",
+        "mbpp",
+        "code",
+        "synth_math",
+        "synth_count",
+        "synth_code",
+        "synth_mixed",
+    ]:
         assert name in names
         assert get_task(name).name == name
     assert get_task("humaneval").kind == "code" and get_task("synth_count").kind == "math"
@@ -64,8 +73,10 @@ def test_synthetic_prompts_and_sum_of_numbers_baselines():
     assert floor[item.item_id] == f" #### {sum(numbers)}"
     got = score_completions(math, floor, WEAK)
     # Right exactly when every step of the story adds: the floor is not a trivial 0 or 100%.
-    adds_only = {it.item_id: all(w not in it.prompt for w in ("gives", "loses", "sells"))
-                 for it in math.items}  # fmt: skip
+    adds_only = {
+        it.item_id: all(w not in it.prompt for w in ("gives", "loses", "sells"))
+        for it in math.items
+    }
     assert got == adds_only and 0 < sum(got.values()) < len(got)
 
     mixed = draw_benchmark("mixed", n=10, seed=1)
@@ -103,16 +114,24 @@ def test_adding_a_task_is_one_registration(tmp_path):
     def check(text, item, settings):
         return text.strip() == item.answer, text.strip()  # case counts
 
-    task = register_task(Task(
-        name="test_echo_word", kind="math",
-        load=lambda path, limit=None: load_items(path, "test_echo_word", limit),
-        build_prompt=lambda item, config: f"Say {item.prompt}:",
-        score=answer_scorer(check), stop_strings=lambda bench: ("\n",),
-        baselines={"copy": lambda item: item.prompt},
-    ))  # fmt: skip
+    task = register_task(
+        Task(
+            name="test_echo_word",
+            kind="math",
+            load=lambda path, limit=None: load_items(path, "test_echo_word", limit),
+            build_prompt=lambda item, config: f"Say {item.prompt}:",
+            score=answer_scorer(check),
+            stop_strings=lambda bench: ("\n",),
+            baselines={"copy": lambda item: item.prompt},
+        )
+    )
     data = tmp_path / "words.jsonl"
-    data.write_text("".join(json.dumps({"item_id": w, "prompt": w.upper(), "answer": w}) + "\n"
-                            for w in ["cat", "dog"]))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"item_id": w, "prompt": w.upper(), "answer": w}) + "\n"
+            for w in ["cat", "dog"]
+        )
+    )
     bench = task.load(data)
     assert bench.task == "test_echo_word" and stop_strings(bench) == ("\n",)
 
@@ -126,15 +145,18 @@ def test_adding_a_task_is_one_registration(tmp_path):
         def generate(self, prompts, settings):
             from mergelab.candidate import Generation
 
-            return [Generation(prompt=p, text=" " + p[4:-1].lower(), token_ids=[0], finish_reason="eos")
-                    for p in prompts]  # fmt: skip
+            return [
+                Generation(prompt=p, text=" " + p[4:-1].lower(), token_ids=[0], finish_reason="eos")
+                for p in prompts
+            ]
 
     result = evaluate(Echo(), bench, WEAK, cache_dir=tmp_path / "cache", progress=False)
     assert result.score() == 1.0
     assert [it["prompt"] for it in result.items] == ["Say CAT:", "Say DOG:"]
     assert score_completions(bench, baseline_completions(bench, "copy"), WEAK) == {
-        "cat": False, "dog": False,
-    }  # fmt: skip
+        "cat": False,
+        "dog": False,
+    }
 
 
 def test_item_files_round_trip(tmp_path):

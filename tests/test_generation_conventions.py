@@ -44,8 +44,9 @@ def _batch(tok, prompts=PROMPTS):
 
 def _hf_new_tokens(model, ids, mask, config, **kwargs):
     """transformers' generated ids per row, EOS and the padding after it removed."""
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                         pad_token_id=0, **kwargs)  # fmt: skip
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=config, pad_token_id=0, **kwargs
+    )
     eos = config.eos_token_id if config.eos_token_id is not None else model.config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos)
     rows = []
@@ -112,9 +113,13 @@ def test_sampling_generation_config_has_transformers_distribution_at_every_step(
     assert gen.finish_reason == "length" and len(gen.token_ids) == 10
     theirs_seen = Recorder()
     follow = Follow(ids.shape[1], gen.token_ids)
-    models[0].generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                       logits_processor=LogitsProcessorList([theirs_seen, follow]),
-                       pad_token_id=0)  # fmt: skip
+    models[0].generate(
+        input_ids=ids,
+        attention_mask=mask,
+        generation_config=config,
+        logits_processor=LogitsProcessorList([theirs_seen, follow]),
+        pad_token_id=0,
+    )
     assert len(ours_seen.seen) == len(theirs_seen.seen) == 10
     top_k, top_p = TopKLogitsWarper(50), TopPLogitsWarper(0.8)
     for (our_ids, ours), (their_ids, theirs) in zip(ours_seen.seen, theirs_seen.seen):
@@ -128,16 +133,23 @@ def test_sampling_generation_config_has_transformers_distribution_at_every_step(
 
 
 def test_the_mapping_from_generation_config(models):
-    s = generation_settings(GenerationConfig(max_new_tokens=5, do_sample=True, top_p=0.9,
-                                             repetition_penalty=1.2, eos_token_id=[2, 5]))  # fmt: skip
+    s = generation_settings(
+        GenerationConfig(
+            max_new_tokens=5, do_sample=True, top_p=0.9, repetition_penalty=1.2, eos_token_id=[2, 5]
+        )
+    )
     assert (s.max_new_tokens, s.do_sample, s.top_p, s.repetition_penalty) == (5, True, 0.9, 1.2)
     assert s.top_k == 50 and s.eos_token_ids == (2, 5)  # transformers' default top-k
     greedy = generation_settings(GenerationConfig(temperature=0.3), max_new_tokens=4, seed=1)
     assert (greedy.do_sample, greedy.temperature, greedy.max_new_tokens) == (False, 1.0, 4)
     # A model's own generation_config is a valid argument (max_length beside max_new_tokens).
     generation_settings(models[0].generation_config, max_new_tokens=3, max_length=99)
-    for field, value in [("num_beams", 4), ("typical_p", 0.5), ("no_repeat_ngram_size", 2),
-                         ("max_length", 30)]:  # fmt: skip
+    for field, value in [
+        ("num_beams", 4),
+        ("typical_p", 0.5),
+        ("no_repeat_ngram_size", 2),
+        ("max_length", 30),
+    ]:
         with pytest.raises(ValueError, match=field):
             generation_settings(GenerationConfig(**{field: value}))
     with pytest.raises(ValueError, match="unknown generation arguments"):
@@ -226,8 +238,12 @@ def test_logits_processors_and_stopping_criteria_act_on_the_composition(models, 
     banned = plain[0].token_ids[0]
     ban = Ban(banned)
     ids, mask = _batch(tok)
-    gens = composed.generate(ids, GenerationSettings(max_new_tokens=6), attention_mask=mask,
-                             logits_processor=LogitsProcessorList([ban]))  # fmt: skip
+    gens = composed.generate(
+        ids,
+        GenerationSettings(max_new_tokens=6),
+        attention_mask=mask,
+        logits_processor=LogitsProcessorList([ban]),
+    )
     assert all(banned not in g.token_ids for g in gens)
     assert ban.lengths[:3] == [ids.shape[1], ids.shape[1] + 1, ids.shape[1] + 2]  # prompt + new
     # Log-probs stay the composition's own (processors only choose tokens).
@@ -236,8 +252,9 @@ def test_logits_processors_and_stopping_criteria_act_on_the_composition(models, 
     own = composed.token_logprobs(full)[0, -n - 1 : -1].gather(-1, full[0, -n:, None])[:, 0]
     assert gens[1].logprobs == pytest.approx(own.tolist(), abs=1e-4)
     stop = StoppingCriteriaList([AfterNewTokens(ids.shape[1], 3)])
-    gens = composed.generate(ids, GenerationSettings(max_new_tokens=6), attention_mask=mask,
-                             stopping_criteria=stop)  # fmt: skip
+    gens = composed.generate(
+        ids, GenerationSettings(max_new_tokens=6), attention_mask=mask, stopping_criteria=stop
+    )
     assert [len(g.token_ids) for g in gens] == [3, 3, 3]
     assert {g.finish_reason for g in gens} == {"stopping_criteria"}
 

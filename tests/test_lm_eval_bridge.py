@@ -86,8 +86,9 @@ def composed(models, tok):
 
 
 def _evaluate(lm, task, task_manager):
-    return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager,
-                                   log_samples=True)  # fmt: skip
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=[task], task_manager=task_manager, log_samples=True
+    )
 
 
 def _responses(run, task):
@@ -165,8 +166,9 @@ def test_lora_composition_loglikelihoods_equal_candidate_score(models, tok):
 
     adapters = []
     for seed, targets in [(1, ["c_attn"]), (2, ["c_fc"])]:
-        config = LoraConfig(r=2, lora_alpha=4, target_modules=targets, fan_in_fan_out=True,
-                            init_lora_weights=False)  # fmt: skip
+        config = LoraConfig(
+            r=2, lora_alpha=4, target_modules=targets, fan_in_fan_out=True, init_lora_weights=False
+        )
         torch.manual_seed(seed)
         adapters.append(get_peft_model(copy.deepcopy(models[0]), config).eval())
     decoder = ComposedDecoder.from_lora(models[0], adapters, tok)
@@ -209,10 +211,18 @@ def test_spec_files_build_models_compositions_and_merges(folders, models, tok, c
     pairs = [("2 + 2 =", " 4"), ("the cat", " sat"), ("", "abc")]
     requests = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
     spec = folders / "compose.yaml"
-    spec.write_text(yaml.safe_dump({
-        "base": "base", "experts": ["math", "code"], "expert_names": ["math", "code"],
-        "weights": [1.0, 0.5], "eos_policy": "max", "name": "math+code",
-    }))  # fmt: skip
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "base": "base",
+                "experts": ["math", "code"],
+                "expert_names": ["math", "code"],
+                "weights": [1.0, 0.5],
+                "eos_policy": "max",
+                "name": "math+code",
+            }
+        )
+    )
     from lm_eval.api.registry import get_model
 
     lm = get_model("mergelab").create_from_arg_string(f"spec={spec},batch_size=2")
@@ -223,10 +233,18 @@ def test_spec_files_build_models_compositions_and_merges(folders, models, tok, c
     )
 
     merge = folders / "merge.yaml"
-    merge.write_text(yaml.safe_dump({"merge": {
-        "method": "task_arithmetic", "base": "base", "models": ["math", "code"],
-        "parameters": {"weight": 0.5},
-    }}))  # fmt: skip
+    merge.write_text(
+        yaml.safe_dump(
+            {
+                "merge": {
+                    "method": "task_arithmetic",
+                    "base": "base",
+                    "models": ["math", "code"],
+                    "parameters": {"weight": 0.5},
+                }
+            }
+        )
+    )
     merged = build_candidate(merge)
     expected = ModelCandidate(
         merge_models("task_arithmetic", models[0], models[1:], params={"weight": 0.5}), tok
@@ -262,9 +280,16 @@ def test_command_line_runs_a_composition(folders, composed, task_manager, tmp_pa
     from mergelab.eval import lm_eval_bridge
 
     spec = folders / "cli.yaml"
-    spec.write_text(yaml.safe_dump({"base": str(folders / "base"), "weights": [1.0, 0.5],
-                                    "experts": [str(folders / "math"), str(folders / "code")],
-                                    "eos_policy": "max"}))  # fmt: skip
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "base": str(folders / "base"),
+                "weights": [1.0, 0.5],
+                "experts": [str(folders / "math"), str(folders / "code")],
+                "eos_policy": "max",
+            }
+        )
+    )
     out = tmp_path / "out"
 
     class LocalTasksOnly(TaskManager):  # skip indexing lm-eval's ~10k built-in task files
@@ -273,9 +298,22 @@ def test_command_line_runs_a_composition(folders, composed, task_manager, tmp_pa
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm_eval_tasks, "TaskManager", LocalTasksOnly)
-        lm_eval_bridge.main(["--model", "mergelab", "--model_args", f"spec={spec}",
-                             "--tasks", MC, "--include_path", str(TASKS), "--batch_size", "4",
-                             "--output_path", str(out)])  # fmt: skip
+        lm_eval_bridge.main(
+            [
+                "--model",
+                "mergelab",
+                "--model_args",
+                f"spec={spec}",
+                "--tasks",
+                MC,
+                "--include_path",
+                str(TASKS),
+                "--batch_size",
+                "4",
+                "--output_path",
+                str(out),
+            ]
+        )
     [results_file] = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())
     expected = _evaluate(MergelabLM(composed), MC, task_manager)["results"][MC]

@@ -306,15 +306,17 @@ def test_nan_is_found_while_streaming_and_nothing_is_left(
 
     rewrite_tensor(e1, name, poison(float("nan")))
     with pytest.raises(MergeInputError, match=rf"{name}.*model 1.*NaN"):
-        merge_checkpoints(method, base, [e0, e1], output=tmp_path / "out", progress=False,
-                          params=params)  # fmt: skip
+        merge_checkpoints(
+            method, base, [e0, e1], output=tmp_path / "out", progress=False, params=params
+        )
     assert_nothing_left(tmp_path, "out")
     if method != "linear":  # the base is an input too
         rewrite_tensor(e1, name, poison(0.0))
         rewrite_tensor(base, name, poison(float("inf")))
         with pytest.raises(MergeInputError, match=rf"{name}.*base.*NaN or Inf"):
-            merge_checkpoints(method, base, [e0, e1], output=tmp_path / "out", progress=False,
-                              params=params)  # fmt: skip
+            merge_checkpoints(
+                method, base, [e0, e1], output=tmp_path / "out", progress=False, params=params
+            )
         assert_nothing_left(tmp_path, "out")
 
 
@@ -625,14 +627,14 @@ def test_whole_tensors_ahead_give_the_merge_in_turn(
     whole = stored_state_dict(
         merge_checkpoints(
             method, base, [e0, e1], output=tmp_path / "a", params=params, seed=3, progress=False
-        )  # fmt: skip
+        )
     )
     assert sorted(merged_by) == list(range(len(whole)))  # every tensor, once
     merge_in_turn(monkeypatch)
     in_turn = stored_state_dict(
         merge_checkpoints(
             method, base, [e0, e1], output=tmp_path / "b", params=params, seed=3, progress=False
-        )  # fmt: skip
+        )
     )
     expected = merge_state_dicts(method, base_sd, [sd0, sd1], params=params, seed=3)
     assert whole.keys() == in_turn.keys()
@@ -694,8 +696,14 @@ def test_whole_tensors_ahead_nan_names_its_tensor_and_nothing_is_left(
 
     rewrite_tensor(e0, name, poison)
     with pytest.raises(MergeInputError, match=rf"{name}.*model 0.*NaN"):
-        merge_checkpoints("ties", base, [e0, e1], output=tmp_path / "out", progress=False,
-                          params={"density": 0.3, "trim_scope": "tensor"})  # fmt: skip
+        merge_checkpoints(
+            "ties",
+            base,
+            [e0, e1],
+            output=tmp_path / "out",
+            progress=False,
+            params={"density": 0.3, "trim_scope": "tensor"},
+        )
     assert_nothing_left(tmp_path, "out")
 
 

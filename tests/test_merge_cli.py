@@ -21,9 +21,16 @@ from mergelab.tiny import tiny_causal_lm
 
 def tiny_model(seed: int):
     return tiny_causal_lm(
-        48, architecture="llama", hidden_size=16, num_layers=1, num_heads=2, seed=seed,
-        intermediate_size=32, num_key_value_heads=1, pad_token_id=None,
-    )  # fmt: skip
+        48,
+        architecture="llama",
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        seed=seed,
+        intermediate_size=32,
+        num_key_value_heads=1,
+        pad_token_id=None,
+    )
 
 
 @pytest.fixture(scope="module")

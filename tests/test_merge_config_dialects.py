@@ -44,10 +44,18 @@ def write_model(
 ):
     """A tiny Llama: the family's seeded weights plus seeded noise of size ``noise``."""
     model = tiny_llama(
-        4 + len(vocab_words), hidden_size=32, intermediate_size=64, num_layers=layers,
-        num_heads=4, num_key_value_heads=2, max_positions=2048, seed=zlib.crc32(family.encode()),
-        pad_token_id=None, eos_token_id=2, bos_token_id=1,  # LlamaConfig's defaults
-    )  # fmt: skip
+        4 + len(vocab_words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_key_value_heads=2,
+        max_positions=2048,
+        seed=zlib.crc32(family.encode()),
+        pad_token_id=None,
+        eos_token_id=2,
+        bos_token_id=1,  # LlamaConfig's defaults
+    )
     g = torch.Generator().manual_seed(zlib.crc32(str(folder.name).encode()) + int(noise * 1e4))
     with torch.no_grad():
         for p in model.parameters():

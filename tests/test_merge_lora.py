@@ -23,9 +23,16 @@ ADAPTERS = {
 
 def tiny_base():
     return tiny_causal_lm(
-        64, architecture="llama", hidden_size=32, num_layers=2, num_heads=4, seed=0,
-        intermediate_size=64, num_key_value_heads=2, pad_token_id=None,
-    )  # fmt: skip
+        64,
+        architecture="llama",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        seed=0,
+        intermediate_size=64,
+        num_key_value_heads=2,
+        pad_token_id=None,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -273,8 +273,9 @@ def test_passthrough_stacks_and_renumbers_layers(zoo, tmp_path, monkeypatch):
     orca, platypus = (read(zoo / m) for m in MODELS if "orca" in m or "Platypus" in m)
     assert config_of(tmp_path / "mergelab")["num_hidden_layers"] == 6
     half = torch.float16
-    for out, (src, layer) in enumerate([(orca, 0), (orca, 1), (orca, 2)] + [(platypus, 1),
-                                        (platypus, 2), (platypus, 3)]):  # fmt: skip
+    for out, (src, layer) in enumerate(
+        [(orca, 0), (orca, 1), (orca, 2)] + [(platypus, 1), (platypus, 2), (platypus, 3)]
+    ):
         name = f"model.layers.{out}.self_attn.q_proj.weight"
         assert torch.equal(
             ours[name], src[f"model.layers.{layer}.self_attn.q_proj.weight"].to(half)

@@ -262,9 +262,13 @@ def test_tied_embeddings_are_merged_once():
     """With tied input/output embeddings DARE must not give the two names different values."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(config)
     expert = transformers.LlamaForCausalLM(config)

@@ -65,22 +65,41 @@ def with_rng_of(name, seed):
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize(
     ("method", "normalize", "rescale"),
-    [("della", True, True), ("della", False, False), ("della_linear", False, True),
-     ("della_linear", True, False)],
-)  # fmt: skip
+    [
+        ("della", True, True),
+        ("della", False, False),
+        ("della_linear", False, True),
+        ("della_linear", True, False),
+    ],
+)
 def test_della_equals_mergekit(shape, k, method, normalize, rescale):
     base, experts = make(shape, k, seed=k)
     density, epsilon = [0.5, 1.0, 0.6][:k], [0.1, 0.15, 0.05][:k]  # density 1: no draw in either
     weights = [1.0, -0.5, 0.8][:k] if method == "della" else WEIGHTS[:k]
     with with_rng_of("w", 3):
         ref = mergekit(
-            method, base, experts, weight=weights, density=density, epsilon=epsilon,
-            normalize=normalize, rescale=rescale, **{"lambda": 1.3},
-        )  # fmt: skip
+            method,
+            base,
+            experts,
+            weight=weights,
+            density=density,
+            epsilon=epsilon,
+            normalize=normalize,
+            rescale=rescale,
+            **{"lambda": 1.3},
+        )
     ours = run(
-        method, base, experts, seed=3, weight=weights, density=density, epsilon=epsilon,
-        normalize=normalize, rescale="l1" if rescale else "none", lambda_=1.3,
-    )  # fmt: skip
+        method,
+        base,
+        experts,
+        seed=3,
+        weight=weights,
+        density=density,
+        epsilon=epsilon,
+        normalize=normalize,
+        rescale="l1" if rescale else "none",
+        lambda_=1.3,
+    )
     torch.testing.assert_close(ours, ref, **TOL)
 
 
@@ -368,10 +387,20 @@ def llamas():
 SEED = 21
 # method: (use the base, number of experts, our params, weights, mergekit params)
 TINY_CASES = {
-    "della": (True, 3, {"density": 0.6, "epsilon": 0.1, "rescale": "l1"}, WEIGHTS,
-              {"density": 0.6, "epsilon": 0.1, "weight": WEIGHTS}),
-    "della_linear": (True, 3, {"density": 0.6, "epsilon": 0.2, "rescale": "l1"}, WEIGHTS,
-                     {"density": 0.6, "epsilon": 0.2, "weight": WEIGHTS}),
+    "della": (
+        True,
+        3,
+        {"density": 0.6, "epsilon": 0.1, "rescale": "l1"},
+        WEIGHTS,
+        {"density": 0.6, "epsilon": 0.1, "weight": WEIGHTS},
+    ),
+    "della_linear": (
+        True,
+        3,
+        {"density": 0.6, "epsilon": 0.2, "rescale": "l1"},
+        WEIGHTS,
+        {"density": 0.6, "epsilon": 0.2, "weight": WEIGHTS},
+    ),
     "sce": (True, 3, {"select_topk": 0.3}, None, {"select_topk": 0.3}),
     "nuslerp": (True, 2, {}, [0.4, 0.6], {"weight": [0.4, 0.6]}),
     "multislerp": (True, 3, {}, WEIGHTS, {"weight": WEIGHTS}),
@@ -379,7 +408,7 @@ TINY_CASES = {
     "nearswap": (True, 1, {"t": 0.01}, None, {"t": 0.01}),
     "arcee_fusion": (True, 1, {}, None, {}),
     "passthrough": (False, 1, {"scale": 0.5}, None, {"scale": 0.5}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("method", sorted(TINY_CASES))

@@ -30,8 +30,10 @@ def state_dicts(n_experts: int, seed: int = 0):
     }
     experts = []
     for _ in range(n_experts):
-        e = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()
-             for k, v in base.items()}  # fmt: skip
+        e = {
+            k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()
+            for k, v in base.items()
+        }
         experts.append(e)
     return base, experts
 

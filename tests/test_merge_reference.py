@@ -220,9 +220,14 @@ class TestAgainstMergekit:
         assert_no_tie_at_threshold([e - base for e in experts], density)
         method = "ties" if consensus == "sum" else mergekit_ties_count(normalize)
         ref = mergekit(
-            method, base, experts, weight=weights, density=density, normalize=normalize,
+            method,
+            base,
+            experts,
+            weight=weights,
+            density=density,
+            normalize=normalize,
             **{"lambda": 1.2},
-        )  # fmt: skip
+        )
         ours = run(
             "ties",
             base,
@@ -299,9 +304,14 @@ class TestAgainstMergekit:
         base, experts = tensors
         density, gamma = [0.7, 0.8, 0.5], [0.05, 0.01, 0.1]
         ref = mergekit(
-            "breadcrumbs", base, experts, weight=WEIGHTS, density=density, gamma=gamma,
+            "breadcrumbs",
+            base,
+            experts,
+            weight=WEIGHTS,
+            density=density,
+            gamma=gamma,
             **{"lambda": 1.1},
-        )  # fmt: skip
+        )
         ours = run(
             "breadcrumbs",
             base,
@@ -401,9 +411,17 @@ def test_tiny_llama_dare_against_mergekit_and_peft(llamas, monkeypatch, method):
             )
             if kind == "mergekit":
                 out[name] = with_masks(
-                    monkeypatch, masks, density, mergekit, method, b, es, name=name,
-                    weight=WEIGHTS, density=density,
-                )  # fmt: skip
+                    monkeypatch,
+                    masks,
+                    density,
+                    mergekit,
+                    method,
+                    b,
+                    es,
+                    name=name,
+                    weight=WEIGHTS,
+                    density=density,
+                )
             else:
                 taus = [e - b for e in es]
                 peft_fn = getattr(peft_merge, method)
@@ -416,9 +434,13 @@ def test_tiny_llama_dare_against_mergekit_and_peft(llamas, monkeypatch, method):
     if method == "dare_ties":
         mergekit_style |= {"weighted_sign": True, "divide_by": "none"}
     ours = merge_state_dicts(
-        method, base_sd, expert_sds, weights=WEIGHTS, params={"density": density, **mergekit_style},
+        method,
+        base_sd,
+        expert_sds,
+        weights=WEIGHTS,
+        params={"density": density, **mergekit_style},
         seed=seed,
-    )  # fmt: skip
+    )
     assert_state_dicts_close(ours, reference("mergekit"))
     ours = merge_state_dicts(
         method, base_sd, expert_sds, weights=WEIGHTS, params={"density": 0.5}, seed=seed
@@ -462,7 +484,10 @@ def test_tiny_llama_global_ties_equals_peft_on_the_flattened_model(llamas):
     assert_state_dicts_close(ours, ref)
     # ... and the global trim is not the per-tensor one on this model.
     per_tensor = merge_state_dicts(
-        "ties", base_sd, expert_sds, weights=WEIGHTS,
+        "ties",
+        base_sd,
+        expert_sds,
+        weights=WEIGHTS,
         params={"density": 0.2, "lambda": 1.3, "trim_scope": "tensor"},
-    )  # fmt: skip
+    )
     assert any(not torch.allclose(ours[n], per_tensor[n]) for n in names)

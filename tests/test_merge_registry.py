@@ -152,16 +152,18 @@ def test_every_engine_checks_results_the_same_way(tmp_path):
     model = tiny_llama(16, hidden_size=8, num_layers=1, num_heads=2, pad_token_id=None)
     model.save_pretrained(tmp_path / "m")
     try:
-        with pytest.raises(TypeError, match="returned torch.float64 for tensor 'w', expected "
-                                            "torch.float32"):  # fmt: skip
+        with pytest.raises(
+            TypeError, match="returned torch.float64 for tensor 'w', expected torch.float32"
+        ):
             merge_state_dicts("broken_dtype", sd, [sd])
         with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor 'w'"):
             merge_state_dicts("broken_nan", sd, [sd])
         with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor 'w'"):
             get_merge_method("broken_nan")(sd["w"], [sd["w"]], ctx=TensorContext(name="w"))
         with pytest.raises(MergeInputError, match="'broken_nan' produced NaN or Inf in tensor"):
-            merge_checkpoints("broken_nan", None, [tmp_path / "m"], output=tmp_path / "out",
-                              progress=False)  # fmt: skip
+            merge_checkpoints(
+                "broken_nan", None, [tmp_path / "m"], output=tmp_path / "out", progress=False
+            )
         assert not (tmp_path / "out").exists()
     finally:
         unregister_merge_method("broken_dtype")

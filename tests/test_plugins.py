@@ -47,9 +47,11 @@ def world(tmp_path_factory):
     for name, text in files.items():
         (root / name).write_text(text, encoding="utf-8")
     tok = char_tokenizer(
-        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ \n", bos=None, unk="<unk>",
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ \n",
+        bos=None,
+        unk="<unk>",
         padding_side="left",
-    )  # fmt: skip
+    )
     sds = {}
     for i, name in enumerate(["base", "math", "code"]):
         model = tiny_llama(tok, hidden_size=16, num_layers=1, seed=0, initializer_range=0.3)
@@ -93,9 +95,16 @@ def assert_close(got, expected):
 
 def merge_args(root, *extra):
     return [
-        "merge", "--base", str(root / "base"), "--model", str(root / "math"),
-        "--model", str(root / "code"), "--no-progress", *extra,
-    ]  # fmt: skip
+        "merge",
+        "--base",
+        str(root / "base"),
+        "--model",
+        str(root / "math"),
+        "--model",
+        str(root / "code"),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def one_error_line(capsys) -> str:
@@ -154,8 +163,10 @@ def test_method_from_merge_configs_in_both_dialects(world, tmp_path, monkeypatch
     }
     (root / "ours.yaml").write_text(yaml.safe_dump(ours))
     out = tmp_path / "ours"
-    assert main(["merge", "--config", str(root / "ours.yaml"), "--out", str(out),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(["merge", "--config", str(root / "ours.yaml"), "--out", str(out), "--no-progress"])
+        == 0
+    )
     assert_close(read(out), expected_merge(sds, 0.5))
 
     theirs = {
@@ -171,8 +182,10 @@ def test_method_from_merge_configs_in_both_dialects(world, tmp_path, monkeypatch
     }
     (root / "theirs.yaml").write_text(yaml.safe_dump(theirs))
     out = tmp_path / "theirs"
-    assert main(["merge", "--config", str(root / "theirs.yaml"), "--out", str(out),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(["merge", "--config", str(root / "theirs.yaml"), "--out", str(out), "--no-progress"])
+        == 0
+    )
     assert_close(read(out), expected_merge(sds, 0.5, weights=(3.0, 1.0)))
 
 
@@ -198,8 +211,14 @@ def test_method_from_a_module_found_from_the_working_directory(world, tmp_path, 
 
 def test_unknown_names_list_what_is_registered_and_where_from(world, tmp_path, capsys):
     root = world["root"]
-    args = ["--plugin", str(root / "my_methods.py"), "--method", "scaled_avg", "--out",
-            str(tmp_path / "o")]  # fmt: skip
+    args = [
+        "--plugin",
+        str(root / "my_methods.py"),
+        "--method",
+        "scaled_avg",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(merge_args(root, *args)) == 2
     line = one_error_line(capsys)
     assert "unknown merge method 'scaled_avg'; registered: builtin: " in line
@@ -233,8 +252,14 @@ def test_a_bad_plugin_is_one_line_and_exit_2(world, tmp_path, capsys, source, wo
 
 
 def test_a_missing_module_is_one_line(world, tmp_path, capsys):
-    args = ["--plugin", "no_such_pkg_xyz.methods", "--method", "linear", "--out",
-            str(tmp_path / "o")]  # fmt: skip
+    args = [
+        "--plugin",
+        "no_such_pkg_xyz.methods",
+        "--method",
+        "linear",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(merge_args(world["root"], *args)) == 2
     assert "plugin module 'no_such_pkg_xyz.methods' not found" in one_error_line(capsys)
 
@@ -253,11 +278,26 @@ def test_loading_the_same_plugin_twice_does_nothing(world):
 def test_task_from_a_plugin_in_eval(world, tmp_path):
     root = world["root"]
     out = tmp_path / "eval"
-    code = main([
-        "eval", "run", "--plugin", str(root / "my_tasks.py"), "--model", str(root / "base"),
-        "--benchmark", "capitals", "--data", str(root / "capitals.jsonl"),
-        "--max-new-tokens", "4", "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
-    ])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "run",
+            "--plugin",
+            str(root / "my_tasks.py"),
+            "--model",
+            str(root / "base"),
+            "--benchmark",
+            "capitals",
+            "--data",
+            str(root / "capitals.jsonl"),
+            "--max-new-tokens",
+            "4",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["benchmark"]["task"] == "capitals" and summary["n_items"] == len(WORDS)
@@ -303,8 +343,20 @@ def test_method_and_task_from_a_compare_spec(world, tmp_path, monkeypatch):
     spec = compare_spec(root, root / "compare.yaml")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
-    assert main(["compare", str(spec), "--out", str(out), "--cache", str(tmp_path / "cache"),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                str(spec),
+                "--out",
+                str(out),
+                "--cache",
+                str(tmp_path / "cache"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     results = mc.load_results(out / "results.json")
     assert results["benchmarks"]["capitals"]["task"] == "capitals"
     rows = {r["row"] for r in results["runs"]}
@@ -352,9 +404,11 @@ def test_spec_plugins_reach_ray_workers(world, tmp_path):
     )
     try:
         remote = mc.run(
-            spec, cache_dir=tmp_path / "ray", executor={"kind": "ray", "num_cpus": 1},
+            spec,
+            cache_dir=tmp_path / "ray",
+            executor={"kind": "ray", "num_cpus": 1},
             progress=False,
-        )  # fmt: skip
+        )
     finally:
         ray.shutdown()
     strip = lambda rs: [{k: v for k, v in r.items() if k != "cost"} for r in rs]  # noqa: E731

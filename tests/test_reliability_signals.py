@@ -51,16 +51,33 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("signals")
     for i, name in enumerate(["base", "math", "code"]):
         model = tiny_causal_lm(
-            48, architecture="llama", hidden_size=16, num_layers=2, num_heads=2, seed=i,
-            intermediate_size=32, num_key_value_heads=1, pad_token_id=None,
-        )  # fmt: skip
+            48,
+            architecture="llama",
+            hidden_size=16,
+            num_layers=2,
+            num_heads=2,
+            seed=i,
+            intermediate_size=32,
+            num_key_value_heads=1,
+            pad_token_id=None,
+        )
         model.save_pretrained(root / name)
     return root
 
 
 def merge_argv(root: Path, out: Path, method: str = "linear") -> list[str]:
-    return ["merge", "--method", method, "--models", str(root / "math"), str(root / "code"),
-            "--out", str(out), "--no-progress", "--force"]  # fmt: skip
+    return [
+        "merge",
+        "--method",
+        method,
+        "--models",
+        str(root / "math"),
+        str(root / "code"),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--force",
+    ]
 
 
 def start_and_signal(argv: list[str], signum: int) -> subprocess.CompletedProcess:

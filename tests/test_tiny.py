@@ -201,8 +201,10 @@ def test_model_special_ids_come_from_a_tokenizer():
     model = tiny_llama(tok)
     assert model.config.vocab_size == len(tok) == 6
     assert (model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id) == (
-        0, 1, 2,
-    )  # fmt: skip
+        0,
+        1,
+        2,
+    )
     assert not model.training and model.config.architectures == ["LlamaForCausalLM"]
 
 
@@ -222,12 +224,21 @@ def test_training_loops_equal_the_recorded_runs():
     losses = pretrain(model, st, docs, steps=4, batch_size=4, seq_len=32, seed=0)
     assert same_run("syn_pretrain", model, losses)
     items = [{"prompt": f"{a}+{a}=", "target": str(2 * a)} for a in range(10)]
-    full, losses = finetune(copy.deepcopy(model), st, items, steps=3, batch_size=4, seed=1,
-                            replay_documents=docs, replay_fraction=0.25)  # fmt: skip
+    full, losses = finetune(
+        copy.deepcopy(model),
+        st,
+        items,
+        steps=3,
+        batch_size=4,
+        seed=1,
+        replay_documents=docs,
+        replay_fraction=0.25,
+    )
     assert same_run("syn_ft", full, losses)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-    adapted, losses = finetune(copy.deepcopy(model), st, items, steps=3, batch_size=4, seed=1,
-                               lora=lora)  # fmt: skip
+    adapted, losses = finetune(
+        copy.deepcopy(model), st, items, steps=3, batch_size=4, seed=1, lora=lora
+    )
     assert same_run("syn_lora", adapted, losses)
 
     torch.manual_seed(0)
@@ -270,12 +281,18 @@ def test_toy_training_equals_the_recorded_run():
     input_ids = torch.tensor([tok(x, add_special_tokens=False)["input_ids"] for x in xs])
     labels = torch.tensor([tok(y, add_special_tokens=False)["input_ids"] for y in ys])
     model = tiny_gpt2(len(tok), n_positions=64, seed=0)
-    losses = _toy_train(model, input_ids, labels, epochs=2, batch_size=16, lr=2e-3,
-                        weight_decay=0.01)  # fmt: skip
+    losses = _toy_train(
+        model, input_ids, labels, epochs=2, batch_size=16, lr=2e-3, weight_decay=0.01
+    )
     assert len(losses) == RECORDED["toy_steps"]
     assert same_run("toy_train", model, [*losses, tiny.running_loss(losses)])
-    config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, fan_in_fan_out=True,
-                        target_modules=["c_attn", "c_proj", "c_fc"])  # fmt: skip
+    config = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        fan_in_fan_out=True,
+        target_modules=["c_attn", "c_proj", "c_fc"],
+    )
     torch.manual_seed(1)
     peft_model = get_peft_model(copy.deepcopy(model), config)
     losses = _toy_train(peft_model, input_ids, labels, epochs=1, batch_size=16, lr=2e-3, seed=1)

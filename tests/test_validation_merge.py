@@ -182,8 +182,11 @@ def test_config_file_errors_are_one_line_naming_the_file(tmp_path):
 def test_merge_models_refuses_mixed_dtypes_like_the_cli():
     torch.manual_seed(0)
     base, expert = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
-    with pytest.raises(MergeInputError, match=r"tensor 'weight' is torch.bfloat16 in expert 0 but "
-                       r"torch.float32 in base; convert the models to one dtype first"):  # fmt: skip
+    with pytest.raises(
+        MergeInputError,
+        match=r"tensor 'weight' is torch.bfloat16 in expert 0 but "
+        r"torch.float32 in base; convert the models to one dtype first",
+    ):
         merge_models("task_arithmetic", base, [expert.to(torch.bfloat16)])
     with pytest.raises(MergeInputError, match="convert the models to one dtype first"):
         merge_state_dicts("linear", None, [{"w": torch.ones(2)}, {"w": torch.ones(2).half()}])

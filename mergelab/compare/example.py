@@ -301,8 +301,9 @@ def letter_benchmark_items(n: int, seed: int, length: int, exclude=frozenset()) 
             if ok(s) and len(out[name]) < n:
                 seen.add(s)
                 answer = parallel_target(maps, s)
-                out[name].append({"item_id": f"{name}/{len(out[name])}", "prompt": s,
-                                  "answer": answer})  # fmt: skip
+                out[name].append(
+                    {"item_id": f"{name}/{len(out[name])}", "prompt": s, "answer": answer}
+                )
     return out
 
 
@@ -343,8 +344,7 @@ def prepare_letters_example(folder: str | Path, *, seed: int = 0, progress: bool
 
     folder = Path(folder)
     done = folder / "recipe.json"
-    recipe = {"example": "letters", "train": LETTERS_TRAIN, "experts": LETTER_EXPERTS,
-              "seed": seed}  # fmt: skip
+    recipe = {"example": "letters", "train": LETTERS_TRAIN, "experts": LETTER_EXPERTS, "seed": seed}
     if done.is_file() and json.loads(done.read_text()).get("recipe") == recipe:
         write_letters_spec(folder / "spec.yaml")
         return folder / "spec.yaml"
@@ -365,8 +365,13 @@ def _build_letters_example(folder: Path, tok, recipe: dict, seed: int, progress:
     with atomic_output_dir(folder, force=True, kind="compare-example") as tmp:
 
         def build():
-            return tiny_gpt2(tok, n_embd=LETTERS_TRAIN["n_embd"], n_layer=LETTERS_TRAIN["n_layer"],
-                             n_head=LETTERS_TRAIN["n_head"], seed=seed)  # fmt: skip
+            return tiny_gpt2(
+                tok,
+                n_embd=LETTERS_TRAIN["n_embd"],
+                n_layer=LETTERS_TRAIN["n_layer"],
+                n_head=LETTERS_TRAIN["n_head"],
+                seed=seed,
+            )
 
         base = build()
         losses, trained_on = _train_letters(
@@ -379,9 +384,13 @@ def _build_letters_example(folder: Path, tok, recipe: dict, seed: int, progress:
             expert = build()
             expert.load_state_dict(base.state_dict())
             losses, seen = _train_letters(
-                expert, tok, letter_map, LETTERS_TRAIN["expert_steps"], seed + 1 + i,
+                expert,
+                tok,
+                letter_map,
+                LETTERS_TRAIN["expert_steps"],
+                seed + 1 + i,
                 name if progress else None,
-            )  # fmt: skip
+            )
             trained_on |= seen
             log[name] = losses[-1]
             expert.save_pretrained(tmp / "models" / name)
@@ -394,8 +403,12 @@ def _build_letters_example(folder: Path, tok, recipe: dict, seed: int, progress:
             with open(tmp / "data" / f"{name}.jsonl", "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(rec) + "\n" for rec in records)
         (tmp / "spec.yaml").write_text(letters_spec_text(), encoding="utf-8")
-        record = {"recipe": recipe, "final_loss": log, "wall_seconds": time.time() - t0,
-                  "cpu_seconds": time.process_time() - c0}  # fmt: skip
+        record = {
+            "recipe": recipe,
+            "final_loss": log,
+            "wall_seconds": time.time() - t0,
+            "cpu_seconds": time.process_time() - c0,
+        }
         (tmp / "recipe.json").write_text(json.dumps(record, indent=1))
 
 

@@ -493,8 +493,30 @@ def load_mbpp(path: str | os.PathLike, limit: int | None = None) -> Benchmark:
 
 # EvalPlus stores MBPP+ inputs as JSON, which has no tuples, sets or complex numbers; these task
 # ids need their inputs converted back (as evalplus.data.mbpp does) before a call.
-_MBPP_TUPLE_ARGS = {2, 116, 132, 143, 222, 261, 273, 394, 399, 421, 424, 429, 470, 560, 579,
-                    596, 616, 630, 726, 740, 744, 809}  # fmt: skip
+_MBPP_TUPLE_ARGS = {
+    2,
+    116,
+    132,
+    143,
+    222,
+    261,
+    273,
+    394,
+    399,
+    421,
+    424,
+    429,
+    470,
+    560,
+    579,
+    596,
+    616,
+    630,
+    726,
+    740,
+    744,
+    809,
+}
 _MBPP_TUPLES_IN_LISTS = {63, 64, 70, 94, 120, 237, 272, 299, 400, 409, 417, 438, 473, 614, 780}
 _MBPP_FIRST_ARG_LIST_OF_TUPLES = {75, 413, 444, 753}
 _MBPP_SECOND_ARG_TUPLE = {106, 750}
@@ -681,8 +703,9 @@ def load_items(
     for lineno, rec in read_records(path):
         unknown = sorted(set(rec) - fields)
         if unknown:
-            raise BenchmarkFormatError(f"{path}:{lineno}: unknown item fields {unknown}; "
-                                       f"expected some of {sorted(fields)}")  # fmt: skip
+            raise BenchmarkFormatError(
+                f"{path}:{lineno}: unknown item fields {unknown}; expected some of {sorted(fields)}"
+            )
         _require(rec, ("prompt",), path, lineno)
         try:
             items.append(Item.from_dict({"item_id": f"{path.stem}/{len(items)}", **rec}))

@@ -279,9 +279,14 @@ def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     candidate = build_candidate(spec, device=args.device, dtype=args.dtype)
     result = evaluate(
-        candidate, bench, settings, cache_dir=args.cache_dir, limit=args.limit,
-        output_dir=args.output, force=args.force,
-    )  # fmt: skip
+        candidate,
+        bench,
+        settings,
+        cache_dir=args.cache_dir,
+        limit=args.limit,
+        output_dir=args.output,
+        force=args.force,
+    )
     _print_metrics(result.summary)
     print(f"results: {result.output_dir}")
     if args.evalplus_samples:
@@ -317,10 +322,14 @@ def _compare(args: argparse.Namespace) -> int:
     metric = args.metric or sa["primary_metric"]
     out = compare(ia, ib, metric=metric, n_boot=args.n_boot, seed=args.seed)
     pb = out["paired_bootstrap"]
-    print(f"{metric} on {out['n_shared']} shared items: a = {100 * out['mean_a']:.1f}, "
-          f"b = {100 * out['mean_b']:.1f}")  # fmt: skip
-    print(f"a - b = {100 * pb['mean_diff']:+.1f} [{100 * pb['low']:+.1f}, {100 * pb['high']:+.1f}] "
-          f"(paired bootstrap {100 * pb['confidence']:.0f}% CI, p = {pb['p_value']:.3g})")  # fmt: skip
+    print(
+        f"{metric} on {out['n_shared']} shared items: a = {100 * out['mean_a']:.1f}, "
+        f"b = {100 * out['mean_b']:.1f}"
+    )
+    print(
+        f"a - b = {100 * pb['mean_diff']:+.1f} [{100 * pb['low']:+.1f}, {100 * pb['high']:+.1f}] "
+        f"(paired bootstrap {100 * pb['confidence']:.0f}% CI, p = {pb['p_value']:.3g})"
+    )
     if "mcnemar" in out:
         m = out["mcnemar"]
         print(f"McNemar exact: a-only {m['a_only']}, b-only {m['b_only']}, p = {m['p_value']:.3g}")
@@ -354,8 +363,10 @@ def _canonical(args: argparse.Namespace) -> int:
         verdicts, isolation = run_code_tests(sandbox, cases, progress=True)
     results = [(it.item_id, k, v) for it, vs in zip(bench.items, verdicts) for k, v in vs.items()]
     failed = [r for r in results if not r[2].passed]
-    print(f"{bench.name}: {len(results) - len(failed)}/{len(results)} tests pass "
-          f"with the canonical solutions (isolation: {', '.join(isolation)})")  # fmt: skip
+    print(
+        f"{bench.name}: {len(results) - len(failed)}/{len(results)} tests pass "
+        f"with the canonical solutions (isolation: {', '.join(isolation)})"
+    )
     for item_id, kind, r in failed[:20]:
         print(f"  {item_id} [{kind}] {r.status}: {r.error.strip().splitlines()[-1:]}")
     return 1 if failed else 0

@@ -375,15 +375,26 @@ def score_multiple_choice(benchmark, samples, settings, *, sandbox=None, progres
             pred_norm = max(range(len(normed)), key=lambda i: (normed[i], -i))
             hits += pred == label
             hits_norm += pred_norm == label
-            recs.append({"text": choices[pred], "finish_reason": rec["finish_reason"],
-                         "loglikelihoods": lls, "extracted": choices[pred],
-                         "correct": pred == label})  # fmt: skip
+            recs.append(
+                {
+                    "text": choices[pred],
+                    "finish_reason": rec["finish_reason"],
+                    "loglikelihoods": lls,
+                    "extracted": choices[pred],
+                    "correct": pred == label,
+                }
+            )
         n = len(recs)
         acc.append(hits / n)
         acc_norm.append(hits_norm / n)
-        items.append({"item_id": it.item_id, "reference": it.answer,
-                      "scores": {"acc": acc[-1], "acc_norm": acc_norm[-1]},
-                      "samples": recs})  # fmt: skip
+        items.append(
+            {
+                "item_id": it.item_id,
+                "reference": it.answer,
+                "scores": {"acc": acc[-1], "acc_norm": acc_norm[-1]},
+                "samples": recs,
+            }
+        )
     return TaskScores(items, {"acc": acc, "acc_norm": acc_norm}, "acc")
 
 

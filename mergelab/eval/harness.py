@@ -130,8 +130,10 @@ class EvalSettings:
                 f"math_checker must be one of {MATH_CHECKERS}, got {self.math_checker!r}"
             )
         if self.n_samples > 1 and not self.generation.do_sample:
-            raise ValueError("n_samples > 1 with greedy decoding gives identical samples; "
-                             "set generation.do_sample=True")  # fmt: skip
+            raise ValueError(
+                "n_samples > 1 with greedy decoding gives identical samples; "
+                "set generation.do_sample=True"
+            )
 
     def generation_key(self) -> dict[str, Any]:
         """The settings that change what is generated (and so key the generation cache)."""
@@ -356,8 +358,12 @@ def _generate_missing(
                 missing = [job for key, job in wanted.items() if key not in done]
                 chunk = [job for job in missing if job[:2] not in claimed][:batch]
                 if chunk:
-                    mine = {"token": token, "owner": owner_record(), "time": time.time(),
-                            "jobs": [list(job[:2]) for job in chunk]}  # fmt: skip
+                    mine = {
+                        "token": token,
+                        "owner": owner_record(),
+                        "time": time.time(),
+                        "jobs": [list(job[:2]) for job in chunk],
+                    }
                     claims.append(mine)
                 _write_claims(cache_file, claims)
             bar.update(len(jobs) - len(missing) - bar.n)
@@ -451,17 +457,19 @@ def _score_batch(
         lls = [float(x) for x in scores[at : at + k]]
         at += k
         best = max(range(k), key=lambda i: (lls[i], -i))
-        lines.append({
-            "item_id": item_id,
-            "sample": sample,
-            "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
-            "text": continuations[item_id][best],
-            "finish_reason": "loglikelihood",
-            "loglikelihoods": lls,
-            "n_tokens": 0,
-            "seconds": seconds,
-            "forward_passes": k,
-        })  # fmt: skip
+        lines.append(
+            {
+                "item_id": item_id,
+                "sample": sample,
+                "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+                "text": continuations[item_id][best],
+                "finish_reason": "loglikelihood",
+                "loglikelihoods": lls,
+                "n_tokens": 0,
+                "seconds": seconds,
+                "forward_passes": k,
+            }
+        )
     return lines
 
 
@@ -519,9 +527,10 @@ def evaluate(
 
     tokenizer = getattr(candidate, "tokenizer", None)
     stops = tuple(settings.generation.stop_strings) + tuple(
-        s for s in stop_strings(bench, settings.prompt, tokenizer)
+        s
+        for s in stop_strings(bench, settings.prompt, tokenizer)
         if s not in settings.generation.stop_strings
-    )  # fmt: skip
+    )
     gen_settings = replace(settings.generation, stop_strings=stops)
     prompts = {
         it.item_id: build_prompt(it, bench, settings.prompt, tokenizer) for it in bench.items

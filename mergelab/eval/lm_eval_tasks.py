@@ -166,9 +166,14 @@ def score_lm_eval(benchmark, samples, settings, *, sandbox=None, progress=False)
         for m in recs[0]["lm_eval_metrics"]:
             values[m] = sum(r["lm_eval_metrics"][m] for r in recs) / len(recs)
             metrics.setdefault(m, []).append(values[m])
-        items.append({"item_id": it.item_id, "reference": it.answer, "scores": values,
-                      "samples": [{"text": r["text"], "finish_reason": r["finish_reason"]}
-                                  for r in recs]})  # fmt: skip
+        items.append(
+            {
+                "item_id": it.item_id,
+                "reference": it.answer,
+                "scores": values,
+                "samples": [{"text": r["text"], "finish_reason": r["finish_reason"]} for r in recs],
+            }
+        )
     extra = {"lm_eval": benchmark.items[0].meta["lm_eval"]} if benchmark.items else {}
     return TaskScores(items, metrics, primary, extra)
 

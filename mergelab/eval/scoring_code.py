@@ -30,9 +30,17 @@ from mergelab.eval.benchmarks import CodeTests
 
 # MBPP+ tasks whose outputs EvalPlus compares as sets (order-free).
 SET_EQUAL_ENTRY_POINTS = frozenset(
-    {"similar_elements", "find_char_long", "common_in_nested_lists", "extract_singly",
-     "larg_nnum", "intersection_array", "find_dissimilar", "Diff"}
-)  # fmt: skip
+    {
+        "similar_elements",
+        "find_char_long",
+        "common_in_nested_lists",
+        "extract_singly",
+        "larg_nnum",
+        "intersection_array",
+        "find_dissimilar",
+        "Diff",
+    }
+)
 
 _FENCE = re.compile(r"```(?:[Pp]ython3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -562,9 +570,11 @@ def score_code(benchmark, samples, settings, *, sandbox=None, progress=False):
         for name, v in scores.items():
             metrics.setdefault(name, []).append(v)
         items.append({"item_id": it.item_id, "scores": scores, "samples": recs})
-    primary = "pass@1_plus" if has_plus and 1 in settings.pass_k else (
-        f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}"
-    )  # fmt: skip
+    primary = (
+        "pass@1_plus"
+        if has_plus and 1 in settings.pass_k
+        else (f"pass@{settings.pass_k[0]}_{'plus' if has_plus else 'base'}")
+    )
     meta = {"sandbox_isolation": isolation, "sandbox_memory": memory_notice}
     if untestable:
         meta["untestable_items"] = sorted(untestable)

@@ -449,12 +449,24 @@ def answer_scorer(check, summary_extra=None, *, whole_record=False):
             recs = []
             for rec in samples[it.item_id]:
                 ok, pred = check(rec if whole_record else rec["text"], it, settings)
-                recs.append({"text": rec["text"], "finish_reason": rec["finish_reason"],
-                             "extracted": pred, "correct": ok})  # fmt: skip
+                recs.append(
+                    {
+                        "text": rec["text"],
+                        "finish_reason": rec["finish_reason"],
+                        "extracted": pred,
+                        "correct": ok,
+                    }
+                )
             acc = sum(r["correct"] for r in recs) / len(recs)
             per_item.append(acc)
-            items.append({"item_id": it.item_id, "reference": it.answer,
-                          "scores": {"accuracy": acc}, "samples": recs})  # fmt: skip
+            items.append(
+                {
+                    "item_id": it.item_id,
+                    "reference": it.answer,
+                    "scores": {"accuracy": acc},
+                    "samples": recs,
+                }
+            )
         extra = summary_extra(settings) if summary_extra else {}
         return TaskScores(items, {"accuracy": per_item}, "accuracy", extra)
 

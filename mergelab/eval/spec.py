@@ -42,9 +42,19 @@ from pathlib import Path
 from typing import Any
 
 SPEC_KEYS = {
-    "model", "base", "experts", "expert_names", "weights", "eos_policy", "lora", "merge",
-    "tokenizer", "name", "dtype", "device",
-}  # fmt: skip
+    "model",
+    "base",
+    "experts",
+    "expert_names",
+    "weights",
+    "eos_policy",
+    "lora",
+    "merge",
+    "tokenizer",
+    "name",
+    "dtype",
+    "device",
+}
 COMPOSITION_KEYS = {"experts", "expert_names", "weights", "eos_policy", "lora"}
 
 
@@ -206,9 +216,16 @@ def parse_candidate_spec(
     if not isinstance(lora, bool):
         raise ValueError(f"{where}: 'lora' must be true or false, got {lora!r}")
     return CandidateSpec(
-        kind, base=folder("base", raw["base"]), experts=experts, expert_names=names,
-        weights=weights, eos_policy=policy, lora=lora, source=source, **options,
-    )  # fmt: skip
+        kind,
+        base=folder("base", raw["base"]),
+        experts=experts,
+        expert_names=names,
+        weights=weights,
+        eos_policy=policy,
+        lora=lora,
+        source=source,
+        **options,
+    )
 
 
 def build_candidate(
@@ -277,9 +294,15 @@ def build_candidate(
         experts = [load(m.path) for m in config.models]
         params, per_model = config.split_params()
         merged = merge_models(
-            config.method, base, experts, params=params, per_model_params=per_model,
-            dtype=parse_dtype(config.dtype), seed=config.seed, vocab_padding=config.vocab_padding,
-        )  # fmt: skip
+            config.method,
+            base,
+            experts,
+            params=params,
+            per_model_params=per_model,
+            dtype=parse_dtype(config.dtype),
+            seed=config.seed,
+            vocab_padding=config.vocab_padding,
+        )
         return ModelCandidate(merged, tokenizer, name=spec.default_name())
 
     # A composition: experts that ship a tokenizer must ship the base's.

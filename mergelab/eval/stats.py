@@ -118,8 +118,13 @@ def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
     b_only = int(np.sum(~xa & xb))
     n = a_only + b_only
     p = 1.0 if n == 0 else float(binomtest(a_only, n, 0.5, alternative="two-sided").pvalue)
-    return {"a_only": a_only, "b_only": b_only, "both": int(np.sum(xa & xb)),
-            "neither": int(np.sum(~xa & ~xb)), "p_value": p}  # fmt: skip
+    return {
+        "a_only": a_only,
+        "b_only": b_only,
+        "both": int(np.sum(xa & xb)),
+        "neither": int(np.sum(~xa & ~xb)),
+        "p_value": p,
+    }
 
 
 def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:

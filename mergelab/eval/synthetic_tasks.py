@@ -50,10 +50,15 @@ def items_to_benchmark(skill: str, name: str, items: Sequence[dict]) -> Benchmar
     task = f"synth_{skill}"
     if get_kind(skill) == "code":
         built = [
-            Item(it["id"], it["prompt"], answer=it.get("answer"), solution=it["target"],
-                 tests=CodeTests(entry_point=it["entry_point"], asserts=tuple(it["tests"])))
+            Item(
+                it["id"],
+                it["prompt"],
+                answer=it.get("answer"),
+                solution=it["target"],
+                tests=CodeTests(entry_point=it["entry_point"], asserts=tuple(it["tests"])),
+            )
             for it in items
-        ]  # fmt: skip
+        ]
     else:
         built = [
             Item(it["id"], it["question"], answer=it["answer"], solution=it["target"])
@@ -99,15 +104,28 @@ for _skill, _baselines in [
     ("mixed_fresh", {"sum_of_numbers": sum_of_numbers_program}),
 ]:
     if get_kind(_skill) == "code":
-        register_task(Task(
-            name=f"synth_{_skill}", kind="code", load=_loader(_skill),
-            build_prompt=lambda item, config: item.prompt, score=score_code,
-            baselines=_baselines, stop_strings=code_stop_strings,
-            description=f"synthetic {_skill}: complete the function, run its asserts",
-        ))  # fmt: skip
+        register_task(
+            Task(
+                name=f"synth_{_skill}",
+                kind="code",
+                load=_loader(_skill),
+                build_prompt=lambda item, config: item.prompt,
+                score=score_code,
+                baselines=_baselines,
+                stop_strings=code_stop_strings,
+                description=f"synthetic {_skill}: complete the function, run its asserts",
+            )
+        )
     else:
-        register_task(Task(
-            name=f"synth_{_skill}", kind="math", load=_loader(_skill), build_prompt=_qa_prompt,
-            score=_strict, baselines=_baselines, stop_strings=lambda bench: GSM8K_STOPS,
-            description=f"synthetic {_skill}: 'Q: … A:', only a final '#### n' line counts",
-        ))  # fmt: skip
+        register_task(
+            Task(
+                name=f"synth_{_skill}",
+                kind="math",
+                load=_loader(_skill),
+                build_prompt=_qa_prompt,
+                score=_strict,
+                baselines=_baselines,
+                stop_strings=lambda bench: GSM8K_STOPS,
+                description=f"synthetic {_skill}: 'Q: … A:', only a final '#### n' line counts",
+            )
+        )

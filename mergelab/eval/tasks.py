@@ -260,8 +260,9 @@ def score_completions(
     """
     missing = [it.item_id for it in benchmark.items if it.item_id not in completions]
     if missing:
-        raise ValueError(f"no completion for {len(missing)} item(s) of {benchmark.name!r}: "
-                         f"{missing[:5]}")  # fmt: skip
+        raise ValueError(
+            f"no completion for {len(missing)} item(s) of {benchmark.name!r}: {missing[:5]}"
+        )
     extra = sorted(set(completions) - {it.item_id for it in benchmark.items})
     if extra:
         raise ValueError(f"completions for items not in {benchmark.name!r}: {extra[:5]}")
@@ -279,7 +280,8 @@ def baseline_completions(benchmark: Benchmark, baseline: str) -> dict[str, str]:
     """The completions of the task's trivial ``baseline`` for every item of ``benchmark``."""
     task = get_task(benchmark.task)
     if baseline not in task.baselines:
-        raise UnknownTaskError(f"task {task.name!r} has no baseline {baseline!r}; it has "
-                               f"{sorted(task.baselines)}")  # fmt: skip
+        raise UnknownTaskError(
+            f"task {task.name!r} has no baseline {baseline!r}; it has {sorted(task.baselines)}"
+        )
     fn = task.baselines[baseline]
     return {it.item_id: fn(it) for it in benchmark.items}

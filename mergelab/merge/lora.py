@@ -136,8 +136,9 @@ class LoraDeltaMerge:
         for i in range(n):
             units = [torch.full((1,), float(i == j), dtype=torch.float64) for j in range(n)]
             ctx = TensorContext(name="coefficient-probe", seed=self.seed, stats=self.stats)
-            value = self.method.apply(torch.zeros(1, dtype=torch.float64), units, ctx,
-                                      self._resolved)  # fmt: skip
+            value = self.method.apply(
+                torch.zeros(1, dtype=torch.float64), units, ctx, self._resolved
+            )
             coefficients.append(float(value[0]))
         return coefficients
 

@@ -385,8 +385,10 @@ class MergeMethod:
         if not isinstance(merged, torch.Tensor):
             raise TypeError(f"{where} {type(merged).__name__} for tensor {ctx.name!r}")
         if merged.shape != like.shape:
-            raise TypeError(f"{where} {tuple(merged.shape)} for tensor {ctx.name!r}, "
-                            f"expected shape {tuple(like.shape)}")  # fmt: skip
+            raise TypeError(
+                f"{where} {tuple(merged.shape)} for tensor {ctx.name!r}, "
+                f"expected shape {tuple(like.shape)}"
+            )
         if ctx.out is not None and merged.data_ptr() != ctx.out.data_ptr():
             raise TypeError(f"merge method {self.name!r} did not write into ctx.out")
         dtype = ctx.out.dtype if ctx.out is not None else (ctx.dtype or like.dtype)

@@ -30,11 +30,47 @@ from collections.abc import Callable
 NAMES = ["Ann", "Ben", "Cat", "Dan", "Eve", "Fay", "Gus", "Hal", "Ivy", "Joe", "Kim", "Lea"]
 OBJECTS = ["apples", "pens", "cards", "books", "coins", "eggs", "hats", "cups", "toys", "nuts"]
 WORDS = [
-    "apple", "river", "stone", "cloud", "green", "table", "light", "bread", "plant", "music",
-    "house", "water", "sugar", "chair", "paper", "clock", "horse", "smile", "night", "glass",
-    "train", "beach", "candy", "dream", "earth", "field", "grape", "heart", "lemon", "mouse",
-    "ocean", "piano", "queen", "robot", "snake", "tiger", "uncle", "voice", "whale", "zebra",
-]  # fmt: skip
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "green",
+    "table",
+    "light",
+    "bread",
+    "plant",
+    "music",
+    "house",
+    "water",
+    "sugar",
+    "chair",
+    "paper",
+    "clock",
+    "horse",
+    "smile",
+    "night",
+    "glass",
+    "train",
+    "beach",
+    "candy",
+    "dream",
+    "earth",
+    "field",
+    "grape",
+    "heart",
+    "lemon",
+    "mouse",
+    "ocean",
+    "piano",
+    "queen",
+    "robot",
+    "snake",
+    "tiger",
+    "uncle",
+    "voice",
+    "whale",
+    "zebra",
+]
 
 # Number ranges: a story's (and a constant expression's) start, and each step's amount.
 START = (2, 20)
@@ -80,8 +116,13 @@ def math_item(rng: random.Random) -> dict:
         total = new
     question = _story_text(name, obj, ops, start)
     target = " " + "\n".join(lines) + f"\n#### {total}"
-    return {"task": "math", "question": question, "prompt": qa_prompt(question),
-            "target": target, "answer": str(total)}  # fmt: skip
+    return {
+        "task": "math",
+        "question": question,
+        "prompt": qa_prompt(question),
+        "target": target,
+        "answer": str(total),
+    }
 
 
 def qa_prompt(question: str) -> str:
@@ -124,8 +165,13 @@ def code_item(rng: random.Random) -> dict:
         words = " ".join(f"{OPERATOR_WORDS[op]} {k}" for op, k in ops)
         expr = " ".join([str(start)] + [f"{op} {k}" for op, k in ops])
         prompt = f'def {name}():\n    """Return {start} {words}."""\n'
-        return {"task": "code", "prompt": prompt, "target": f"    return {expr}\n",
-                "tests": [f"assert {name}() == {total}"], "entry_point": name}  # fmt: skip
+        return {
+            "task": "code",
+            "prompt": prompt,
+            "target": f"    return {expr}\n",
+            "tests": [f"assert {name}() == {total}"],
+            "entry_point": name,
+        }
     doc, expr, fn = rng.choice(CODE_TEMPLATES)
     k = rng.randint(1, 9)
     prompt = f'def {name}(x):\n    """{doc.format(k=k)}"""\n'
@@ -159,8 +205,12 @@ def mixed_item(rng: random.Random) -> dict:
 # in the pretraining corpus, and a multiplication no story of the other tasks has.
 FRESH_NAMES = ["Max", "Zoe", "Sam", "Tia", "Rob", "Uma", "Ned", "Pia"]
 FRESH_OBJECTS = ["marbles", "stamps", "shells", "beads", "seeds", "tiles"]
-FRESH_STEPS = [("adds {k} more", "+"), ("puts in {k} more", "+"), ("takes out {k}", "-"),
-               ("drops {k}", "-")]  # fmt: skip
+FRESH_STEPS = [
+    ("adds {k} more", "+"),
+    ("puts in {k} more", "+"),
+    ("takes out {k}", "-"),
+    ("drops {k}", "-"),
+]
 
 
 def mixed_fresh_item(rng: random.Random) -> dict:
@@ -181,9 +231,14 @@ def mixed_fresh_item(rng: random.Random) -> dict:
     story.append(f"How many {obj} are in the bags?")
     fn_name = rng.choice(FUNCTION_NAMES)
     prompt = f'def {fn_name}():\n    """{" ".join(story)}"""\n'
-    return {"task": "mixed_fresh", "prompt": prompt, "target": f"    return {expr}\n",
-            "tests": [f"assert {fn_name}() == {total}"], "entry_point": fn_name,
-            "answer": str(total)}  # fmt: skip
+    return {
+        "task": "mixed_fresh",
+        "prompt": prompt,
+        "target": f"    return {expr}\n",
+        "tests": [f"assert {fn_name}() == {total}"],
+        "entry_point": fn_name,
+        "answer": str(total),
+    }
 
 
 def count_item(rng: random.Random) -> dict:
@@ -191,8 +246,13 @@ def count_item(rng: random.Random) -> dict:
     words = [rng.choice(WORDS) for _ in range(rng.randint(2, 7))]
     question = "How many words are in: " + " ".join(words) + "?"
     target = " " + "\n".join(f"{i + 1} {w}" for i, w in enumerate(words)) + f"\n#### {len(words)}"
-    return {"task": "count", "question": question, "prompt": qa_prompt(question),
-            "target": target, "answer": str(len(words))}  # fmt: skip
+    return {
+        "task": "count",
+        "question": question,
+        "prompt": qa_prompt(question),
+        "target": target,
+        "answer": str(len(words)),
+    }
 
 
 GENERATORS: dict[str, Callable[[random.Random], dict]] = {

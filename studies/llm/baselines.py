@@ -84,13 +84,17 @@ def floors_without_models(sets=FLOOR_SETS, seeds=(0, 1, 2)) -> dict[str, Any]:
                 )
                 floors["majority_answer"] = {"count": count}
                 benches["count"] = held.third_test["count"]
-                seen = {b: sum(t in held.train_targets for t in refs.values()) / len(refs)
-                        for b, refs in held.reference.items()}  # fmt: skip
+                seen = {
+                    b: sum(t in held.train_targets for t in refs.values()) / len(refs)
+                    for b, refs in held.reference.items()
+                }
                 out[f"{label}/seed{seed}"] = {
                     "n_test": {b: len(bench.items) for b, bench in benches.items()},
-                    "baselines": {k: {b: v["score"] for b, v in per.items()} for k, per in floors.items()},
+                    "baselines": {
+                        k: {b: v["score"] for b, v in per.items()} for k, per in floors.items()
+                    },
                     "test_targets_seen_in_training": seen,
-                }  # fmt: skip
+                }
     return out
 
 
@@ -106,8 +110,11 @@ def committed_vs_floor(results: dict[str, Any], floors: dict[str, float], bench:
             continue
         ids = sorted(per)
         test = mcnemar_exact([per[i] == 1.0 for i in ids], [floors[i] == 1.0 for i in ids])
-        out[cand] = {"score": sum(per.values()) / len(ids),
-                     "floor": sum(floors.values()) / len(ids), **test}  # fmt: skip
+        out[cand] = {
+            "score": sum(per.values()) / len(ids),
+            "floor": sum(floors.values()) / len(ids),
+            **test,
+        }
     return out
 
 

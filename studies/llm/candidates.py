@@ -82,24 +82,44 @@ def comparison_spec(
         {"family": "base"},
         {"family": "expert", "experts": pair},
         {"family": "composition", "experts": pair},  # w = 1, the paper's rule
-        {"family": "composition", "name": "composition_weighted", "experts": pair,
-         "grid": {"weight": list(cfg.composition_weights)}, "prefer": {"weight": 1.0}},
-        {"family": "merge", "method": "task_arithmetic", "experts": pair,
-         "grid": {"lambda": list(cfg.task_arithmetic_lambdas)}, "prefer": {"lambda": 1.0}},
-        {"family": "merge", "method": "ties", "experts": pair,
-         "grid": {"lambda": list(cfg.ties_lambdas), "density": list(cfg.ties_densities)},
-         "prefer": {"lambda": 1.0, "density": 0.2}},
+        {
+            "family": "composition",
+            "name": "composition_weighted",
+            "experts": pair,
+            "grid": {"weight": list(cfg.composition_weights)},
+            "prefer": {"weight": 1.0},
+        },
+        {
+            "family": "merge",
+            "method": "task_arithmetic",
+            "experts": pair,
+            "grid": {"lambda": list(cfg.task_arithmetic_lambdas)},
+            "prefer": {"lambda": 1.0},
+        },
+        {
+            "family": "merge",
+            "method": "ties",
+            "experts": pair,
+            "grid": {"lambda": list(cfg.ties_lambdas), "density": list(cfg.ties_densities)},
+            "prefer": {"lambda": 1.0, "density": 0.2},
+        },
         # DARE-TIES: λ on validation; its density is fixed (the random drop makes a density
         # grid mostly a seed lottery at this size).
-        {"family": "merge", "method": "dare_ties", "experts": pair,
-         "params": {"density": cfg.dare_density},
-         "grid": {"lambda": list(cfg.dare_lambdas)}, "prefer": {"lambda": 1.0}},
+        {
+            "family": "merge",
+            "method": "dare_ties",
+            "experts": pair,
+            "params": {"density": cfg.dare_density},
+            "grid": {"lambda": list(cfg.dare_lambdas)},
+            "prefer": {"lambda": 1.0},
+        },
         {"family": "merge", "method": "linear", "experts": pair, "weights": [0.5, 0.5]},
-    ]  # fmt: skip
+    ]
     if setting.lora_adapters:
         lora = [LORA_EXPERTS[s] for s in ("math", "code")]
-        experts.update({LORA_EXPERTS[s]: {"adapter": str(setting.lora_adapters[s])}
-                        for s in ("math", "code")})  # fmt: skip
+        experts.update(
+            {LORA_EXPERTS[s]: {"adapter": str(setting.lora_adapters[s])} for s in ("math", "code")}
+        )
         if lora_expert_rows:
             candidates.append(
                 {"family": "expert", "name": "lora_experts", "experts": lora, "best_expert": False}
@@ -107,9 +127,14 @@ def comparison_spec(
         if cfg.lora_composition_row:
             candidates.append({"family": "lora_composition", "experts": lora})
         candidates.append(
-            {"family": "lora_merge", "name": "lora_merge_task_arithmetic",
-             "method": "task_arithmetic", "experts": lora, "params": {"lambda": 1.0}},
-        )  # fmt: skip
+            {
+                "family": "lora_merge",
+                "name": "lora_merge_task_arithmetic",
+                "method": "task_arithmetic",
+                "experts": lora,
+                "params": {"lambda": 1.0},
+            },
+        )
     benchmarks = [
         benchmark_spec(
             name,

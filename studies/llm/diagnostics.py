@@ -20,8 +20,13 @@ def diagnostics_study(
     from mergelab.compose.diagnostics import composition_diagnostics
 
     tok = setting.tokenizer
-    decoder = ComposedDecoder(setting.base, [setting.experts["math"], setting.experts["code"]],
-                              tok, expert_names=["math", "code"], name="composition")  # fmt: skip
+    decoder = ComposedDecoder(
+        setting.base,
+        [setting.experts["math"], setting.experts["code"]],
+        tok,
+        expert_names=["math", "code"],
+        name="composition",
+    )
     out: dict[str, Any] = {}
     for bname, bench in benches.items():
         refs = setting.reference.get(bname)
@@ -34,8 +39,9 @@ def diagnostics_study(
             build_prompt(it, bench, setting.eval_settings[bname].prompt, tok) for it in items
         ]
         conts = [refs[it.item_id] if refs else it.solution for it in items]
-        report = composition_diagnostics(decoder, prompts, conts, thresholds=(0.01, 0.1, 1.0),
-                                         keep_positions=True)  # fmt: skip
+        report = composition_diagnostics(
+            decoder, prompts, conts, thresholds=(0.01, 0.1, 1.0), keep_positions=True
+        )
         d = report.to_dict()
         per_position = d.pop("per_position_kl")
         d["per_item_coactive_0.1"] = {
@@ -61,6 +67,8 @@ def coactivity_vs_outcome(
         if item_id in comp and item_id in ref:
             d = comp[item_id] - ref[item_id]
             groups["wins" if d > 0 else "loses" if d < 0 else "ties"].append(c)
-    summary = {k: {"n": len(v), "mean_coactive_0.1": sum(v) / len(v) if v else None}
-               for k, v in groups.items()}  # fmt: skip
+    summary = {
+        k: {"n": len(v), "mean_coactive_0.1": sum(v) / len(v) if v else None}
+        for k, v in groups.items()
+    }
     return {"best_expert": best, **summary}

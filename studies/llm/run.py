@@ -132,10 +132,16 @@ def run_study(
             lap("termination")
             validation = {**setting.validation, **setting.third_validation}
             remedies = remedies_study(
-                setting, validation, term_benches, ev, policies=cfg.eos_policies,
-                weights=cfg.remedy_weights, third=third,
-                bootstrap_samples=cfg.bootstrap_samples, seed=cfg.seed,
-            )  # fmt: skip
+                setting,
+                validation,
+                term_benches,
+                ev,
+                policies=cfg.eos_policies,
+                weights=cfg.remedy_weights,
+                third=third,
+                bootstrap_samples=cfg.bootstrap_samples,
+                seed=cfg.seed,
+            )
             lap("remedies")
 
     # 4. Factorisation diagnostics on the reference solutions.

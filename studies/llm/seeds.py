@@ -30,9 +30,13 @@ def spread(values: list[float | None]) -> dict[str, Any]:
     vals = [v for v in values if v is not None]
     if not vals:
         return {"per_seed": values, "mean": None, "sd": None, "min": None, "max": None}
-    return {"per_seed": values, "mean": statistics.fmean(vals),
-            "sd": statistics.stdev(vals) if len(vals) > 1 else None,
-            "min": min(vals), "max": max(vals)}  # fmt: skip
+    return {
+        "per_seed": values,
+        "mean": statistics.fmean(vals),
+        "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+        "min": min(vals),
+        "max": max(vals),
+    }
 
 
 def summarise(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -45,41 +49,82 @@ def summarise(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     table = first["candidates"]
     benches = list(next(iter(table.values())))
     out["scores"] = {
-        c: {b: spread([r["candidates"].get(c, {}).get(b, {}).get("score", {}).get("mean")
-                       for r in runs.values()]) for b in benches}
+        c: {
+            b: spread(
+                [
+                    r["candidates"].get(c, {}).get(b, {}).get("score", {}).get("mean")
+                    for r in runs.values()
+                ]
+            )
+            for b in benches
+        }
         for c in table
-    }  # fmt: skip
+    }
     out["mcnemar_vs_best_expert"] = {
-        b: {c: [_get(r, "paired_vs_best_expert", b, "vs", c, "mcnemar", "p_value") for r in runs.values()]
-            for c in table}
+        b: {
+            c: [
+                _get(r, "paired_vs_best_expert", b, "vs", c, "mcnemar", "p_value")
+                for r in runs.values()
+            ]
+            for c in table
+        }
         for b in benches
-    }  # fmt: skip
-    out["best_expert"] = {b: [_get(r, "choices", "best_expert", b, "chosen") for r in runs.values()]
-                          for b in benches}  # fmt: skip
+    }
+    out["best_expert"] = {
+        b: [_get(r, "choices", "best_expert", b, "chosen") for r in runs.values()] for b in benches
+    }
     floors = first.get("baselines") or {}
     out["baselines"] = {
-        name: {b: spread([_get(r, "baselines", name, b, "score") for r in runs.values()]) for b in per}
+        name: {
+            b: spread([_get(r, "baselines", name, b, "score") for r in runs.values()]) for b in per
+        }
         for name, per in floors.items()
-    }  # fmt: skip
+    }
     rows = (first.get("termination") or {}).get("rows", [])
     out["termination"] = {}
     for i, row in enumerate(rows):
         key = f"{row['n_experts']}_experts/{row['eos_policy']}"
         out["termination"][key] = {
-            b: {m: spread([_get(r, "termination", "rows", i, "benchmarks", b, *path) for r in runs.values()])
-                for m, path in TERMINATION_MEASURES.items()}
+            b: {
+                m: spread(
+                    [
+                        _get(r, "termination", "rows", i, "benchmarks", b, *path)
+                        for r in runs.values()
+                    ]
+                )
+                for m, path in TERMINATION_MEASURES.items()
+            }
             for b in row["benchmarks"]
-        }  # fmt: skip
+        }
     rem = (first.get("remedies") or {}).get("rows", {})
     out["remedies"] = {
-        label: {"chosen": [(_get(r, "remedies", "rows", label, "weight"),
-                            _get(r, "remedies", "rows", label, "eos_policy")) for r in runs.values()],
-                "scores": {b: spread([_get(r, "remedies", "rows", label, "benchmarks", b, "score", "mean")
-                                      for r in runs.values()]) for b in row["benchmarks"]},
-                "mcnemar_vs_plain": {b: [_get(r, "remedies", "rows", label, "vs_plain", b, "mcnemar", "p_value")
-                                         for r in runs.values()] for b in row["benchmarks"]}}
+        label: {
+            "chosen": [
+                (
+                    _get(r, "remedies", "rows", label, "weight"),
+                    _get(r, "remedies", "rows", label, "eos_policy"),
+                )
+                for r in runs.values()
+            ],
+            "scores": {
+                b: spread(
+                    [
+                        _get(r, "remedies", "rows", label, "benchmarks", b, "score", "mean")
+                        for r in runs.values()
+                    ]
+                )
+                for b in row["benchmarks"]
+            },
+            "mcnemar_vs_plain": {
+                b: [
+                    _get(r, "remedies", "rows", label, "vs_plain", b, "mcnemar", "p_value")
+                    for r in runs.values()
+                ]
+                for b in row["benchmarks"]
+            },
+        }
         for label, row in rem.items()
-    }  # fmt: skip
+    }
     out["pairs"] = {
         f"{a} vs {b}": {
             bench: [_mcnemar(r, a, b, bench) for r in runs.values()] for bench in benches
@@ -87,8 +132,10 @@ def summarise(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for a, b in PAIRS
         if a in table and b in table
     }
-    out["runtime_seconds"] = {k: [_get(r, "runtime_seconds", k) for r in runs.values()]
-                              for k in first.get("runtime_seconds", {})}  # fmt: skip
+    out["runtime_seconds"] = {
+        k: [_get(r, "runtime_seconds", k) for r in runs.values()]
+        for k in first.get("runtime_seconds", {})
+    }
     return out
 
 
@@ -124,8 +171,12 @@ def _mcnemar(run: dict[str, Any], a: str, b: str, bench: str) -> dict[str, Any] 
         return None
     test = mcnemar_exact([pa[i] == 1.0 for i in shared], [pb[i] == 1.0 for i in shared])
     n = len(shared)
-    return {"n": n, "score_a": sum(pa[i] for i in shared) / n,
-            "score_b": sum(pb[i] for i in shared) / n, **test}  # fmt: skip
+    return {
+        "n": n,
+        "score_a": sum(pa[i] for i in shared) / n,
+        "score_b": sum(pb[i] for i in shared) / n,
+        **test,
+    }
 
 
 def _get(obj: Any, *path: Any) -> Any:
@@ -141,8 +192,12 @@ def markdown(summary: dict[str, Any]) -> str:
     """Score per candidate and benchmark: mean [min–max] over seeds, and the per-seed values."""
     seeds = ", ".join(map(str, summary["seeds"]))
     benches = list(next(iter(summary["scores"].values())))
-    lines = [f"Test score (%), mean [min–max] over seeds {seeds}; per-seed values in summary.json.",
-             "", "| candidate | " + " | ".join(benches) + " |", "|---" * (len(benches) + 1) + "|"]  # fmt: skip
+    lines = [
+        f"Test score (%), mean [min–max] over seeds {seeds}; per-seed values in summary.json.",
+        "",
+        "| candidate | " + " | ".join(benches) + " |",
+        "|---" * (len(benches) + 1) + "|",
+    ]
 
     def cell(s: dict[str, Any]) -> str:
         if s["mean"] is None:
@@ -175,14 +230,23 @@ def termination_markdown(summary: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     benches = list(term[rows[0]])
-    measures = [("score", 100, 1), ("mean_generated_tokens", 1, 1), ("mean_length_ratio", 1, 2),
-                ("shorter_than_reference", 100, 0), ("ends_right_after_marker", 100, 0),
-                ("p_eos_inside_reference", 1, 4), ("eos_argmax_inside_share", 100, 0)]  # fmt: skip
-    out = ["Premature termination, plain EOS policy (score %, tokens, generated/reference length, "
-           "% shorter than the reference, % ending right after '####', mean p(EOS) inside the "
-           "reference, % items where EOS is the top token inside the reference):", "",
-           "| experts | set | " + " | ".join(m for m, _, _ in measures) + " |",
-           "|---" * (len(measures) + 2) + "|"]  # fmt: skip
+    measures = [
+        ("score", 100, 1),
+        ("mean_generated_tokens", 1, 1),
+        ("mean_length_ratio", 1, 2),
+        ("shorter_than_reference", 100, 0),
+        ("ends_right_after_marker", 100, 0),
+        ("p_eos_inside_reference", 1, 4),
+        ("eos_argmax_inside_share", 100, 0),
+    ]
+    out = [
+        "Premature termination, plain EOS policy (score %, tokens, generated/reference length, "
+        "% shorter than the reference, % ending right after '####', mean p(EOS) inside the "
+        "reference, % items where EOS is the top token inside the reference):",
+        "",
+        "| experts | set | " + " | ".join(m for m, _, _ in measures) + " |",
+        "|---" * (len(measures) + 2) + "|",
+    ]
     for key in rows:
         for b in benches:
             cells = [_fmt(term[key][b][m], sc, d) for m, sc, d in measures]
@@ -196,10 +260,13 @@ def remedies_markdown(summary: dict[str, Any]) -> list[str]:
     if not rem:
         return []
     benches = list(next(iter(rem.values()))["scores"])
-    out = ["Remedies for 3 experts, chosen on validation, on test (score %, mean [min–max]; "
-           "per-seed choice (w, EOS policy); per-seed exact McNemar p vs plain):", "",
-           "| remedy | chosen per seed | " + " | ".join(benches) + " |",
-           "|---" * (len(benches) + 2) + "|"]  # fmt: skip
+    out = [
+        "Remedies for 3 experts, chosen on validation, on test (score %, mean [min–max]; "
+        "per-seed choice (w, EOS policy); per-seed exact McNemar p vs plain):",
+        "",
+        "| remedy | chosen per seed | " + " | ".join(benches) + " |",
+        "|---" * (len(benches) + 2) + "|",
+    ]
     for label, row in rem.items():
         chosen = ", ".join(f"({w:g}, {p})" if w is not None else "–" for w, p in row["chosen"])
         cells = []

@@ -79,17 +79,24 @@ def synthetic_data(cfg: StudyConfig) -> tuple[dict[str, list[dict]], Setting]:
     train_targets = {it["target"] for items in train.values() for it in items}
     fresh = {}
     if cfg.fresh_mixed:
-        items = make_splits(FRESH, {"test": cfg.n_fresh}, seed=cfg.seed,
-                            exclude_targets=train_targets)["test"]  # fmt: skip
+        items = make_splits(
+            FRESH, {"test": cfg.n_fresh}, seed=cfg.seed, exclude_targets=train_targets
+        )["test"]
         fresh[FRESH] = to_benchmark(f"synthetic-{FRESH}-test", items)
         reference[FRESH] = {it["id"]: it["target"] for it in items}
     held_out = Setting(
-        tokenizer=None, base=None, experts={},
-        validation={t: val[t] for t in MAIN_TASKS}, test={t: test[t] for t in MAIN_TASKS},
-        eval_settings={}, reference=reference,
-        third_validation={THIRD_SKILL: val[THIRD_SKILL]}, third_test={THIRD_SKILL: test[THIRD_SKILL]},
-        fresh=fresh, train_targets=train_targets,
-    )  # fmt: skip
+        tokenizer=None,
+        base=None,
+        experts={},
+        validation={t: val[t] for t in MAIN_TASKS},
+        test={t: test[t] for t in MAIN_TASKS},
+        eval_settings={},
+        reference=reference,
+        third_validation={THIRD_SKILL: val[THIRD_SKILL]},
+        third_test={THIRD_SKILL: test[THIRD_SKILL]},
+        fresh=fresh,
+        train_targets=train_targets,
+    )
     held_out.eval_settings = synthetic_eval_settings(cfg, [*MAIN_TASKS, THIRD_SKILL, *fresh])
     return train, held_out
 
@@ -127,8 +134,12 @@ def load_or_train(folder: Path, train_fn, load_fn, recipe: dict[str, Any]):
 
 def lora_kwargs(cfg: StudyConfig) -> dict[str, Any]:
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return {"r": cfg.lora_rank, "lora_alpha": 2 * cfg.lora_rank, "lora_dropout": 0.0,
-            "target_modules": modules}  # fmt: skip
+    return {
+        "r": cfg.lora_rank,
+        "lora_alpha": 2 * cfg.lora_rank,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+    }
 
 
 def _tail_mean(losses: list[float], n: int = 20) -> float:
@@ -137,8 +148,13 @@ def _tail_mean(losses: list[float], n: int = 20) -> float:
 
 
 def _trained(model, losses: list[float], t0: float, steps: int, **extra) -> tuple[Any, dict]:
-    return model, {"loss_first": losses[0], "loss_last": _tail_mean(losses),
-                   "seconds": time.time() - t0, "steps": steps, **extra}  # fmt: skip
+    return model, {
+        "loss_first": losses[0],
+        "loss_last": _tail_mean(losses),
+        "seconds": time.time() - t0,
+        "steps": steps,
+        **extra,
+    }
 
 
 def _train_lora(cfg, base, tok, work: Path, skill: str, items, seed: int, base_id) -> tuple:
@@ -147,14 +163,26 @@ def _train_lora(cfg, base, tok, work: Path, skill: str, items, seed: int, base_i
 
     def train():
         t0 = time.time()
-        model, losses = finetune(copy.deepcopy(base), tok, items, steps=cfg.lora_steps,
-                                 lr=cfg.lora_lr, batch_size=cfg.batch_size, seed=seed,
-                                 desc=f"{skill} LoRA", lora=lora_kwargs(cfg))  # fmt: skip
+        model, losses = finetune(
+            copy.deepcopy(base),
+            tok,
+            items,
+            steps=cfg.lora_steps,
+            lr=cfg.lora_lr,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            desc=f"{skill} LoRA",
+            lora=lora_kwargs(cfg),
+        )
         return _trained(model, losses, t0, cfg.lora_steps)
 
     folder = work / f"{skill}_lora"
-    recipe = {"base": base_id, "data": fingerprint(items), "seed": seed,
-              "train": [cfg.lora_steps, cfg.lora_lr, cfg.batch_size, lora_kwargs(cfg)]}  # fmt: skip
+    recipe = {
+        "base": base_id,
+        "data": fingerprint(items),
+        "seed": seed,
+        "train": [cfg.lora_steps, cfg.lora_lr, cfg.batch_size, lora_kwargs(cfg)],
+    }
     _, log = load_or_train(folder, train, lambda p: p, recipe)
     return folder, log
 
@@ -193,7 +221,7 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
             seed=cfg.seed,
         )
         params = sum(p.numel() for p in model.parameters())
-        return _trained(model, losses, t0, cfg.pretrain_steps, params=params)  # fmt: skip
+        return _trained(model, losses, t0, cfg.pretrain_steps, params=params)
 
     base_recipe = {
         "model": [cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, len(tok)],
@@ -211,14 +239,26 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
         def train_expert(skill=skill, seed=seed):
             t0 = time.time()
             replay = docs if cfg.expert_replay else ()
-            model, losses = finetune(copy.deepcopy(base), tok, train[skill], steps=cfg.expert_steps,
-                                     lr=cfg.expert_lr, batch_size=cfg.batch_size, seed=seed,
-                                     desc=f"{skill} expert", replay_documents=replay,
-                                     replay_fraction=cfg.expert_replay)  # fmt: skip
+            model, losses = finetune(
+                copy.deepcopy(base),
+                tok,
+                train[skill],
+                steps=cfg.expert_steps,
+                lr=cfg.expert_lr,
+                batch_size=cfg.batch_size,
+                seed=seed,
+                desc=f"{skill} expert",
+                replay_documents=replay,
+                replay_fraction=cfg.expert_replay,
+            )
             return _trained(model, losses, t0, cfg.expert_steps)
 
-        recipe = {"base": base_recipe, "data": fingerprint(train[skill]), "seed": seed,
-                  "train": [cfg.expert_steps, cfg.expert_lr, cfg.batch_size, cfg.expert_replay]}  # fmt: skip
+        recipe = {
+            "base": base_recipe,
+            "data": fingerprint(train[skill]),
+            "seed": seed,
+            "train": [cfg.expert_steps, cfg.expert_lr, cfg.batch_size, cfg.expert_replay],
+        }
         experts[skill], log[f"{skill}_expert"] = load_or_train(
             work / f"{skill}_expert", train_expert, load, recipe
         )
@@ -229,8 +269,15 @@ def mini_setting(cfg: StudyConfig, work: Path) -> Setting:
             adapters[skill], log[f"{skill}_lora"] = _train_lora(
                 cfg, base, tok, work, skill, train[skill], cfg.seed + 11 + i, base_recipe
             )
-    return dataclasses.replace(setting, tokenizer=tok, base=base, experts=experts,
-                               base_dir=work / "base", lora_adapters=adapters, training=log)  # fmt: skip
+    return dataclasses.replace(
+        setting,
+        tokenizer=tok,
+        base=base,
+        experts=experts,
+        base_dir=work / "base",
+        lora_adapters=adapters,
+        training=log,
+    )
 
 
 def find_smollm2_gguf() -> Path:
@@ -296,17 +343,27 @@ def smollm2_setting(cfg: StudyConfig, work: Path) -> Setting:
         experts[skill] = (
             PeftModel.from_pretrained(copy.deepcopy(base), folder).merge_and_unload().eval()
         )
-    eval_settings = {**setting.eval_settings, "humaneval": dataclasses.replace(
-        setting.eval_settings["code"],
-        generation=GenerationSettings(max_new_tokens=cfg.humaneval_max_new_tokens,
-                                      batch_size=cfg.gen_batch_size),
-    )}  # fmt: skip
+    eval_settings = {
+        **setting.eval_settings,
+        "humaneval": dataclasses.replace(
+            setting.eval_settings["code"],
+            generation=GenerationSettings(
+                max_new_tokens=cfg.humaneval_max_new_tokens, batch_size=cfg.gen_batch_size
+            ),
+        ),
+    }
     return dataclasses.replace(
-        setting, tokenizer=tok, base=base, experts=experts, test=test,
-        eval_settings=eval_settings, base_dir=work / "base",
+        setting,
+        tokenizer=tok,
+        base=base,
+        experts=experts,
+        test=test,
+        eval_settings=eval_settings,
+        base_dir=work / "base",
         lora_adapters={k: v for k, v in adapters.items() if k in ("math", "code")},
-        training=log, validation_of={"humaneval": "code"},
-    )  # fmt: skip
+        training=log,
+        validation_of={"humaneval": "code"},
+    )
 
 
 def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
@@ -332,9 +389,12 @@ def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
     experts = {"math": load(cfg.math_path), "code": load(cfg.code_path)}
     if cfg.third_path:
         experts["third"] = load(cfg.third_path)
-    loaders = {"gsm8k": (load_gsm8k, cfg.gsm8k), "math": (load_math, cfg.math_data),
-               "humaneval_plus": (load_humaneval_plus, cfg.humaneval_plus),
-               "mbpp_plus": (load_mbpp_plus, cfg.mbpp_plus)}  # fmt: skip
+    loaders = {
+        "gsm8k": (load_gsm8k, cfg.gsm8k),
+        "math": (load_math, cfg.math_data),
+        "humaneval_plus": (load_humaneval_plus, cfg.humaneval_plus),
+        "mbpp_plus": (load_mbpp_plus, cfg.mbpp_plus),
+    }
     validation, test = {}, {}
     for name, (loader, path) in loaders.items():
         if path is None:
@@ -351,10 +411,23 @@ def paper_setting(cfg: StudyConfig, work: Path) -> Setting:
         )
     gen = GenerationSettings(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size)
     eval_settings = {
-        n: EvalSettings(generation=gen, prompt=PromptConfig(),  # GSM8K 8-shot, MATH 2-shot, code 0
-                        bootstrap_samples=cfg.bootstrap_samples, workers=cfg.sandbox_workers, seed=cfg.seed)
+        n: EvalSettings(
+            generation=gen,
+            prompt=PromptConfig(),  # GSM8K 8-shot, MATH 2-shot, code 0
+            bootstrap_samples=cfg.bootstrap_samples,
+            workers=cfg.sandbox_workers,
+            seed=cfg.seed,
+        )
         for n in test
-    }  # fmt: skip
+    }
     expert_dirs = {"math": Path(cfg.math_path), "code": Path(cfg.code_path)}
-    return Setting(tok, load(cfg.base_path), experts, validation, test, eval_settings,
-                   Path(cfg.base_path), expert_dirs=expert_dirs)  # fmt: skip
+    return Setting(
+        tok,
+        load(cfg.base_path),
+        experts,
+        validation,
+        test,
+        eval_settings,
+        Path(cfg.base_path),
+        expert_dirs=expert_dirs,
+    )

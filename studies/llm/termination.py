@@ -40,8 +40,14 @@ class Evaluator:
         self.progress = sys.stderr.isatty() if progress is None else progress
 
     def record(self, candidate, bench: Benchmark, settings: EvalSettings) -> dict[str, Any]:
-        result = evaluate(candidate, bench, settings, cache_dir=self.cache_dir,
-                          sandbox=self.sandbox, progress=self.progress)  # fmt: skip
+        result = evaluate(
+            candidate,
+            bench,
+            settings,
+            cache_dir=self.cache_dir,
+            sandbox=self.sandbox,
+            progress=self.progress,
+        )
         return make_record(result, candidate)
 
 
@@ -112,9 +118,12 @@ def eos_profile(candidate, bench: Benchmark, setting: Setting, bname: str) -> di
     if not at_end:
         return {}
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"at_reference_end": mean(at_end), "inside_reference": mean(inside),
-            "inside_by_fifth": [mean(b) for b in bins],
-            "eos_argmax_inside_share": mean([float(a) for a in argmax_inside])}  # fmt: skip
+    return {
+        "at_reference_end": mean(at_end),
+        "inside_reference": mean(inside),
+        "inside_by_fifth": [mean(b) for b in bins],
+        "eos_argmax_inside_share": mean([float(a) for a in argmax_inside]),
+    }
 
 
 def premature_termination(record: dict[str, Any], setting: Setting, bname: str) -> dict[str, Any]:
@@ -139,9 +148,10 @@ def premature_termination(record: dict[str, Any], setting: Setting, bname: str) 
         "strict_prefix_of_reference": sum(
             len(texts[i].strip()) > 0 and refs[i].startswith(texts[i]) and texts[i] != refs[i]
             for i in ids
-        ) / n,
+        )
+        / n,
         "ends_right_after_marker": sum(texts[i].rstrip().endswith("####") for i in ids) / n,
-    }  # fmt: skip
+    }
 
 
 def _measured(record, candidate, bench, setting, bname, eos_prob: bool = True) -> dict[str, Any]:
@@ -171,8 +181,15 @@ def shortest_reference_tokens(setting: Setting, bench: Benchmark, bname: str) ->
 
 def _decoder(setting: Setting, names: list[str], policy: str, weight: float, name: str):
     experts = [setting.experts[n] for n in names]
-    return ComposedDecoder(setting.base, experts, setting.tokenizer, [weight] * len(names),
-                           expert_names=names, eos_policy=policy, name=name)  # fmt: skip
+    return ComposedDecoder(
+        setting.base,
+        experts,
+        setting.tokenizer,
+        [weight] * len(names),
+        expert_names=names,
+        eos_policy=policy,
+        name=name,
+    )
 
 
 def termination_study(
@@ -197,9 +214,14 @@ def termination_study(
             rows.append(
                 {"n_experts": k, "experts": names, "eos_policy": policy, "benchmarks": recs}
             )
-            print(f"  compose{k}_{policy:15s} " + "  ".join(
-                f"{b}: score={r['score']['mean']:.2f} len={r['premature']['mean_length_ratio']:.2f}"
-                for b, r in recs.items()), flush=True)  # fmt: skip
+            print(
+                f"  compose{k}_{policy:15s} "
+                + "  ".join(
+                    f"{b}: score={r['score']['mean']:.2f} len={r['premature']['mean_length_ratio']:.2f}"
+                    for b, r in recs.items()
+                ),
+                flush=True,
+            )
     # Does lengthening restore accuracy? EOS ruled out until the shortest reference's length
     # (at most the token limit).
     min_length_rows = []
@@ -260,10 +282,16 @@ def termination_study(
 
 
 def remedies_study(
-    setting: Setting, validation: dict[str, Benchmark], test: dict[str, Benchmark],
-    ev: Evaluator, policies: tuple[str, ...], weights: tuple[float, ...], third: str,
-    bootstrap_samples: int, seed: int,
-) -> dict[str, Any]:  # fmt: skip
+    setting: Setting,
+    validation: dict[str, Benchmark],
+    test: dict[str, Benchmark],
+    ev: Evaluator,
+    policies: tuple[str, ...],
+    weights: tuple[float, ...],
+    third: str,
+    bootstrap_samples: int,
+    seed: int,
+) -> dict[str, Any]:
     """3 experts: weight × EOS policy scored on validation (mean over ``validation``); three
     remedies chosen there — the best policy at w = 1, the best weight with the plain policy, the
     best pair — and each reported on test against the plain composition (w = 1, "plain"). Ties
@@ -284,8 +312,10 @@ def remedies_study(
     chosen = {
         "eos_policy": (1.0, max(policies, key=lambda p: (grid[(1.0, p)], -policies.index(p)))),
         "weight": (argmax({w: grid[(w, "plain")] for w in weights}, prefer=1.0), "plain"),
-        "weight_and_eos_policy": max(grid, key=lambda k: (grid[k], -abs(k[0] - 1.0), -policies.index(k[1]))),
-    }  # fmt: skip
+        "weight_and_eos_policy": max(
+            grid, key=lambda k: (grid[k], -abs(k[0] - 1.0), -policies.index(k[1]))
+        ),
+    }
     rows = {}
     for label, (w, policy) in {"plain": default, **chosen}.items():
         c = cand(w, policy)
@@ -293,15 +323,24 @@ def remedies_study(
         for b, bench in test.items():
             rec = ev.record(c, bench, setting.eval_settings[b])
             recs[b] = _measured(rec, c, bench, setting, b)
-        rows[label] = {"weight": w, "eos_policy": policy, "base_exponent": 1 - len(names) * w,
-                       "validation": grid[(w, policy)], "benchmarks": recs}  # fmt: skip
+        rows[label] = {
+            "weight": w,
+            "eos_policy": policy,
+            "base_exponent": 1 - len(names) * w,
+            "validation": grid[(w, policy)],
+            "benchmarks": recs,
+        }
     for label, row in rows.items():
         if label != "plain":
             row["vs_plain"] = {
-                b: paired_comparison(r["per_item"], rows["plain"]["benchmarks"][b]["per_item"],
-                                     n_boot=bootstrap_samples, seed=seed)
+                b: paired_comparison(
+                    r["per_item"],
+                    rows["plain"]["benchmarks"][b]["per_item"],
+                    n_boot=bootstrap_samples,
+                    seed=seed,
+                )
                 for b, r in row["benchmarks"].items()
-            }  # fmt: skip
+            }
     # One family: every remedy against the plain composition on every benchmark (Holm).
     family = {
         (label, b): cmp["p_value"]
@@ -310,7 +349,11 @@ def remedies_study(
     }
     for (label, b), p_adj in holm(family).items():
         rows[label]["vs_plain"][b]["p_holm"] = p_adj
-    return {"experts": names, "correction": "p_holm: Holm over every remedy × benchmark test",
-            "validation_grid": [{"weight": w, "eos_policy": p, "validation": v}
-                                                   for (w, p), v in grid.items()],
-            "rows": rows}  # fmt: skip
+    return {
+        "experts": names,
+        "correction": "p_holm: Holm over every remedy × benchmark test",
+        "validation_grid": [
+            {"weight": w, "eos_policy": p, "validation": v} for (w, p), v in grid.items()
+        ],
+        "rows": rows,
+    }

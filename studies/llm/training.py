@@ -19,8 +19,9 @@ import torch
 from mergelab.tiny import tiny_llama, train, warmup_cosine_lr
 
 # The study's model: hidden 128, 4 layers, 4 heads, MLP 384, tied embeddings (~1M parameters).
-MINI_SIZES = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
-                  max_positions=256)  # fmt: skip
+MINI_SIZES = dict(
+    hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, max_positions=256
+)
 
 
 def new_mini_model(tokenizer, *, seed: int = 0, **sizes):
@@ -39,12 +40,30 @@ def _train_stream(model, batches, *, steps: int, lr: float, desc: str) -> list[f
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
 
     schedule = warmup_cosine_lr(lr, steps, warmup=max(1, steps // 20))
-    return train(model, batches, loss_fn, lr=lr, steps=steps, betas=(0.9, 0.98),
-                 lr_schedule=schedule, clip_grad_norm=1.0, progress=desc)  # fmt: skip
+    return train(
+        model,
+        batches,
+        loss_fn,
+        lr=lr,
+        steps=steps,
+        betas=(0.9, 0.98),
+        lr_schedule=schedule,
+        clip_grad_norm=1.0,
+        progress=desc,
+    )
 
 
-def pretrain(model, tokenizer, documents: Sequence[str], *, steps: int, batch_size: int = 32,
-             seq_len: int = 128, lr: float = 3e-3, seed: int = 0) -> list[float]:  # fmt: skip
+def pretrain(
+    model,
+    tokenizer,
+    documents: Sequence[str],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
     """Train ``model`` in place on random windows of the EOS-separated documents; returns losses."""
     ids: list[int] = []
     for doc in documents:
@@ -87,9 +106,20 @@ def sft_batch(tokenizer, items: Sequence[dict]) -> tuple[torch.Tensor, torch.Ten
     return input_ids, mask, labels
 
 
-def finetune(model, tokenizer, items: Sequence[dict], *, steps: int, batch_size: int = 32,
-             lr: float = 1e-3, seed: int = 0, lora: dict | None = None, desc: str = "finetune",
-             replay_documents: Sequence[str] = (), replay_fraction: float = 0.0):  # fmt: skip
+def finetune(
+    model,
+    tokenizer,
+    items: Sequence[dict],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    lora: dict | None = None,
+    desc: str = "finetune",
+    replay_documents: Sequence[str] = (),
+    replay_fraction: float = 0.0,
+):
     """Fine-tune on (prompt, target) items. Full fine-tuning trains ``model`` in place and returns
     it; with ``lora`` (kwargs for ``peft.LoraConfig``) a PEFT model wrapping ``model`` is trained
     and returned (``model``'s own weights are left unchanged). Returns ``(model, losses)``.

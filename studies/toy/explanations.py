@@ -231,8 +231,12 @@ def generative_exact_match(name, single, formula, models, maps, test, tok) -> li
         family = {"family": "expert", "experts": [single], "best_expert": False}
         row, targets = single, [maps[single]]
     else:
-        family = {"family": "composition", "name": name, "experts": ["e1", "e2"],
-                  "composition": formula.to_dict()}  # fmt: skip
+        family = {
+            "family": "composition",
+            "name": name,
+            "experts": ["e1", "e2"],
+            "composition": formula.to_dict(),
+        }
         row, targets = name, [maps["e1"], maps["e2"]]
     benchmarks = letter_benchmarks(targets, test, skills=False, name="target")
     results = compare_letters(models, tok, [family], benchmarks, seed=0)  # greedy: no randomness

@@ -160,8 +160,14 @@ def run_condition(rec, condition, task, base, experts: dict, maps: dict, test, t
             if generative:  # through mergelab.compare (studies/toy/evaluate.py)
                 families = [{"family": "composition", "name": "composition"}]
                 if merges:
-                    families.append({"family": "merge", "name": "task arithmetic λ=1",
-                                     "method": "task_arithmetic", "params": {"lambda": 1.0}})  # fmt: skip
+                    families.append(
+                        {
+                            "family": "merge",
+                            "name": "task arithmetic λ=1",
+                            "method": "task_arithmetic",
+                            "params": {"lambda": 1.0},
+                        }
+                    )
                 results = compare_letters(
                     {"base": base} | {n: experts[n] for n in subset},
                     tok,

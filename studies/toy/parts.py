@@ -124,14 +124,24 @@ def part_generative(st: Study, test: list[str]) -> dict:
         # Linear average and SLERP merge the two experts alone (use_base: false).
         models = {"base": base} | dict(zip(names, tuned))
         merge_families = [
-            {"family": "merge", "name": label, "method": method, "experts": names,
-             "params": {("lambda" if k == "lambda_" else k): v for k, v in params.items()},
-             "use_base": use_base}
+            {
+                "family": "merge",
+                "name": label,
+                "method": method,
+                "experts": names,
+                "params": {("lambda" if k == "lambda_" else k): v for k, v in params.items()},
+                "use_base": use_base,
+            }
             for label, method, params, use_base in grid
-        ]  # fmt: skip
+        ]
         chosen = "TA (λ chosen on validation)"
-        tuned_ta = {"family": "merge", "name": chosen, "method": "task_arithmetic",
-                    "experts": names, "grid": {"lambda": list(st.s.lambdas)}}  # fmt: skip
+        tuned_ta = {
+            "family": "merge",
+            "name": chosen,
+            "method": "task_arithmetic",
+            "experts": names,
+            "grid": {"lambda": list(st.s.lambdas)},
+        }
         labels = [g[0] for g in grid]  # the rows in the grid's order, as in the aligned parts
         choices = st.compare_letters(
             "generative-shared",
@@ -167,8 +177,15 @@ def length_generative_rows(st: Study, generative: dict) -> tuple[dict, list[dict
     ]
     if 1.0 in st.s.lambdas:
         rows.append(("merge", "TA λ=1 (fine-tuned)", "TA λ=1 (fine-tuned)"))
-        families.append({"family": "merge", "name": rows[3][1], "method": "task_arithmetic",
-                         "experts": names, "params": {"lambda": 1.0}})  # fmt: skip
+        families.append(
+            {
+                "family": "merge",
+                "name": rows[3][1],
+                "method": "task_arithmetic",
+                "experts": names,
+                "params": {"lambda": 1.0},
+            }
+        )
     return models, families, rows
 
 
