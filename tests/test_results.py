@@ -55,11 +55,11 @@ def test_save_figure(tmp_path):
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])
     path = save_figure(fig, tmp_path / "figs" / "line.png")
-    assert path.read_bytes().startswith(b"\x89PNG") and not plt.get_fignums()
+    assert path.read_bytes().startswith(b"\x89PNG") and fig.number not in plt.get_fignums()
     fig, _ = plt.subplots()
     assert save_figure(fig, tmp_path / "f.pdf", close=False).read_bytes().startswith(b"%PDF")
-    assert plt.get_fignums()
-    plt.close("all")
+    assert fig.number in plt.get_fignums()
+    plt.close(fig)
 
 
 def test_fingerprint_ignores_key_order():
