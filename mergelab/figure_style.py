@@ -186,3 +186,19 @@ def candidate_family(name: str) -> str:
     if "expert" in n or n.endswith("_lora"):
         return "expert"
     return "merge"
+
+
+def family_shades(family: str, n: int) -> list[str]:
+    """``n`` shades of a family's colour, darkest first, for several rows of one family in one
+    panel (tell them apart by line style and marker too: shades alone are hard to read)."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    base = to_rgb(family_color(family))
+    if n == 1:
+        return [to_hex(base)]
+    out = []
+    for k in range(n):
+        t = -0.45 + 0.9 * k / (n - 1)  # -0.45 (towards black) … +0.45 (towards white)
+        target = 0.0 if t < 0 else 1.0
+        out.append(to_hex(tuple(c + abs(t) * (target - c) for c in base)))
+    return out

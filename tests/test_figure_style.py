@@ -95,3 +95,14 @@ def test_study_candidates_take_their_family_colour():
     for name, family in families.items():
         assert fs.candidate_family(name) == family, name
     assert fs.family_color(fs.candidate_family("ties")) != fs.family_color("composition")
+
+
+def test_family_shades_are_distinct_and_keep_the_family_hue():
+    from matplotlib.colors import rgb_to_hsv, to_rgb
+
+    shades = fs.family_shades("merge", 4)
+    assert len(set(shades)) == 4
+    hue = rgb_to_hsv(to_rgb(fs.family_color("merge")))[0]
+    for s in shades:
+        assert abs(rgb_to_hsv(to_rgb(s))[0] - hue) < 0.02
+    assert fs.family_shades("merge", 1) == [fs.family_color("merge").lower()]
