@@ -148,3 +148,57 @@ def family_legend(ax, families: Sequence[str], **kwargs) -> None:
 
     handles = [Patch(color=family_color(f), label=f) for f in dict.fromkeys(families)]
     ax.legend(handles=handles, **kwargs)
+
+
+MAX_COLUMNS = 3  # panels per row: more and the text is too small at page width
+
+
+def panels(n: int, width: float, height: float, **kwargs):
+    """A figure of ``n`` panels, at most :data:`MAX_COLUMNS` per row, each ``width`` × ``height``
+    inches; returns the figure and the ``n`` axes in reading order (spare grid cells removed).
+    ``kwargs`` go to ``plt.subplots`` (``sharey=True`` and the like)."""
+    import matplotlib.pyplot as plt
+
+    cols = max(1, min(n, MAX_COLUMNS))
+    rows = max(1, -(-n // cols))
+    fig, grid = plt.subplots(
+        rows, cols, figsize=(width * cols, height * rows), squeeze=False, **kwargs
+    )
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        fig.delaxes(ax)
+    return fig, axes[:n]
+
+
+def candidate_family(name: str) -> str:
+    """The family of a study candidate from its name (the studies name candidates
+    ``base``, ``math_expert``, ``code_lora``, ``composition_weighted``, ``lora_composition``,
+    ``lora_merge_ties``, ``ties``…): the key :func:`family_color` reads."""
+    n = name.lower()
+    if n.startswith("lora_compos"):
+        return "lora_composition"
+    if n.startswith("lora_merge"):
+        return "lora_merge"
+    if "compos" in n or "product" in n:
+        return "composition"
+    if n.startswith("base"):
+        return "base"
+    if "expert" in n or n.endswith("_lora"):
+        return "expert"
+    return "merge"
+
+
+def family_shades(family: str, n: int) -> list[str]:
+    """``n`` shades of a family's colour, darkest first, for several rows of one family in one
+    panel (tell them apart by line style and marker too: shades alone are hard to read)."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    base = to_rgb(family_color(family))
+    if n == 1:
+        return [to_hex(base)]
+    out = []
+    for k in range(n):
+        t = -0.45 + 0.9 * k / (n - 1)  # -0.45 (towards black) … +0.45 (towards white)
+        target = 0.0 if t < 0 else 1.0
+        out.append(to_hex(tuple(c + abs(t) * (target - c) for c in base)))
+    return out

@@ -64,3 +64,45 @@ def test_label_points_labels_every_point_without_overlap():
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_panels_at_most_three_per_row(n):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = fs.panels(n, 3.0, 2.0)
+    assert len(axes) == n and len(fig.axes) == n
+    lefts = sorted({round(ax.get_position().x0, 4) for ax in axes})
+    assert len(lefts) == min(n, fs.MAX_COLUMNS)
+    plt.close(fig)
+
+
+def test_study_candidates_take_their_family_colour():
+    families = {
+        "base": "base",
+        "math_expert": "expert",
+        "code_lora": "expert",
+        "composition": "composition",
+        "composition_weighted": "composition",
+        "lora_composition": "lora_composition",
+        "lora_merge_task_arithmetic": "lora_merge",
+        "ties": "merge",
+        "dare_ties": "merge",
+    }
+    for name, family in families.items():
+        assert fs.candidate_family(name) == family, name
+    assert fs.family_color(fs.candidate_family("ties")) != fs.family_color("composition")
+
+
+def test_family_shades_are_distinct_and_keep_the_family_hue():
+    from matplotlib.colors import rgb_to_hsv, to_rgb
+
+    shades = fs.family_shades("merge", 4)
+    assert len(set(shades)) == 4
+    hue = rgb_to_hsv(to_rgb(fs.family_color("merge")))[0]
+    for s in shades:
+        assert abs(rgb_to_hsv(to_rgb(s))[0] - hue) < 0.02
+    assert fs.family_shades("merge", 1) == [fs.family_color("merge").lower()]

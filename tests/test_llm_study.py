@@ -586,3 +586,49 @@ def test_plot_only_never_writes_an_empty_figure(tmp_path):
     with pytest.raises(ValueError, match="no data for the panel"):
         figures.eos_profile(res, tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
+
+
+def test_figures_share_one_style(tmp_path, monkeypatch):
+    """Every figure drawn from the committed smollm2 file: at most 3 panels per row, every panel
+    titled; scores in % with each candidate in its family's colour; the cost figure's labels do
+    not overlap."""
+    from matplotlib.colors import to_hex
+    from matplotlib.text import Text
+
+    from mergelab import figure_style as fs
+    from studies.llm import figures
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "results" / "llm" / "smollm2" / "results.json").read_text())
+    drawn = {}
+
+    def keep(fig, path, **kwargs):
+        fig.canvas.draw()
+        drawn[Path(path).name] = fig
+        return Path(path)
+
+    monkeypatch.setattr(figures, "save_figure", keep)
+    figures.draw_all(res, tmp_path, "x_")
+    assert {"x_scores.png", "x_quality_cost.png", "x_termination.png"} <= set(drawn)
+    for name, fig in drawn.items():
+        rows: dict[float, int] = {}
+        for ax in fig.axes:
+            if ax.get_label() != "<colorbar>":
+                y = round(ax.get_position().y0, 3)
+                rows[y] = rows.get(y, 0) + 1
+                assert ax.get_title() or ax.get_title(loc="left"), name
+        assert max(rows.values()) <= fs.MAX_COLUMNS, name
+    cands = list(res["candidates"])
+    ax = drawn["x_scores.png"].axes[0]
+    assert ax.get_ylim()[1] >= 100
+    bars = [p for p in ax.patches][: len(cands)]
+    assert [to_hex(b.get_facecolor()) for b in bars] == [
+        fs.family_color(fs.candidate_family(c)).lower() for c in cands
+    ]
+    fig = drawn["x_quality_cost.png"]
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [Text.get_window_extent(t, renderer) for t in ax.texts]  # the text, not its line
+        assert len(boxes) == len(cands)
+        for i, a in enumerate(boxes):
+            assert not any(a.overlaps(b) for b in boxes[i + 1 :])

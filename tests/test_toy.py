@@ -534,3 +534,31 @@ def test_stop_outcomes_read_where_each_generation_stopped():
     assert out["stop: EOS after the input's length"] == [1.0, 0.0, 0.0]  # split order b, a, c
     assert out["stop: EOS after 16 tokens"] == [0.0, 1.0, 0.0]
     assert out["stop: token limit"] == [0.0, 0.0, 1.0]
+
+
+def test_figures_share_one_style():
+    """Every toy figure from the committed summary: at most 3 panels per row, each titled; the
+    letters bars in their family's colour (the same colour as in every mergelab figure)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    from mergelab import figure_style as fs
+    from studies.toy import figures
+
+    rows = json.loads((ROOT / "results" / "toy" / "fast" / "summary.json").read_text())
+    for name, draw in figures.FIGURES.items():
+        fig = draw(rows, "fast")
+        per_row: dict[float, int] = {}
+        for ax in fig.axes:
+            y = round(ax.get_position().y0, 3)
+            per_row[y] = per_row.get(y, 0) + 1
+            assert ax.get_title() or ax.get_title(loc="left"), name
+        assert max(per_row.values()) <= fs.MAX_COLUMNS, name
+        if name == "letters":
+            ax = fig.axes[0]
+            labels = [t.get_text().split("\n")[0] for t in ax.get_yticklabels()]
+            colors = [to_hex(p.get_facecolor()) for p in ax.patches]
+            assert colors == [
+                fs.family_color(fs.candidate_family(n.split(" [")[0])).lower() for n in labels
+            ]
+        plt.close(fig)

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from mergelab import figure_style as fs
 from mergelab.results import save_figure
 
 FIGURES = {
@@ -36,17 +37,22 @@ def is_candidate(method: str, lam: float | None = None):
     return lambda r: r["method"] == method and (lam is None or r["lambda"] == lam)
 
 
+# Merges in shades of the merge family's colour, told apart by marker and line style too.
+MERGE_SHADES = fs.family_shades("merge", 5)
 MERGE_CURVES = [
-    ("task arithmetic λ=1", is_candidate("task_arithmetic", 1.0), "tab:blue", "o-"),
-    ("task arithmetic λ=0.5", is_candidate("task_arithmetic", 0.5), "tab:cyan", "s--"),
-    ("TIES (density 0.2, λ=1)", is_candidate("ties"), "tab:red", "^-"),
+    ("task arithmetic λ=1", is_candidate("task_arithmetic", 1.0), MERGE_SHADES[0], "o-"),
+    ("task arithmetic λ=0.5", is_candidate("task_arithmetic", 0.5), MERGE_SHADES[3], "s--"),
+    ("TIES (density 0.2, λ=1)", is_candidate("ties"), MERGE_SHADES[1], "^-"),
     (
         "linear interpolation (mean; = task arith. λ=½ for 2 experts)",
         is_candidate("linear"),
-        "tab:green",
+        MERGE_SHADES[2],
         "x:",
     ),
 ]
+COMPOSITION = fs.family_color("composition")
+BASE = fs.family_color("base")
+EXPERT = fs.family_color("expert")
 ROUNDOFF_FLOOR = 1e-18  # KLs at or below this are float64 round-off; drawn at the floor
 
 
@@ -137,7 +143,7 @@ def plot_nonlinearity(rows, meta, path: Path):
             f"task arithmetic, λ in grid closest to composition (chosen: {chosen_lambdas})"
             if col == 0
             else None,
-            "tab:purple",
+            MERGE_SHADES[4],
             "d-.",
         )
         comp = [r for r in rows_d if r["method"] == "composition"]
@@ -147,18 +153,20 @@ def plot_nonlinearity(rows, meta, path: Path):
                 ax,
                 _by_seed(comp, lambda r, key=key: r["alpha"], lambda r, key=key: 100 * r[key]),
                 "logit composition",
-                "black",
+                COMPOSITION,
                 "*-",
             )
         _band(
             ax_bg,
             _by_seed(base, lambda r: r["alpha"], lambda r: 100 * r["acc_background"]),
             "base model",
-            "gray",
+            BASE,
             ".:",
         )
         ax_gap.set_yscale("log")
-        ax_gap.set_title(f"MLP, depth {depth}")
+        ax_gap.set_title(f"MLP, depth {depth}: gap to composition")
+        ax_acc.set_title(f"MLP, depth {depth}: experts' tasks")
+        ax_bg.set_title(f"MLP, depth {depth}: background task")
         for ax in (ax_gap, ax_acc, ax_bg):
             ax.set_xlabel("non-linearity α  (activation = (1−α)·identity + α·GELU)")
             ax.grid(alpha=0.3, which="both")
@@ -177,6 +185,7 @@ def plot_nonlinearity(rows, meta, path: Path):
         f"log-linear model for reference: task arithmetic λ=1 gap ≤ {_loglinear_roundoff(rows):.0e} nats "
         f"(round-off); line = mean, band = min–max over {n_seeds} seeds",
         fontsize=11,
+        fontweight="bold",
     )
     fig.tight_layout(rect=(0, 0.055, 1, 1))
     save_figure(fig, path, dpi=130, tight=False)
@@ -213,24 +222,29 @@ def plot_overlap(rows, meta, path: Path):
     ax_gap.legend(fontsize=8, loc="center right")
 
     curves = [
-        ("MLP: logit composition", [r for r in mlp if r["method"] == "composition"], "black", "*-"),
+        (
+            "MLP: logit composition",
+            [r for r in mlp if r["method"] == "composition"],
+            COMPOSITION,
+            "*-",
+        ),
         (
             "MLP: task arithmetic λ=1",
             [r for r in mlp if is_candidate("task_arithmetic", 1.0)(r)],
-            "tab:blue",
+            MERGE_SHADES[0],
             "o-",
         ),
-        ("MLP: TIES", [r for r in mlp if r["method"] == "ties"], "tab:red", "^-"),
+        ("MLP: TIES", [r for r in mlp if r["method"] == "ties"], MERGE_SHADES[1], "^-"),
         (
             "MLP: single expert (own task)",
             [r for r in mlp if r["method"] == "expert_0"],
-            "tab:orange",
+            EXPERT,
             "v--",
         ),
         (
             "log-linear: composition = task arithmetic λ=1",
             [r for r in loglin if r["method"] == "composition"],
-            "gray",
+            fs.OTHER_COLOR,
             "o:",
         ),
     ]
@@ -257,7 +271,7 @@ def plot_overlap(rows, meta, path: Path):
             ax_acc,
             _by_seed(ceiling, lambda r: r["overlap"], lambda r: 100 * r["acc_experts_ceiling"]),
             "ceiling: best any one next-token distribution can do",
-            "tab:gray",
+            fs.FLOOR_COLOR,
             "--",
         )
     ax_bg.set_ylim(0, 100)
@@ -275,6 +289,7 @@ def plot_overlap(rows, meta, path: Path):
     fig.suptitle(
         f"Support overlap between experts (line = mean, band = min–max over {n_seeds} seeds)",
         fontsize=11,
+        fontweight="bold",
     )
     fig.tight_layout()
     save_figure(fig, path, dpi=130, tight=False)
@@ -303,8 +318,9 @@ def plot_tangent(rows, meta, path: Path):
         ]
 
     series = [
-        ("standard fine-tuning", "standard", "tab:red", -0.12),
-        ("tangent-space fine-tuning", "tangent", "tab:blue", 0.12),
+        # Both are task arithmetic λ=1 (merge family); fine-tuning kinds, not families.
+        ("standard fine-tuning", "standard", MERGE_SHADES[0], -0.12),
+        ("tangent-space fine-tuning", "tangent", fs.OTHER_COLOR, 0.12),
     ]
     fig, (ax_gap, ax_acc, ax_bg) = plt.subplots(1, 3, figsize=(18, 5.2))
     for name, ft, color, dx in series:
@@ -359,6 +375,7 @@ def plot_tangent(rows, meta, path: Path):
         f"Linear vs tangent-space vs standard fine-tuning (mean; bars = min–max over {n_seeds} seeds; "
         f"values ≤ {ROUNDOFF_FLOOR:g} drawn at {ROUNDOFF_FLOOR:g})",
         fontsize=11,
+        fontweight="bold",
     )
     fig.tight_layout()
     save_figure(fig, path, dpi=130, tight=False)
@@ -371,7 +388,8 @@ def plot_all(out_dir: Path, figures_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     rows, meta = load_rows(out_dir)
     paths = [figures_dir / FIGURES[k] for k in ("nonlinearity", "overlap", "tangent")]
-    plot_nonlinearity(rows, meta, paths[0])
-    plot_overlap(rows, meta, paths[1])
-    plot_tangent(rows, meta, paths[2])
+    with fs.style():
+        plot_nonlinearity(rows, meta, paths[0])
+        plot_overlap(rows, meta, paths[1])
+        plot_tangent(rows, meta, paths[2])
     return paths

@@ -17,9 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mergelab import figure_style as fs  # noqa: E402
 from mergelab.results import save_figure  # noqa: E402
 
-KIND_COLORS = {"base": "0.6", "expert": "tab:blue", "composition": "tab:red", "merge": "tab:green"}
+# A family has one colour in every mergelab figure (mergelab.figure_style).
+KIND_COLORS = {k: fs.family_color(k) for k in ("base", "expert", "composition", "merge")}
 CI = "95% t-interval over seeds"
 
 LENGTH_TITLES = {
@@ -44,12 +46,26 @@ def _err(sel):
 
 
 def _method_colors(rows):
-    """One colour per row name across every curve figure, so a method looks the same everywhere."""
-    palette = plt.get_cmap("tab20")
-    curve_methods = sorted(
-        {r["method"] for r in rows if r["x"] is not None and r["kind"] != "diagnostic"}
-    )
-    return {m: palette(i % 20) for i, m in enumerate(curve_methods)}
+    """Each row name in its family's colour (the same in every mergelab figure); rows of one
+    family are told apart by line style and marker (:func:`_method_styles`)."""
+    return {
+        r["method"]: KIND_COLORS.get(r["kind"], fs.OTHER_COLOR)
+        for r in rows
+        if r["x"] is not None and r["kind"] != "diagnostic"
+    }
+
+
+def _method_styles(rows):
+    """A line style and marker per row name, distinct within its family."""
+    kinds = {}
+    for r in rows:
+        if r["x"] is not None and r["kind"] != "diagnostic":
+            kinds.setdefault(r["kind"], set()).add(r["method"])
+    styles = {}
+    for methods in kinds.values():
+        for i, m in enumerate(sorted(methods)):
+            styles[m] = {"ls": ["-", "--", ":", "-."][i % 4], "marker": "osD^v"[i % 5]}
+    return styles
 
 
 def _select(rows, **criteria):
@@ -69,45 +85,47 @@ def fig_letters(rows: list[dict], setting: str):
         for p in ("authors", "generative", "shared-full", "shared-lora", "generative-shared")
         if any(r["part"] == p for r in rows)
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 5.2), squeeze=False)
-    for ax, part in zip(axes[0], panels):
+    fig, axes = fs.panels(len(panels), 4.4, 4.6)
+    for ax, part in zip(axes, panels):
         sel = [r for r in rows if r["part"] == part and r["metric"] == "joint" and r["x"] is None]
         sel.sort(
             key=lambda r: (r["pair"], ["base", "expert", "composition", "merge"].index(r["kind"]))
         )
         labels = [f"{r['method']}" + (f"\n[{r['pair']}]" if part == "authors" else "") for r in sel]
         m, e = err(sel)
-        ax.barh(range(len(sel)), m, xerr=e, color=[colors[r["kind"]] for r in sel], capsize=2)
-        ax.set_yticks(range(len(sel)), labels, fontsize=7)
+        ax.barh(range(len(sel)), m, color=[colors[r["kind"]] for r in sel], height=0.75)
+        ax.errorbar(m, range(len(sel)), xerr=e, fmt="none", ecolor="#333333", capsize=2, lw=0.8)
+        ax.set_yticks(range(len(sel)), labels)
+        ax.grid(axis="y", visible=False)
         ax.invert_yaxis()
         ax.set_xlim(0, 105)
         ax.set_xlabel("joint exact match (%)")
         ax.set_title(PANEL_TITLES[part], fontsize=9)
         ax.axvline(100, color="k", lw=0.5, ls=":")
     fig.suptitle(
-        f"Letter replacement, joint exact match at the trained length 16 ({setting}, {n_seeds} seeds, {CI})"
+        "Letter replacement, joint exact match at the trained length 16\n"
+        f"({setting}, {n_seeds} seeds, {CI})",
+        fontweight="bold",
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, list(colors), loc="lower center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.legend(handles, list(colors), loc="lower center", ncol=4, title="family")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
 def fig_length(rows: list[dict], setting: str):
     """Joint exact match against input length (trained at 16), one panel per protocol."""
-    method_color = _method_colors(rows)
+    method_color, method_style = _method_colors(rows), _method_styles(rows)
     parts = [
         p
         for p in ("length-authors", "length-shared-full", "length-generative")
         if any(r["part"] == p for r in rows)
     ]
     if parts:
-        fig, axes = plt.subplots(
-            1, len(parts), figsize=(5 * len(parts), 4), squeeze=False, sharey=True
-        )
-        for ax, part in zip(axes[0], parts):
+        fig, axes = fs.panels(len(parts), 4.6, 3.8, sharey=True)
+        for ax, part in zip(axes, parts):
             methods = sorted({r["method"] for r in rows if r["part"] == part})
-            for i, method in enumerate(methods):
+            for method in methods:
                 sel = sorted(
                     (
                         r
@@ -118,7 +136,7 @@ def fig_length(rows: list[dict], setting: str):
                 )
                 xs = [r["x"] for r in sel]
                 # Distinct line styles keep coinciding curves (often all at 100%) visible.
-                style = {"ls": ["-", "--", ":", "-."][i % 4], "marker": "osD^v"[i % 5], "ms": 3}
+                style = {**method_style[method], "ms": 3}
                 line = ax.plot(
                     xs,
                     [100 * r["mean"] for r in sel],
@@ -137,9 +155,12 @@ def fig_length(rows: list[dict], setting: str):
             ax.text(16.5, 3, "trained length", fontsize=7)
             ax.set_xlabel("input length (characters)")
             ax.set_title(LENGTH_TITLES[part], fontsize=9)
+            ax.set_ylabel("joint exact match (%)")
             ax.legend(fontsize=7)
-        axes[0][0].set_ylabel("joint exact match (%)")
-        fig.suptitle(f"Length generalisation, A→B + C→D ({setting}, {CI} bands)")
+        fig.suptitle(
+            f"Length generalisation, A→B + C→D ({setting}, {_n_seeds(rows)} seeds, {CI} bands)",
+            fontweight="bold",
+        )
         fig.tight_layout()
         return fig
     return None
@@ -148,6 +169,7 @@ def fig_length(rows: list[dict], setting: str):
 def fig_spans(rows: list[dict], setting: str):
     """Span skills: joint success and success outside the overlap, against the overlap."""
     colors, err, method_color = KIND_COLORS, _err, _method_colors(rows)
+    method_style = _method_styles(rows)
     sp = [r for r in rows if r["part"] == "spans" and r["method"] != "diagnostics"]
     if sp:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -165,11 +187,11 @@ def fig_spans(rows: list[dict], setting: str):
                     xs,
                     m,
                     yerr=e,
-                    marker="o",
                     ms=4,
                     capsize=3,
                     label=method,
                     color=method_color[method],
+                    **method_style[method],
                 )
             ax.set_xlabel("letters inside both spans (overlap)")
             ax.set_xticks(range(max(r["x"] for r in sp) + 1))
@@ -181,8 +203,19 @@ def fig_spans(rows: list[dict], setting: str):
                 fontsize=10,
             )
         axes[0].set_ylabel("success (%)")
-        axes[0].legend(fontsize=7, title="row", title_fontsize=7)
-        fig.suptitle(f"Span skills: shift inside <…>, mirror inside (…) ({setting}, {CI})")
+        axes[1].legend(
+            *axes[0].get_legend_handles_labels(),
+            fontsize=7,
+            title="row",
+            title_fontsize=7,
+            loc="center left",
+            bbox_to_anchor=(1.02, 0.5),
+        )
+        fig.suptitle(
+            "Span skills: shift inside <…>, mirror inside (…) "
+            f"({setting}, {_n_seeds(rows)} seeds, {CI})",
+            fontweight="bold",
+        )
         fig.tight_layout()
         return fig
     return None
@@ -196,7 +229,7 @@ def fig_failures(rows: list[dict], setting: str):
         sel = _select(rows, part=part, pair=pair, metric=metric, method=method, x=None)
         return sel[0] if sel else None
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 6.5))
     # (a) conflict A->B with A->C: stacked fractions of the A positions.
     ax = axes[0]
     bars = []
@@ -209,7 +242,8 @@ def fig_failures(rows: list[dict], setting: str):
             for m in methods
             if m in ("base", "composition") or part == "failure-shared-full"
         ]
-    outcome_colors = {"A written as B": "tab:blue", "A written as C": "tab:orange", "A kept": "0.6"}
+    # Outcomes, not families: Okabe–Ito colours away from the family ones.
+    outcome_colors = {"A written as B": "#56B4E9", "A written as C": "#E69F00", "A kept": "0.6"}
     for i, (part, method) in enumerate(bars):
         left = 0.0
         for metric, color in outcome_colors.items():
@@ -221,8 +255,7 @@ def fig_failures(rows: list[dict], setting: str):
             i,
             100 - left,
             left=left,
-            color="tab:red",
-            alpha=0.5,
+            color="#CC79A7",
             label="other letter" if i == 0 else None,
         )
     ax.set_yticks(
@@ -233,7 +266,7 @@ def fig_failures(rows: list[dict], setting: str):
     ax.invert_yaxis()
     ax.set_xlabel("% of input A positions")
     ax.set_title("(a) conflict: A→B with A→C — what is written for A", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     # (b) chain A->B with B->C: parallel target (each letter once) vs chain target (A→C).
     ax = axes[1]
     bars = []
@@ -244,8 +277,8 @@ def fig_failures(rows: list[dict], setting: str):
         bars += [(part, m) for m in methods if m != "base"]
     for j, (metric, color, label) in enumerate(
         (
-            ("joint", "tab:purple", "parallel target (A→B, B→C)"),
-            ("chain", "tab:olive", "chain target (A→C, B→C)"),
+            ("joint", "#CC79A7", "parallel target (A→B, B→C)"),
+            ("chain", "#56B4E9", "chain target (A→C, B→C)"),
         )
     ):
         sel = [pick(p, "A->B + B->C", metric, m) for p, m in bars]
@@ -268,7 +301,7 @@ def fig_failures(rows: list[dict], setting: str):
     ax.set_xlim(0, 105)
     ax.set_xlabel("joint exact match (%)")
     ax.set_title("(b) chain: A→B with B→C", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     # (c) wrong base under the A->B, C->D experts (from scratch).
     ax = axes[2]
     sel = [
@@ -285,7 +318,7 @@ def fig_failures(rows: list[dict], setting: str):
         range(len(sel)),
         m,
         xerr=e,
-        color=["tab:red" if r["metric"] == "joint" else "tab:pink" for r in sel],
+        color=[KIND_COLORS["composition"] if r["metric"] == "joint" else "#f0b088" for r in sel],
         capsize=2,
     )
     ax.set_yticks(range(len(sel)), [f"{r['method']} · {r['metric']}" for r in sel], fontsize=7)
@@ -293,7 +326,9 @@ def fig_failures(rows: list[dict], setting: str):
     ax.set_xlim(0, 105)
     ax.set_xlabel("success (%)")
     ax.set_title("(c) wrong base: A→B + C→D experts over another base", fontsize=9)
-    fig.suptitle(f"Failure cases the theory predicts ({setting}, {n_seeds} seeds, {CI})")
+    fig.suptitle(
+        f"Failure cases the theory predicts ({setting}, {n_seeds} seeds, {CI})", fontweight="bold"
+    )
     fig.tight_layout()
     return fig
 
@@ -320,9 +355,15 @@ def fig_diagnostics(rows: list[dict], setting: str):
         if r["method"] == "diagnostics" and r["metric"] == "co-active@0.1" and success_of(r)
     ]
     if cases:
-        fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=True)
-        cmap = plt.get_cmap("tab20")
+        fig, axes = plt.subplots(2, 1, figsize=(7.5, 9.5))
+        tab20 = plt.get_cmap("tab20")
+
+        def cmap(k):  # the dark half of tab20 first: pale labels are hard to read
+            return tab20((2 * k) % 20 + (2 * k // 20) % 2)
+
+        points = {}
         for ax, (metric, xlabel) in zip(axes, measures.items()):
+            points[ax] = []
             for i, case in enumerate(cases, 1):
                 keys = {k: case[k] for k in ("part", "pair", "x")}
                 (r,) = _select(rows, method="diagnostics", metric=metric, **keys)
@@ -337,20 +378,22 @@ def fig_diagnostics(rows: list[dict], setting: str):
                     marker="o",
                     capsize=2,
                     color=cmap((i - 1) % 20),
-                    label=f"{i}: {case['part']} · {case['pair']}",
                 )
-                ax.annotate(
-                    str(i),
-                    (100 * r["mean"], 100 * s["mean"]),
-                    fontsize=7,
-                    xytext=(4, 4 + 6 * (i % 3)),
-                    textcoords="offset points",
-                )
+                name = f"{case['part']} · {case['pair']}"
+                points[ax].append((100 * r["mean"], 100 * s["mean"], name, cmap((i - 1) % 20)))
             ax.set_xlabel(xlabel, fontsize=9)
-        axes[0].set_ylabel("composition joint exact match (%)")
-        axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.suptitle(f"Do per-token diagnostics predict composition success? ({setting}, {CI})")
+            ax.set_ylabel("composition joint exact match (%)")
+            ax.set_ylim(-5, 105)
+        axes[0].set_title("co-activity", loc="left")
+        axes[1].set_title("composed top-1 differs", loc="left")
+        fig.suptitle(
+            "Do per-token diagnostics predict composition success?\n"
+            f"({setting}, {_n_seeds(rows)} seeds, {CI})",
+            fontweight="bold",
+        )
         fig.tight_layout()
+        for ax, pts in points.items():  # labels beside the axes, placed for the final layout
+            fs.label_points(ax, *zip(*pts))
         return fig
     return None
 
@@ -364,7 +407,9 @@ def fig_authors_exact(result: dict):
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = list(result["runs"][0]["joint_exact_match_by_length"])
     for i, row in enumerate(rows):
-        color = plt.get_cmap("tab10")(i)
+        # The product of experts (no base) is no family of its own: the colour of "other".
+        family = fs.candidate_family(row)
+        color = fs.OTHER_COLOR if row.startswith("product") else fs.family_color(family)
         curves = [
             [
                 run["joint_exact_match_by_length"][row][k]
@@ -376,9 +421,14 @@ def fig_authors_exact(result: dict):
         for c in curves:
             ax.plot(xs, [100 * v for v in c], color=color, lw=0.6, alpha=0.5)
         mean = [100 * np.mean(v) for v in zip(*curves)]
-        ax.plot(xs, mean, color=color, lw=2, ls="-" if i % 2 else "--", label=row)  # may coincide
+        ls = ["-", "--", ":", "-.", (0, (5, 1))][i % 5]
+        # Curves may coincide (base and product of experts do): later ones drawn thinner on top.
+        ax.plot(xs, mean, color=color, lw=max(3.5 - 0.5 * i, 1.2), ls=ls, label=row)
     ax.axvline(result["config"]["train_length"], color="k", ls=":", lw=0.8)
-    ax.set(xlabel="input length (trained at 16; n_positions 32)", ylabel="joint exact match (%)")
+    ax.set(
+        xlabel="input length (characters; trained at 16, n_positions 32)",
+        ylabel="joint exact match (%)",
+    )
     ax.legend(fontsize=7)
     ax.set_title(
         f"Authors' notebook settings: A→B + C→D, {len(result['runs'])} seeds (thin: each seed)",
@@ -389,7 +439,7 @@ def fig_authors_exact(result: dict):
 
 def _bars(ax, rows, label):
     m, e = _err(rows)
-    ax.barh(range(len(rows)), m, xerr=e, capsize=2, color="tab:red")
+    ax.barh(range(len(rows)), m, xerr=e, capsize=2, color=KIND_COLORS["composition"])
     for i, r in enumerate(rows):
         ax.plot([100 * v for v in r["per_seed"]], [i] * len(r["per_seed"]), "k.", ms=4)
     ax.set_yticks(range(len(rows)), [label(r) for r in rows], fontsize=7)
@@ -426,6 +476,9 @@ def fig_explanations(result: dict):
     axes[1].set_title("(b) wrong base: A→B + C→D experts vs the swap variant A↔B + C↔D", fontsize=9)
     for ax in axes:
         ax.set_xlabel(f"% (bars: mean, {CI}; dots: seeds)")
+    fig.suptitle(
+        f"Composition failures explained ({_n_seeds(result['summary'])} seeds)", fontweight="bold"
+    )
     fig.tight_layout()
     return fig
 
@@ -434,19 +487,18 @@ def fig_many_experts(result: dict):
     """Joint exact match against the number of composed experts, per condition."""
     rows = _rows(result, "", "joint exact match")
     conditions = sorted({r["part"] for r in rows})
-    fig, axes = plt.subplots(
-        1, len(conditions), figsize=(4 * len(conditions), 4), sharey=True, squeeze=False
-    )
-    for ax, cond in zip(axes[0], conditions):
+    fig, axes = fs.panels(len(conditions), 4.0, 3.4, sharey=True)
+    for ax, cond in zip(axes, conditions):
         for j, method in enumerate(sorted({r["method"] for r in rows if r["part"] == cond})):
             sel = [r for r in rows if r["part"] == cond and r["method"] == method]
+            color = fs.family_color(fs.candidate_family(method))
             ks = sorted({r["x"] for r in sel})
             for r in sel:  # each subset of experts, each seed
                 ax.plot(
                     [r["x"] + 0.1 * j] * len(r["per_seed"]),
                     [100 * v for v in r["per_seed"]],
                     ".",
-                    color=f"C{j}",
+                    color=color,
                     alpha=0.4,
                     ms=4,
                 )
@@ -454,13 +506,18 @@ def fig_many_experts(result: dict):
                 [k + 0.1 * j for k in ks],
                 [100 * np.mean([r["mean"] for r in sel if r["x"] == k]) for k in ks],
                 "-o",
-                color=f"C{j}",
+                color=color,
                 label=method,
             )
-        ax.set(title=cond, xlabel="experts composed", xticks=[2, 3, 4])
-        ax.title.set_fontsize(8)
+        ax.set(
+            title=cond, xlabel="experts composed", xticks=[2, 3, 4], ylabel="joint exact match (%)"
+        )
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("joint exact match (%): line = mean over subsets, dots = subset × seed")
+    fig.suptitle(
+        f"Many experts ({_n_seeds(rows)} seeds): line = mean over subsets of experts, "
+        "dots = subset × seed",
+        fontweight="bold",
+    )
     fig.tight_layout()
     return fig
 
@@ -484,8 +541,9 @@ RESULT_FIGURES = {
 
 def draw_all(rows: list[dict], prefix: Path, setting: str) -> list[Path]:
     """Draw every figure the summary rows support, as ``{prefix}{name}.png``."""
-    figs = {name: fig_fn(rows, setting) for name, fig_fn in FIGURES.items()}
-    return [save_figure(f, f"{prefix}{n}.png") for n, f in figs.items() if f is not None]
+    with fs.style():
+        figs = {name: fig_fn(rows, setting) for name, fig_fn in FIGURES.items()}
+        return [save_figure(f, f"{prefix}{n}.png") for n, f in figs.items() if f is not None]
 
 
 def draw_results(results: Path, prefix: Path) -> list[Path]:
@@ -494,6 +552,7 @@ def draw_results(results: Path, prefix: Path) -> list[Path]:
     for name, fig_fn in RESULT_FIGURES.items():
         path = results / f"{name}.json"
         if path.exists():
-            fig = fig_fn(json.loads(path.read_text()))
-            written.append(save_figure(fig, f"{prefix}{name}.png"))
+            with fs.style():
+                fig = fig_fn(json.loads(path.read_text()))
+                written.append(save_figure(fig, f"{prefix}{name}.png"))
     return written
