@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,6 +94,27 @@ def run_once(tool: str, config: Path, out: Path) -> dict:
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
 
 
+def same_bits(a: Path, b: Path) -> dict:
+    """How many tensors of two merged folders differ in any bit (the accelerator on and off)."""
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in a.glob("*.safetensors"))
+    if files != sorted(p.name for p in b.glob("*.safetensors")):
+        return {"tensors": None, "differing": None, "note": "different shard files"}
+    tensors = differing = 0
+    for name in files:
+        x, y = load_file(a / name), load_file(b / name)
+        for key, t in x.items():
+            tensors += 1
+            if key not in y or t.dtype != y[key].dtype or t.shape != y[key].shape:
+                differing += 1
+            elif not bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
+                y[key].contiguous().view(-1).view(torch.uint8).numpy()
+            ):
+                differing += 1
+    return {"tensors": tensors, "differing": differing}
+
+
 def profile_once(config: Path, out: Path, accelerator: bool, top: int = 25) -> list[str]:
     """The ``top`` functions by cumulative time of one merge run in this process."""
     from mergelab.cli import main
@@ -140,6 +162,8 @@ def main() -> int:
                 measured = run_once(tool, configs[method], work / f"{method}-{tool}")
                 runs[method][tool].append(measured)
                 print(f"round {r} {method:12s} {tool:8s} {measured}", flush=True)
+    equal = {m: same_bits(work / f"{m}-on", work / f"{m}-off") for m in args.methods}
+    print(f"accelerator on vs off, tensors differing: {equal}", flush=True)
     profiles = {}
     for method in args.profile:
         for mode in ("on", "off"):
@@ -167,6 +191,7 @@ def main() -> int:
             }
             for m, by_mode in runs.items()
         },
+        "on_vs_off_bits": equal,
         "profiles": profiles,
     }
     path = Path(args.results)
