@@ -5,8 +5,9 @@ thresholds and the per-tensor ones in fewer passes (:mod:`.thresholds`).
 
 Each is registered with :func:`mergelab.merge.registry.register_fast_path` and returns the bits
 of the method it stands for (tests/test_merge_kernels.py: every method × dtype × option, the
-accelerator on and off), or ``None`` where it does not apply (a compute dtype other than float32,
-a tensor off the CPU): the method then runs.
+accelerator on and off), or ``None`` where it does not apply (a tensor off the CPU; a compute
+dtype other than float32 for linear and task arithmetic, other than float32, bfloat16 and float16
+for the others; DARE's "l1" rescale in float32 compute): the method then runs.
 
 In half-precision compute (``dtype: bfloat16`` or ``float16``, what every mergekit example sets)
 TIES, DARE and breadcrumbs run the method's own steps in that dtype, in the method's order, with
