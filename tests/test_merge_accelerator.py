@@ -161,8 +161,11 @@ def refuse(*args, **kwargs):
 
 
 @needs_loops
-@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    "stored,compute",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-in-bf16", "f32-in-f16"],
+)
 def test_half_precision_compute_writes_the_same_bits_on_and_off(
     tmp_path, monkeypatch, stored, compute
 ):
