@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from mergelab.merge import accelerator
 from mergelab.merge.accelerator import kernels, sampling
 from mergelab.merge.checkpoint import merge_checkpoints
-from mergelab.merge.methods import steps
+from mergelab.merge.methods import standard, steps
 from mergelab.merge.registry import fast_path
 
 needs_loops = pytest.mark.skipif(not kernels.available(), reason="the compiled loops are not built")
@@ -127,5 +127,68 @@ def test_l1_norm_does_not_depend_on_the_thread_count(numel):
         for n in (1, 2, 4):
             torch.set_num_threads(n)
             assert steps.l1_norm(x).item() == expected.item(), n
+    finally:
+        torch.set_num_threads(before)
+
+
+# A mergekit config's semantics (per-tensor trim, weighted sign, Σw divisor, DARE's L1 rescale),
+# and TIES' whole-model trim, computed in half precision
+HALF_CASES = [
+    (
+        "ties",
+        {
+            "weights": [1.0, 0.5],
+            "params": {
+                "density": 0.2,
+                "trim_scope": "tensor",
+                "weighted_sign": True,
+                "divide_by": "weight_sum",
+            },
+        },
+    ),
+    ("ties", {"params": {"density": [0.3, 0.5]}}),
+    (
+        "dare_ties",
+        {"params": {"density": 0.2, "rescale": "l1", "weighted_sign": True}, "seed": 4},
+    ),
+    ("dare_linear", {"params": {"density": [0.3, 1.0], "rescale": "l1"}, "seed": 6}),
+    ("breadcrumbs", {"params": {"density": 0.9, "gamma": 0.01}}),
+]
+
+
+def refuse(*args, **kwargs):
+    raise AssertionError("the method ran where its fast path should have")
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    "stored,compute",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-in-bf16", "f32-in-f16"],
+)
+def test_half_precision_compute_writes_the_same_bits_on_and_off(
+    tmp_path, monkeypatch, stored, compute
+):
+    base, *experts = write_set(tmp_path, stored)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k, (method, options) in enumerate(HALF_CASES):
+            outputs = []
+            for on in (True, False):
+                monkeypatch.setattr(kernels, "enabled", on)
+                # on, the fast paths take every tensor: the methods must not run
+                monkeypatch.setattr(standard, "task_vectors", refuse if on else steps.task_vectors)
+                out = tmp_path / f"{k}-{on}"
+                merge_checkpoints(
+                    method, base, experts, output=out, progress=False, dtype=compute, **options
+                )
+                outputs.append(load_file(out / "model-00001-of-00001.safetensors"))
+            on, off = outputs
+            for name in SHAPES:
+                assert on[name].dtype == off[name].dtype == stored
+                bits = torch.int16 if stored == torch.bfloat16 else torch.int32
+                same = on[name].view(bits) == off[name].view(bits)
+                assert bool(same.all()), f"{method} {options}: {name} differs"
     finally:
         torch.set_num_threads(before)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from mergelab.merge import MergeInputError, TensorContext, get_merge_method
-from mergelab.merge.accelerator import chunks, kernels, sampling, thresholds
+from mergelab.merge.accelerator import chunks, fast_paths, kernels, sampling, thresholds
 from mergelab.merge.methods import steps
+from mergelab.merge.registry import fast_path
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="the compiled loops were not built (no C compiler)"
@@ -747,3 +748,88 @@ def test_file_mapping_maps_the_files_bytes_read_only(tmp_path):
         view[0] = 1
     with pytest.raises(OSError):
         mapping(-1, 0, 10)
+
+
+# Half-precision compute (a mergekit config's `dtype: bfloat16`): mergekit's options (per-tensor
+# trim, weighted sign, Σw divisor or none, DARE's L1 rescale) and others, in bfloat16 and float16.
+HALF = [
+    (
+        "ties",
+        {
+            "density": 0.2,
+            "weight": [1.0, 0.5],
+            "trim_scope": "tensor",
+            "weighted_sign": True,
+            "divide_by": "weight_sum",
+        },
+    ),
+    (
+        "ties",
+        {
+            "density": [0.3, 0.9],
+            "weight": [-0.7, 1.3],
+            "trim_scope": "tensor",
+            "majority_sign": "count",
+            "divide_by": "none",
+            "lambda_": 0.7,
+        },
+    ),
+    ("ties", {"density": 1.0, "trim_scope": "tensor", "weighted_sign": True}),
+    ("dare_ties", {"density": 0.2, "rescale": "l1", "weighted_sign": True, "divide_by": "none"}),
+    (
+        "dare_ties",
+        {
+            "density": [0.3, 1.0],
+            "weight": [1.0, 0.5],
+            "rescale": "l1",
+            "weighted_sign": True,
+            "divide_by": "weight_sum",
+        },
+    ),
+    ("dare_ties", {"density": 0.5, "majority_sign": "count"}),
+    ("dare_linear", {"density": 0.2, "rescale": "l1"}),
+    ("dare_linear", {"density": [0.3, 0.7], "weight": [0.6, -0.4], "rescale": "none"}),
+    ("dare_linear", {"density": 0.1, "normalize": True, "lambda_": 0.8}),
+    ("breadcrumbs", {"density": 0.9, "gamma": 0.01}),
+    ("breadcrumbs", {"density": [0.5, 1.0], "gamma": [0.1, 0.0], "weight": [0.7, 1.2]}),
+]
+
+
+@pytest.mark.parametrize("method,params", HALF, ids=[f"{m}{i}" for i, (m, _) in enumerate(HALF)])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_precision_compute_equals_the_method(monkeypatch, method, params, compute):
+    base, experts = inputs(2, torch.bfloat16, seed=21)  # two DARE blocks, the second partial
+    stored = both_paths(
+        monkeypatch, method, base, experts, params, out_dtype=torch.bfloat16, dtype=compute
+    )
+    assert_same_bits(*stored)
+    cast = [base.to(compute), [e.to(compute) for e in experts]]
+    in_memory = both_paths(monkeypatch, method, *cast, params)
+    assert_same_bits(*in_memory)
+    assert_same_bits(stored[0], in_memory[0].to(torch.bfloat16))
+    # and the fast path took it (it did not hand the tensor back to the method)
+    monkeypatch.setattr(kernels, "enabled", True)
+    m = get_merge_method(method)
+    globals_, lists = m.resolve(2, params)
+    ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
+    assert fast_path(method).merge(*cast, ctx, {**globals_, **lists}) is not None
+
+
+@pytest.mark.parametrize("density", [0.2, 1e-7, 0.5, 0.9999999])
+@pytest.mark.parametrize("numel", [1, 3, steps.DARE_BLOCK, 2 * steps.DARE_BLOCK + 5])
+def test_dare_integer_masks_are_the_methods(density, numel):
+    for expert in (0, 2):
+        ours = fast_paths.dare_keep_mask(torch.Size([numel]), density, 11, expert)
+        assert torch.equal(ours, steps.dare_keep_mask((numel,), density, 11, expert))
+
+
+def test_dare_integer_masks_drop_an_entry_drawn_at_the_limit():
+    """Densities whose limit is exactly an entry's draw u: that entry is dropped (u < limit),
+    the case where an off-by-one in the integer comparison would show."""
+    raw = np.random.SFC64(np.random.SeedSequence(11, spawn_key=(0, 0))).random_raw(4)
+    drawn = raw.view(np.uint32) & ((1 << 23) - 1)
+    for u in drawn[drawn > 0]:
+        density = int(u) / (1 << 23)
+        ours = fast_paths.dare_keep_mask(torch.Size([8]), density, 11, 0)
+        assert torch.equal(ours, steps.dare_keep_mask((8,), density, 11, 0))
+        assert not ours[int(np.flatnonzero(drawn == u)[0])]

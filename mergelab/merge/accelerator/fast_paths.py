@@ -5,8 +5,17 @@ thresholds and the per-tensor ones in fewer passes (:mod:`.thresholds`).
 
 Each is registered with :func:`mergelab.merge.registry.register_fast_path` and returns the bits
 of the method it stands for (tests/test_merge_kernels.py: every method × dtype × option, the
-accelerator on and off), or ``None`` where it does not apply (a compute dtype other than float32,
-a tensor off the CPU, DARE's "l1" rescale): the method then runs.
+accelerator on and off), or ``None`` where it does not apply (a tensor off the CPU; a compute
+dtype other than float32 for linear and task arithmetic, other than float32, bfloat16 and float16
+for the others; DARE's "l1" rescale in float32 compute): the method then runs.
+
+In half-precision compute (``dtype: bfloat16`` or ``float16``, what every mergekit example sets)
+TIES, DARE and breadcrumbs run the method's own steps in that dtype, in the method's order, with
+their slow parts replaced: the k-th largest |τ_i| from the radix-histogram passes instead of a
+full selection (:func:`.thresholds.tau_kth_largest_abs`, exact, so the same float), and DARE's
+masks compared as integers, u < round(density · 2²³), the comparison ``steps.dare_keep_block``
+makes in float arithmetic, without its five whole-block passes. DARE's rescales, the L1 one
+included, are the method's (:func:`..methods.steps.random_drop_`).
 """
 
 from __future__ import annotations
@@ -16,9 +25,21 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..methods.steps import kept_count, outlier_ranks
+from ..methods.steps import (
+    DARE_BLOCK,
+    add_scaled_,
+    band_trim_,
+    elect_merge,
+    kept_count,
+    outlier_ranks,
+    random_drop_,
+    task_vectors,
+    threshold_trim_,
+    weighted_sum,
+)
 from ..registry import TensorContext, register_fast_path
 from . import chunks, kernels, thresholds
 
@@ -34,6 +55,27 @@ def _runs(ctx: TensorContext, *inputs: torch.Tensor) -> bool:
     """Whether the compiled loops take these inputs: float32 compute, everything on the CPU."""
     tensors = [*inputs, *([] if ctx.out is None else [ctx.out])]
     return _compute_dtype(ctx, inputs[0]) == torch.float32 and kernels.usable(*tensors)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _runs_half(ctx: TensorContext, *inputs: torch.Tensor) -> bool:
+    """Whether the half-precision paths take these inputs: bfloat16/float16 compute, the
+    accelerator on, everything on the CPU."""
+    tensors = [*inputs, *([] if ctx.out is None else [ctx.out])]
+    return _compute_dtype(ctx, inputs[0]) in HALF and kernels.usable(*tensors)
+
+
+def _cast(ctx: TensorContext, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The inputs in the compute dtype, as ``MergeMethod._reference`` casts them."""
+    return [x if ctx.dtype is None else x.to(ctx.dtype) for x in inputs]
+
+
+def _deliver(ctx: TensorContext, merged: torch.Tensor) -> torch.Tensor:
+    """The result where the engine wants it: copied into ``ctx.out`` when set (as
+    ``MergeMethod._reference`` does)."""
+    return merged if ctx.out is None else ctx.out.copy_(merged)
 
 
 def _output(ctx: TensorContext, like: torch.Tensor) -> torch.Tensor:
@@ -166,8 +208,36 @@ def _breadcrumbs_ranks(numel: int, p: dict[str, Any]) -> list[list[int]]:
 # --- the methods -----------------------------------------------------------------------------------
 
 
+def _ties_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    """TIES in half precision: the method's steps, with the per-tensor thresholds from
+    :func:`_tau_kth` (in the compute dtype, exact)."""
+    if p["trim_scope"] == "model":
+        if any(d < 1 for d in p["density"]) and "ties_thresholds" not in ctx.stats:
+            return None  # the method says what is missing
+        found = ctx.stats.get("ties_thresholds", [0.0] * len(experts))
+    else:
+        kth = _tau_kth(base, experts, _ties_ranks(base.numel(), p), ctx)
+        found = [values[0] if values else 0.0 for values in kth]
+    base, *experts = _cast(ctx, base, *experts)
+    stack = task_vectors(base, experts)
+    for tau, threshold in zip(stack, found):
+        threshold_trim_(tau, threshold)
+    merged = elect_merge(
+        base,
+        stack,
+        p["weight"],
+        lambda_=p["lambda_"],
+        majority_sign=p["majority_sign"],
+        weighted_sign=p["weighted_sign"],
+        divide_by=p["divide_by"],
+    )
+    return _deliver(ctx, merged)
+
+
 def ties(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
     plan = _elect_plan(p)
+    if plan is not None and _runs_half(ctx, base, *experts):
+        return _ties_half(base, experts, ctx, p)
     if plan is None or not _runs(ctx, base, *experts):
         return None
     if p["trim_scope"] == "model":
@@ -200,9 +270,60 @@ def ties_prepare(
     return {"ties_thresholds": found}
 
 
+def dare_keep_mask(shape: torch.Size, density: float, seed: int, expert: int) -> torch.Tensor:
+    """``steps.dare_keep_mask``'s mask (True = kept), block by block from the same SFC64
+    streams, each entry's comparison made on integers: the low 23 bits of its 32-bit draw <
+    round(density · 2²³), which ``steps.dare_keep_block`` makes exactly in float arithmetic."""
+    numel = math.prod(shape)
+    keep = torch.empty(numel, dtype=torch.bool)
+    limit = round(density * (1 << 23))
+    drawn = keep.numpy()
+    for start in range(0, numel, DARE_BLOCK):
+        n = min(DARE_BLOCK, numel - start)
+        generator = np.random.SFC64(
+            np.random.SeedSequence(seed, spawn_key=(expert, start // DARE_BLOCK))
+        )
+        bits = generator.random_raw((n + 1) // 2).view(np.uint32)[:n]
+        np.less(np.bitwise_and(bits, (1 << 23) - 1), limit, out=drawn[start : start + n])
+    return keep.view(tuple(shape))
+
+
+def _dare_stack(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
+    """``standard.dare``'s stack of dropped and rescaled task vectors, in the compute dtype."""
+    stack = task_vectors(base, experts)
+    for i, (tau, d) in enumerate(zip(stack, p["density"])):
+        if d < 1:
+            keep = dare_keep_mask(tau.shape, d, ctx.tensor_seed, i)
+            random_drop_(tau, keep, d, p["rescale"])
+    return stack
+
+
+def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
+    """dare_linear and dare_ties in half precision: the methods' steps, any rescale."""
+    base, *experts = _cast(ctx, base, *experts)
+    stack = _dare_stack(base, experts, ctx, p)
+    if "majority_sign" not in p:  # dare_linear
+        merged = add_scaled_(weighted_sum(stack, p["weight"], p["normalize"]), p["lambda_"], base)
+    else:
+        merged = elect_merge(
+            base,
+            stack,
+            p["weight"],
+            lambda_=p["lambda_"],
+            majority_sign=p["majority_sign"],
+            weighted_sign=p["weighted_sign"],
+            divide_by=p["divide_by"],
+        )
+    return _deliver(ctx, merged)
+
+
 def _dare(base, experts, ctx: TensorContext, p: dict[str, Any], plan) -> torch.Tensor | None:
-    """DARE's drop and a per-entry rescale fused with the merge ``plan`` (the "l1" rescale needs
-    τ_i's norms before and after the drop: the method runs it)."""
+    """DARE's drop and a per-entry rescale fused with the merge ``plan`` in float32 (the "l1"
+    rescale needs τ_i's norms before and after the drop: the method runs it); in half
+    precision, :func:`_dare_half`."""
+    if plan is not None and p["rescale"] in ("keep_rate", "l1", "none"):
+        if _runs_half(ctx, base, *experts):
+            return _dare_half(base, experts, ctx, p)
     if p["rescale"] == "l1" or plan is None or not _runs(ctx, base, *experts):
         return None
     params = plan[0]
@@ -221,7 +342,25 @@ def dare_ties(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Ten
     return _dare(base, experts, ctx, p, _elect_plan(p))
 
 
+def _breadcrumbs_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
+    """breadcrumbs in half precision: the method's steps, the band's ends from :func:`_tau_kth`."""
+    numel = base.numel()
+    found = _tau_kth(base, experts, _breadcrumbs_ranks(numel, p), ctx)
+    base, *experts = _cast(ctx, base, *experts)
+    stack = task_vectors(base, experts)
+    for tau, d, g, band in zip(stack, p["density"], p["gamma"], found):
+        ranks = outlier_ranks(numel, d, g)
+        if ranks is None:
+            tau.zero_()
+        elif ranks:
+            band_trim_(tau, *band)
+    merged = add_scaled_(weighted_sum(stack, p["weight"], p["normalize"]), p["lambda_"], base)
+    return _deliver(ctx, merged)
+
+
 def breadcrumbs(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    if _runs_half(ctx, base, *experts):
+        return _breadcrumbs_half(base, experts, ctx, p)
     if not _runs(ctx, base, *experts):
         return None
     numel = base.numel()
