@@ -89,6 +89,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from mergelab import vocabulary
 from mergelab.outputs import atomic_output_dir, check_output_path
 
 from ..progress import progress_bar
@@ -117,19 +118,8 @@ SINGLE_NAME = "model.safetensors"
 MERGE_RECORD_NAME = "mergelab_merge.json"
 DEFAULT_SHARD_SIZE = 5 * 2**30  # bytes; transformers' default max_shard_size is "5GB" too
 
-# Files a saved tokenizer consists of.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+# Files a saved tokenizer consists of, with its chat template (copied beside a merge).
+TOKENIZER_FILES = (*vocabulary.TOKENIZER_FILES, "chat_template.jinja", "chat_template.json")
 # Files copied from the base folder into the output (besides the weights we write ourselves).
 COPIED_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
