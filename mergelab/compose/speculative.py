@@ -31,18 +31,22 @@ One block, for a batch of ``B`` rows and a block length ``γ``:
    padding). At batch 1 there are never holes. Models with sliding-window layers (whose window
    counts cache slots, holes included) are therefore decoded one prompt at a time.
 
-γ is fixed, or adaptive (default). Adaptive, each block of a batch chooses γ in ``0 … max_gamma``
-from the running per-token acceptance rate α of the batch's drafts and two costs: ``P``, one
-plain composition step, and ``D``, what one drafted token adds to a block (a draft step plus a
-wider verification). A block of γ decides ``E_γ = (1 − α^{γ+1}) / (1 − α)`` tokens in expectation
-for ``P + γ·D`` (Leviathan et al. 2023, §3.3); the best γ is used when it beats plain steps
-(``1 / P`` tokens per unit) by 5 %, otherwise the block is **γ = 0: a plain composition step**,
-exactly plain decoding's (the draft does not run; it catches up on the decided tokens in one
-forward when drafting resumes). While plain, a probe block (γ = 2) every 8, 16, 32, then 64 steps
-measures the acceptance again, so decoding returns to drafting when it would pay. With the default
-``cost_ratio=None`` the costs are measured while decoding (CPU seconds of plain steps and of
-drafted blocks on a CPU, wall seconds on a GPU: the machine decides); a number fixes ``P = cost_ratio``, ``D = 1`` (then γ depends only on
-past acceptances and sampled draws are reproducible for a seed).
+γ is fixed, or adaptive (default). Adaptive, each block chooses γ in ``0 … max_gamma`` from the
+running per-token acceptance rate α of the drafts and the costs of a block: ``P``, one plain
+composition step, and the seconds of a block of γ drafts — measured for every γ used so far, else
+``P + γ·D`` with ``D`` what one drafted token added to the blocks measured (a forward's cost is not
+linear in its width: on a CPU verifying 3 tokens can cost more than 5). A block of γ decides
+``E_γ = (1 − α^{γ+1}) / (1 − α)`` tokens in expectation (Leviathan et al. 2023, §3.3); the γ of
+most tokens per second is used when it beats plain steps (``1 / P``) by 5 %, otherwise the block is
+**γ = 0: a plain composition step**, exactly plain decoding's (the draft does not run; it catches
+up on the decided tokens in one forward when drafting resumes, and a batch that starts in plain
+steps feeds the draft its prompt only then). While plain, a probe block of one draft after 8, 16,
+32, then every 64 steps measures the acceptance again, so decoding returns to drafting when it
+would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
+on a CPU, wall seconds on a GPU: the machine decides), and a decoder keeps α, the costs, γ and
+the probes' wait from one batch (and call) to the next, as if they were one long generation; a
+number fixes ``P = cost_ratio``, ``D = 1`` and every call starts afresh (then γ depends only on
+the call's past acceptances and sampled draws are reproducible for a seed).
 
 Greedy output is token-identical to the composition's (up to float ties: a block forward sums in a
 different order than one-token steps), whatever γ each block takes. Sampled output follows the
@@ -421,7 +425,9 @@ class _Schedule:
             # plain steps, on its prompt): not a cost of drafting (one plain step leaves it two
             # tokens behind, as a fully accepted block does).
             in_sync = (self.drafted_last or self.plain_run <= 1) and not prompt
-            if in_sync and self.plain_seconds is not None:
+            # A block cut short by the end of the generation is not timed: a short call's last
+            # (or only) block would otherwise decide the costs of the γ chosen for the next.
+            if in_sync and gamma == self.gamma and self.plain_seconds is not None:
                 extra = max(seconds - self.plain_seconds, 0.0) / gamma
                 self.token_seconds = _ema(self.token_seconds, extra)
                 self.block_seconds[gamma] = _ema(self.block_seconds.get(gamma), seconds)
