@@ -586,7 +586,7 @@ def test_sampling_follows_the_composition_exactly_chi_square():
             ),
             dict(temperature=1.0),
         ),  # fmt: skip
-        # Measured costs: token 1 from a plain step, token 2 from a block after it.
+        # Measured costs: in the first batch token 1 from a plain step, token 2 from a block.
         "plain_step_then_block": (SpeculativeDecoder(composed, gamma=2), dict(temperature=1.0)),
     }
     first_tokens = {}
@@ -604,8 +604,10 @@ def test_sampling_follows_the_composition_exactly_chi_square():
         if label != "plain":
             rate = _rate(gens)
             assert 0.0 <= rate < 1.0
-    # A plain step draws as plain sampling does: the same first token for the same seed.
-    assert first_tokens["plain_step_then_block"] == first_tokens["plain"]
+    # A plain step draws as plain sampling does: the same first token for the same seed — in the
+    # decoder's first batch; later batches go on with the schedule carried from it (drafting).
+    first_batch = slice(0, n // 4)
+    assert first_tokens["plain_step_then_block"][first_batch] == first_tokens["plain"][first_batch]
 
 
 def test_sampling_is_reproducible_and_independent_of_the_batch(tok):
