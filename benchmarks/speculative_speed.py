@@ -22,7 +22,10 @@ Two settings, batch 1 (``--batch`` for more), greedy decoding:
 (The study's smollm2 LoRA experts are used only if present locally: the SmolLM2 GGUF is not
 installed here, so they are not part of the results.)
 
-Paths, timed round-robin (best of ``--repeats``) so drifting load hits them alike:
+Paths, timed round-robin (best of ``--repeats``; every repeat's seconds are recorded too, and
+speculative ÷ plain within each repeat: the spread) so drifting load hits them alike. Each
+SpeculativeDecoder is built once and called for a warm-up and every repeat: it carries its
+schedule (acceptance, costs, γ) from call to call, as across an evaluation's batches.
 
     hf_generate      one model's transformers ``generate`` (the reference, ratio 1)
     single           mergelab's loop on the base (ModelCandidate)
