@@ -22,7 +22,10 @@ Two settings, batch 1 (``--batch`` for more), greedy decoding:
 (The study's smollm2 LoRA experts are used only if present locally: the SmolLM2 GGUF is not
 installed here, so they are not part of the results.)
 
-Paths, timed round-robin (best of ``--repeats``) so drifting load hits them alike:
+Paths, timed round-robin (best of ``--repeats``; every repeat's seconds are recorded too, and
+speculative ÷ plain within each repeat: the spread) so drifting load hits them alike. Each
+SpeculativeDecoder is built once and called for a warm-up and every repeat: it carries its
+schedule (acceptance, costs, γ) from call to call, as across an evaluation's batches.
 
     hf_generate      one model's transformers ``generate`` (the reference, ratio 1)
     single           mergelab's loop on the base (ModelCandidate)
@@ -116,7 +119,7 @@ def random_lora(base, name: str, rank: int, noise: float, seed: int):
             a = torch.randn(rank, in_features, generator=g)
             b = torch.randn(out_features, rank, generator=g)
             b *= noise * float(module.weight.detach().std()) / rank**0.5
-            modules[module_name] = LoraModule(a, b, 1.0)
+            modules[module_name] = LoraModule(a, b, 1.0, fan_in_fan_out=True)
     return LoraAdapter(name, modules)
 
 
@@ -135,22 +138,23 @@ def perturbed(model, noise: float, seed: int):
 
 
 def timed_round_robin(plan: dict, repeats: int, label: str) -> tuple[dict, dict]:
-    """Best-of-``repeats`` wall seconds and CPU seconds (this process, ``time.process_time``)
-    per path, paths interleaved in every repeat. On one thread the CPU seconds are the work
-    itself, what a shared, overloaded machine's wall clock hides."""
-    best = dict.fromkeys(plan, float("inf"))
-    cpu = dict.fromkeys(plan, float("inf"))
+    """Wall seconds and CPU seconds (this process, ``time.process_time``) of every repeat, per
+    path, paths interleaved in every repeat. On one thread the CPU seconds are the work itself,
+    what a shared, overloaded machine's wall clock hides."""
+    wall = {path: [] for path in plan}
+    cpu = {path: [] for path in plan}
     for repeat in range(repeats):
         for path, fn in plan.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            best[path] = min(best[path], time.perf_counter() - start)
-            cpu[path] = min(cpu[path], time.process_time() - start_cpu)
+            wall[path].append(time.perf_counter() - start)
+            cpu[path].append(time.process_time() - start_cpu)
             print(
-                f"  {label} run {repeat}: {path:13s} {best[path]:8.2f} s, cpu {cpu[path]:8.2f} s",
+                f"  {label} run {repeat}: {path:13s} {wall[path][-1]:8.2f} s, "
+                f"cpu {cpu[path][-1]:8.2f} s",
                 flush=True,
             )
-    return best, cpu
+    return wall, cpu
 
 
 def forward_seconds(runner, ids: torch.Tensor, width: int, repeats: int) -> float:
@@ -233,11 +237,11 @@ def run_setting(
                 )
             assert out.shape[1] == ids.shape[1] + new_tokens
 
-    outputs: dict[str, list] = {}
+    outputs: dict[str, list] = {}  # every repeat's generations, one after the other
 
     def path(label, candidate):
         def fn():
-            outputs[label] = candidate.generate(prompts, settings)
+            outputs.setdefault(label, []).extend(candidate.generate(prompts, settings))
 
         return fn
 
@@ -254,7 +258,11 @@ def run_setting(
     short = GenerationSettings(max_new_tokens=4, batch_size=args.batch)
     for candidate in (single, compose_full, compose_lora, spec_full, spec_lora):
         candidate.generate(prompts[:1], short)  # warm up
-    seconds, cpu = timed_round_robin(plan, args.repeats, name)
+    # A SpeculativeDecoder keeps its schedule (acceptance, costs, γ) from one call to the next,
+    # as it does across an evaluation's batches: the warm-up call starts it, each repeat goes on.
+    wall, cpu_all = timed_round_robin(plan, args.repeats, name)
+    seconds = {label: min(v) for label, v in wall.items()}  # best of the repeats
+    cpu = {label: min(v) for label, v in cpu_all.items()}
     for kind in ("full", "lora"):  # greedy speculative output is the composition's, token for token
         same = all(
             a.token_ids == b.token_ids
@@ -269,6 +277,8 @@ def run_setting(
             "ratio_to_hf_generate": s / seconds["hf_generate"],
             "cpu_seconds": cpu[label],
             "cpu_ratio_to_hf_generate": cpu[label] / cpu["hf_generate"],
+            "seconds_all_repeats": wall[label],
+            "cpu_seconds_all_repeats": cpu_all[label],
         }
         for label, s in seconds.items()
     }
@@ -280,6 +290,14 @@ def run_setting(
         rows[f"spec_{kind}"]["cpu_ratio_to_plain_composition"] = (
             cpu[f"spec_{kind}"] / cpu[f"compose_{kind}"]
         )
+        # The spread: speculative ÷ plain within each repeat (the two ran back to back).
+        paired = [s / p for s, p in zip(cpu_all[f"spec_{kind}"], cpu_all[f"compose_{kind}"])]
+        rows[f"spec_{kind}"]["cpu_ratio_to_plain_composition_per_repeat"] = paired
+        rows[f"spec_{kind}"]["cpu_ratio_to_plain_composition_median"] = sorted(paired)[
+            len(paired) // 2
+        ]
+        one = [s / h for s, h in zip(cpu_all[f"spec_{kind}"], cpu_all["hf_generate"])]
+        rows[f"spec_{kind}"]["cpu_ratio_to_hf_generate_per_repeat"] = one
 
     # Acceptance with EOS on (the answers alone, as the study decodes them): no timing.
     eos_stats = {}

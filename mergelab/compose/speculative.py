@@ -31,18 +31,22 @@ One block, for a batch of ``B`` rows and a block length ``γ``:
    padding). At batch 1 there are never holes. Models with sliding-window layers (whose window
    counts cache slots, holes included) are therefore decoded one prompt at a time.
 
-γ is fixed, or adaptive (default). Adaptive, each block of a batch chooses γ in ``0 … max_gamma``
-from the running per-token acceptance rate α of the batch's drafts and two costs: ``P``, one
-plain composition step, and ``D``, what one drafted token adds to a block (a draft step plus a
-wider verification). A block of γ decides ``E_γ = (1 − α^{γ+1}) / (1 − α)`` tokens in expectation
-for ``P + γ·D`` (Leviathan et al. 2023, §3.3); the best γ is used when it beats plain steps
-(``1 / P`` tokens per unit) by 5 %, otherwise the block is **γ = 0: a plain composition step**,
-exactly plain decoding's (the draft does not run; it catches up on the decided tokens in one
-forward when drafting resumes). While plain, a probe block (γ = 2) every 8, 16, 32, then 64 steps
-measures the acceptance again, so decoding returns to drafting when it would pay. With the default
-``cost_ratio=None`` the costs are measured while decoding (CPU seconds of plain steps and of
-drafted blocks on a CPU, wall seconds on a GPU: the machine decides); a number fixes ``P = cost_ratio``, ``D = 1`` (then γ depends only on
-past acceptances and sampled draws are reproducible for a seed).
+γ is fixed, or adaptive (default). Adaptive, each block chooses γ in ``0 … max_gamma`` from the
+running per-token acceptance rate α of the drafts and the costs of a block: ``P``, one plain
+composition step, and the seconds of a block of γ drafts — measured for every γ used so far, else
+``P + γ·D`` with ``D`` what one drafted token added to the blocks measured (a forward's cost is not
+linear in its width: on a CPU verifying 3 tokens can cost more than 5). A block of γ decides
+``E_γ = (1 − α^{γ+1}) / (1 − α)`` tokens in expectation (Leviathan et al. 2023, §3.3); the γ of
+most tokens per second is used when it beats plain steps (``1 / P``) by 5 %, otherwise the block is
+**γ = 0: a plain composition step**, exactly plain decoding's (the draft does not run; it catches
+up on the decided tokens in one forward when drafting resumes, and a batch that starts in plain
+steps feeds the draft its prompt only then). While plain, a probe block of one draft after 8, 16,
+32, then every 64 steps measures the acceptance again, so decoding returns to drafting when it
+would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
+on a CPU, wall seconds on a GPU: the machine decides), and a decoder keeps α, the costs, γ and
+the probes' wait from one batch (and call) to the next, as if they were one long generation; a
+number fixes ``P = cost_ratio``, ``D = 1`` and every call starts afresh (then γ depends only on
+the call's past acceptances and sampled draws are reproducible for a seed).
 
 Greedy output is token-identical to the composition's (up to float ties: a block forward sums in a
 different order than one-token steps), whatever γ each block takes. Sampled output follows the
@@ -77,7 +81,7 @@ DEFAULT_MAX_GAMMA = 8
 _DECAY = 0.8  # the acceptance rate that adapts γ weighs the last ~5 blocks most
 _PRIOR = (1.6, 0.4)  # pseudo-counts (accepted, rejected) of that rate: 0.8 before any block
 DRAFT_MARGIN = 0.05  # draft only when blocks are expected 5 % faster than plain steps
-_PROBE_GAMMA = 2  # drafts in a probe block while plain steps are the faster
+_PROBE_GAMMA = 1  # drafts in a probe block while plain steps are the faster
 _PROBE_EVERY = (8, 64)  # plain steps before a probe: 8, doubling after each failed probe, to 64
 _REMEASURE_EVERY = 32  # drafted blocks between two plain steps that re-measure P
 _EMA_WEIGHT = 0.3  # of the newest timing in the running P and D
@@ -200,6 +204,7 @@ class _CachedDraft:
         self.pad_id, self.device = pad_id, device
         self.todo: list[list[int]] = [[] for _ in range(batch)]
         self._start = 0
+        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def session(self):
         return self.candidate.runner.session()
@@ -208,15 +213,31 @@ class _CachedDraft:
     def forward_passes(self) -> int:
         return self.candidate.runner.forward_passes
 
-    def prefill(self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int]) -> None:
-        self.track.feed(prefix, prefix_mask, last_only=True)
+    @property
+    def prompt_pending(self) -> bool:
+        return self._prefix is not None
+
+    def prefill(
+        self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int], now: bool
+    ) -> None:
+        """``now=False``: the prompt waits for the first proposal (a batch decoded in plain steps
+        alone never runs the draft)."""
+        self._prefix = (prefix, prefix_mask)
         self.todo = [[t] for t in last]
+        if now:
+            self.track.feed(prefix, prefix_mask, last_only=True)
+            self._prefix = None
 
     def _lp(self, logits: list[torch.Tensor]) -> torch.Tensor:
         return self.candidate.compose([z[:, -1] for z in logits], eos_ids=self.eos_ids)
 
     def propose(self, gamma: int, choose: Chooser) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ids, valid = left_pad(self.todo, self.pad_id, self.device)
+        if self._prefix is not None:  # the prompt and what was decided since, in one forward
+            prefix, prefix_mask = self._prefix
+            ids = torch.cat([prefix, ids], dim=1)
+            valid = torch.cat([prefix_mask.to(valid.dtype), valid], dim=1)
+            self._prefix = None
         self._start = self.track.slots + ids.shape[1]
         lp = self._lp(self.track.feed(ids, valid, last_only=True))
         drafts, qs = [], []
@@ -258,10 +279,14 @@ class _TeacherForcedDraft:
         self.sequences: list[list[int]] = [[] for _ in range(batch)]
         self.forward_passes = 0
 
+    prompt_pending = False  # nothing is cached
+
     def session(self):
         return contextlib.nullcontext()
 
-    def prefill(self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int]) -> None:
+    def prefill(
+        self, prefix: torch.Tensor, prefix_mask: torch.Tensor, last: list[int], now: bool
+    ) -> None:
         self.sequences = [
             [int(t) for t, m in zip(row, mask) if m] + [token]
             for row, mask, token in zip(prefix.tolist(), prefix_mask.tolist(), last)
@@ -291,6 +316,12 @@ class _TeacherForcedDraft:
 # ---------------------------------------------------------------------------- block length
 
 
+def expected_tokens(gamma: int, acceptance: float) -> float:
+    """Tokens a block of ``gamma`` drafts decides in expectation, ``(1 − α^{γ+1}) / (1 − α)``."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return gamma + 1.0 if a >= 1.0 else (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
 def best_gamma(acceptance: float, cost_ratio: float, max_gamma: int) -> int:
     """The γ in ``1 … max_gamma`` maximising expected decided tokens per unit of work.
 
@@ -314,11 +345,14 @@ def worth_drafting(gamma: int, acceptance: float, cost_ratio: float) -> bool:
 
 
 class _Schedule:
-    """The γ of each block of one batch: drafts while they pay, plain steps (γ = 0) otherwise.
+    """The γ of each block: drafts while they pay, plain steps (γ = 0) otherwise.
 
     Running per-token acceptance (decayed counts of accepted and rejected drafts) and, unless
     ``cost_ratio`` fixes them, the measured seconds of a plain step (``P``) and of one drafted
-    token (``D``: a block's seconds less ``P``, per draft).
+    token (``D``: a block's seconds less ``P``, per draft). With measured costs a decoder keeps
+    its schedule from one batch to the next, as if its batches were one
+    long generation: a new batch starts where the last one stopped — drafting at the learnt γ, or
+    in plain steps with the probes' wait where it was — instead of learning everything again.
     """
 
     def __init__(self, gamma: int, adaptive: bool, max_gamma: int, cost_ratio: float | None):
@@ -326,6 +360,7 @@ class _Schedule:
         self.accepted = self.rejected = 0.0
         self.plain_seconds: float | None = None  # P
         self.token_seconds: float | None = None  # D
+        self.block_seconds: dict[int, float] = {}  # γ → seconds of a block of γ drafts
         self.best = gamma  # the block length that maximises tokens per unit of work (≥ 1)
         # Measured costs: the first block is a plain step, so P is known from the start.
         self.gamma = 0 if adaptive and cost_ratio is None else gamma
@@ -335,6 +370,11 @@ class _Schedule:
         self.blocks_since_plain = 0
         self.drafted_last = False  # the last block drafted: the draft is (nearly) in sync
 
+    @property
+    def drafts_soon(self) -> bool:
+        """The next block drafts, or the one after it will (to measure D)."""
+        return self.gamma > 0 or (self.adaptive and self.ratio() is None)
+
     def ratio(self) -> float | None:
         """One plain step's cost in drafted tokens, ``P / D`` (None: not measured yet)."""
         if self.cost_ratio is not None:
@@ -343,12 +383,35 @@ class _Schedule:
             return None
         return self.plain_seconds / max(self.token_seconds, 0.02 * self.plain_seconds)
 
+    def block_cost(self, gamma: int) -> float:
+        """Seconds of a block of ``gamma`` drafts: measured for the γ used so far, else
+        ``P + γ·D`` (a forward's cost is not linear in its width: on a CPU, verifying 3 tokens
+        can cost more than 5 do, so each γ's own blocks decide where they were timed)."""
+        measured = self.block_seconds.get(gamma)
+        if measured is not None:
+            return measured
+        return self.plain_seconds + gamma * max(self.token_seconds, 0.02 * self.plain_seconds)
+
+    def _best_measured(self) -> tuple[int, bool]:
+        """The γ of most expected tokens per second, and whether it beats plain steps (1 / P) by
+        :data:`DRAFT_MARGIN`."""
+        a = self.rate()
+        speed = {
+            g: expected_tokens(g, a) / self.block_cost(g) for g in range(1, self.max_gamma + 1)
+        }
+        best = max(speed, key=speed.__getitem__)
+        return best, speed[best] > (1.0 + DRAFT_MARGIN) / self.plain_seconds
+
     def rate(self) -> float:
         # A weak prior (0.8) keeps one lucky or unlucky block from deciding alone.
         return (self.accepted + _PRIOR[0]) / (self.accepted + self.rejected + sum(_PRIOR))
 
-    def update(self, gamma: int, accepted: int, rejected: int, seconds: float) -> None:
-        """After a block of ``gamma`` drafts (0: a plain step) that took ``seconds``."""
+    def update(
+        self, gamma: int, accepted: int, rejected: int, seconds: float, prompt: bool = False
+    ) -> None:
+        """After a block of ``gamma`` drafts (0: a plain step) that took ``seconds``; ``prompt``:
+        the block fed the draft its prompt (the first drafted block of a batch begun in plain
+        steps)."""
         if not self.adaptive:
             return
         if gamma == 0:
@@ -358,20 +421,30 @@ class _Schedule:
         else:
             self.accepted = _DECAY * self.accepted + accepted
             self.rejected = _DECAY * self.rejected + rejected
-            # After plain steps the draft first catches up on them: not a cost of drafting (one
-            # plain step leaves it two tokens behind, as a fully accepted block does).
-            if (self.drafted_last or self.plain_run <= 1) and self.plain_seconds is not None:
+            # After plain steps the draft first catches up on them (and, in a batch begun in
+            # plain steps, on its prompt): not a cost of drafting (one plain step leaves it two
+            # tokens behind, as a fully accepted block does).
+            in_sync = (self.drafted_last or self.plain_run <= 1) and not prompt
+            # A block cut short by the end of the generation is not timed: a short call's last
+            # (or only) block would otherwise decide the costs of the γ chosen for the next.
+            if in_sync and gamma == self.gamma and self.plain_seconds is not None:
                 extra = max(seconds - self.plain_seconds, 0.0) / gamma
                 self.token_seconds = _ema(self.token_seconds, extra)
+                self.block_seconds[gamma] = _ema(self.block_seconds.get(gamma), seconds)
             self.plain_run = 0
             self.blocks_since_plain += 1
         self.drafted_last = gamma > 0
         ratio = self.ratio()
-        if ratio is None:  # D not measured yet: draft at the initial γ
+        if ratio is None:  # D not measured yet: a block of the initial γ measures it
+            # (not a shorter one: the cost of a narrow verification says little of wider ones)
             self.gamma = self.best
             return
-        self.best = best_gamma(self.rate(), ratio, self.max_gamma)
-        if worth_drafting(self.best, self.rate(), ratio):
+        if self.cost_ratio is not None:
+            self.best = best_gamma(self.rate(), ratio, self.max_gamma)
+            worth = worth_drafting(self.best, self.rate(), ratio)
+        else:
+            self.best, worth = self._best_measured()
+        if worth:
             self.gamma, self.probe_every, self.probing = self.best, _PROBE_EVERY[0], False
             if self.cost_ratio is None and self.blocks_since_plain >= _REMEASURE_EVERY:
                 self.gamma = 0  # one plain step now and then keeps P current
@@ -450,6 +523,8 @@ class SpeculativeDecoder(DecodingCandidate):
         if cost_ratio is not None and not (isinstance(cost_ratio, (int, float)) and cost_ratio > 0):
             raise ValueError(f"cost_ratio must be a number > 0 or None, got {cost_ratio!r}")
         self.cost_ratio = None if cost_ratio is None else float(cost_ratio)
+        # Measured costs: acceptance, P, D and γ carry from one batch to the next (_schedule).
+        self._carried_schedule: _Schedule | None = None
         # Sliding-window caches count slots, holes included: decode one prompt at a time.
         self._one_row_at_a_time = self.runner.has_sliding_window() or (
             self._cached_draft and draft.runner.has_sliding_window()
@@ -546,7 +621,7 @@ class SpeculativeDecoder(DecodingCandidate):
         draft = draft_class(self.draft, batch, self.pad_id, self.device, settings)
         eos_ids = self.call_eos_ids(settings)
         verifier = _CacheTrack(self.runner, batch, self.device)
-        schedule = _Schedule(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        schedule = self._schedule()
         # CPU: this process's CPU seconds, the work itself (the wall clock of a shared machine
         # counts the time other processes run); GPU: wall seconds (each block syncs).
         clock = time.perf_counter if self.device.type == "cuda" else time.process_time
@@ -559,7 +634,8 @@ class SpeculativeDecoder(DecodingCandidate):
         pending = ids[:, -1].clone()
         with self.runner.session(), draft.session():
             verifier.feed(ids[:, :-1], mask[:, :-1], last_only=True)
-            draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist())
+            # The draft's prompt waits while the batch starts in plain steps (a carried schedule).
+            draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist(), now=schedule.drafts_soon)
             while not all(rows.done):
                 block_started = clock()
                 # A block decides up to γ + 1 tokens of a row: draft no further than its end.
@@ -579,6 +655,7 @@ class SpeculativeDecoder(DecodingCandidate):
                         plain[r] += 1
                     schedule.update(0, 0, 0, clock() - block_started)
                     continue
+                prompt = draft.prompt_pending
                 drafts, qs = draft.propose(gamma, choose)
                 start = verifier.slots
                 block = torch.cat([pending.unsqueeze(-1), drafts], dim=1)  # [B, γ + 1]
@@ -619,6 +696,7 @@ class SpeculativeDecoder(DecodingCandidate):
                     sum(n_list[r] for r in used),
                     sum(n_list[r] < row_gamma[r] for r in used),
                     clock() - block_started,
+                    prompt,
                 )
         seconds = time.perf_counter() - started
         verify_passes = self.runner.forward_passes - verify_before
@@ -636,6 +714,15 @@ class SpeculativeDecoder(DecodingCandidate):
             for r in range(batch)
         ]
         return rows.generations(prompts, verify_passes + draft_passes, seconds, cost)
+
+    def _schedule(self) -> _Schedule:
+        """This batch's schedule: with measured costs the decoder's own, kept from its last batch;
+        a fixed γ or ``cost_ratio`` starts afresh (a call then depends on its inputs alone)."""
+        if not self.adaptive or self.cost_ratio is not None:
+            return _Schedule(self.gamma, self.adaptive, self.max_gamma, self.cost_ratio)
+        if self._carried_schedule is None:
+            self._carried_schedule = _Schedule(self.gamma, True, self.max_gamma, None)
+        return self._carried_schedule
 
     def _plain_step(
         self,
