@@ -56,9 +56,13 @@ def _models(vocab: int, arch: str, scale: float = 0.15):
 def _lora(base, arch: str, seed: int, scale: float = 0.15):
     targets = ["c_attn", "c_fc"] if arch == "gpt2" else ["q_proj", "v_proj", "up_proj"]
     config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-        fan_in_fan_out=(arch == "gpt2"), init_lora_weights=False,
-    )  # fmt: skip
+        r=4,
+        lora_alpha=8,
+        target_modules=targets,
+        lora_dropout=0.0,
+        fan_in_fan_out=(arch == "gpt2"),
+        init_lora_weights=False,
+    )
     torch.manual_seed(seed)
     peft_model = get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():
@@ -96,7 +100,9 @@ def test_greedy_equals_plain_composition_over_long_generations(tok, arch, expert
     else:
         base = tiny_causal_lm(len(tok), architecture=arch, seed=0, initializer_range=0.3)
         adapters = [_lora(base, arch, seed) for seed in (1, 2)]
-        composed = ComposedDecoder.from_lora(base, adapters, tok, weights=[1.0, 0.8], eos_token_ids=[])  # fmt: skip
+        composed = ComposedDecoder.from_lora(
+            base, adapters, tok, weights=[1.0, 0.8], eos_token_ids=[]
+        )
     settings = GenerationSettings(
         max_new_tokens=200, batch_size=4, return_component_logprobs=True
     )  # no EOS: every row decodes all 200 tokens
@@ -145,26 +151,26 @@ def _compositions(tok):
             [e1, e2],
             tok,
             composition=Composition.weighted("base", ["expert1", "expert2"], temperature=0.7),
-        ),  # fmt: skip
+        ),
         "cfg": ComposedDecoder(
             base,
             [e1],
             tok,
             composition=Composition.classifier_free_guidance("base", "expert1", 1.5),
-        ),  # fmt: skip
+        ),
         "dexperts": ComposedDecoder.from_models(
             {"base": base, "expert": e1, "anti": e2},
             Composition.dexperts("base", "expert", "anti", 0.5),
             tok,
-        ),  # fmt: skip
+        ),
         "product_of_experts": ComposedDecoder(
             None, [e1, e2], tok, composition=Composition.product_of_experts(["expert1", "expert2"])
-        ),  # fmt: skip
+        ),
         "proxy_tuning": ComposedDecoder.from_models(
             {"large": large, "small_tuned": e1, "small_base": base},
             Composition.proxy_tuning("large", "small_tuned", "small_base"),
             tok,
-        ),  # fmt: skip
+        ),
         "eos_base": ComposedDecoder(base, [e1, e2], tok, eos_policy="base"),
         "eos_max": ComposedDecoder(base, [e1, e2], tok, eos_policy="max"),
         "eos_min": ComposedDecoder(base, [e1, e2], tok, eos_policy="min"),
@@ -193,7 +199,10 @@ def test_every_composition_eos_policy_and_stop_strings(tok):
         # Stop strings end rows mid-block exactly where plain decoding ends them.
         stop = next(g.text[2:4] for g in plain if len(g.text) >= 6)
         stopped = settings.__class__(**{**settings.to_dict(), "stop_strings": (stop,)})
-        _same(SpeculativeDecoder(composed, draft, gamma=3).generate(PROMPTS, stopped), composed.generate(PROMPTS, stopped))  # fmt: skip
+        _same(
+            SpeculativeDecoder(composed, draft, gamma=3).generate(PROMPTS, stopped),
+            composed.generate(PROMPTS, stopped),
+        )
     assert finish["eos"] and finish["length"]  # EOS inside a block was exercised
 
 
@@ -204,7 +213,10 @@ def test_per_call_eos_ids_reach_the_eos_policy(tok):
     settings = GenerationSettings(
         max_new_tokens=24, batch_size=4, eos_token_ids=[tok.convert_tokens_to_ids("e")]
     )
-    _same(SpeculativeDecoder(composed, gamma=3).generate(PROMPTS, settings), composed.generate(PROMPTS, settings))  # fmt: skip
+    _same(
+        SpeculativeDecoder(composed, gamma=3).generate(PROMPTS, settings),
+        composed.generate(PROMPTS, settings),
+    )
 
 
 def test_sliding_window_models_roll_back_one_row_at_a_time(tok):
@@ -214,12 +226,22 @@ def test_sliding_window_models_roll_back_one_row_at_a_time(tok):
 
     torch.manual_seed(0)
     config = MistralConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, sliding_window=6, initializer_range=0.3,
-        eos_token_id=1, pad_token_id=0, bos_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        sliding_window=6,
+        initializer_range=0.3,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
     base = MistralForCausalLM(config).eval()
-    composed = ComposedDecoder(base, [_perturbed(base, 0.1, s) for s in (1, 2)], tok, eos_token_ids=[])  # fmt: skip
+    composed = ComposedDecoder(
+        base, [_perturbed(base, 0.1, s) for s in (1, 2)], tok, eos_token_ids=[]
+    )
     settings = GenerationSettings(max_new_tokens=40, batch_size=1)
     plain = composed.generate(PROMPTS[:3], settings)
     speculative = SpeculativeDecoder(composed, gamma=3)
@@ -575,17 +597,17 @@ def test_sampling_follows_the_composition_exactly_chi_square():
         "task_arithmetic_draft": (
             SpeculativeDecoder(composed, gamma=2, adaptive=False),
             dict(temperature=1.3, top_k=6),
-        ),  # fmt: skip
+        ),
         "unrelated_draft": (
             SpeculativeDecoder(composed, unrelated, gamma=2, adaptive=False),
             dict(temperature=0.8, top_p=0.9),
-        ),  # fmt: skip
+        ),
         "always_wrong_draft": (
             SpeculativeDecoder(
                 composed, SabotagedCandidate(composed, 1, None), gamma=2, adaptive=False
             ),
             dict(temperature=1.0),
-        ),  # fmt: skip
+        ),
         # Measured costs: in the first batch token 1 from a plain step, token 2 from a block.
         "plain_step_then_block": (SpeculativeDecoder(composed, gamma=2), dict(temperature=1.0)),
     }

@@ -681,9 +681,11 @@ class SpeculativeDecoder(DecodingCandidate):
                     accepted[r] += n_list[r]
                     for i in range(n_list[r] + 1):
                         rows.add(
-                            r, decided_list[r][i], logprobs[r][i],
+                            r,
+                            decided_list[r][i],
+                            logprobs[r][i],
                             components[r][i] if components else None,
-                        )  # fmt: skip
+                        )
                         if rows.done[r]:
                             break
                 # Roll back: the verifier keeps t, d_1 … d_n; the final token is fed next block.
