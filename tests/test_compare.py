@@ -520,6 +520,39 @@ def test_seed_level_interval_hand_computed():
     assert (r["low"], r["high"]) == (ci["low"], ci["high"]) and r["low"] < 0.425 < r["high"]
 
 
+def test_table_shows_the_holm_adjusted_p_of_each_row_against_the_best_expert():
+    from mergelab.compare.statistics import per_seed_statistics
+
+    items = [f"i{k}" for k in range(12)]
+    outcome = lambda wins: {i: float(k < wins) for k, i in enumerate(items)}  # noqa: E731
+    test = {"arith": {"expert": outcome(0), "a": outcome(6), "b": outcome(5), "c": outcome(1)}}
+    stats = per_seed_statistics(test, {"arith": "expert"}, n_boot=200, confidence=0.95, seed=0)
+    vs = stats["arith"]["vs_best_expert"]
+    # raw p: 2·0.5⁶, 2·0.5⁵, 1; Holm: ×3, ×2 (kept non-decreasing), ×1
+    assert [vs[r]["p_value"] for r in "abc"] == pytest.approx([2 / 64, 2 / 32, 1.0])
+    assert [vs[r]["p_holm"] for r in "abc"] == pytest.approx([6 / 64, 4 / 32, 1.0])
+    data = {
+        "name": "holm",
+        "seeds": [0],
+        "benchmarks": {"arith": {}},
+        "rows": [
+            {"row": r, "family": "expert" if r == "expert" else "merge"} for r in test["arith"]
+        ],
+        "choices": {"0": {"families": {}}},
+        "costs": {},
+        "statistics": {
+            "per_seed": {"0": stats},
+            "across_seeds": None,
+            "confidence": 0.95,
+            "bootstrap_samples": 200,
+        },
+    }
+    table = mc.markdown_table(data)
+    assert "| p | p Holm |" in table and "rows against the best expert" in table
+    row_a = next(line for line in table.splitlines() if line.startswith("| a |"))
+    assert row_a.split(" | ")[-4:-2] == ["0.031", "0.094"]
+
+
 def test_several_seeds_report_per_seed_values_and_a_seed_interval(world, tmp_path):
     spec = _spec_dict(world, seeds=[0, 1])
     spec["candidates"] = spec["candidates"][:2]

@@ -608,6 +608,55 @@ def test_seed_summary_reports_each_seed_and_the_range():
     assert (p1["a_only"], p1["b_only"], p1["p_value"]) == (0, 1, 1.0)
 
 
+def test_seed_summary_holm_adjusts_each_family_across_the_seeds():
+    """Holm over every test of a family, all seeds together, beside the raw p-values."""
+    from studies.llm.seeds import CORRECTIONS, markdown, summarise
+
+    def run(seed, vs_p, remedy_p):
+        per = lambda xs: {"per_item": dict(zip("abcd", xs)), "score": {"mean": sum(xs) / 4}}  # noqa: E731
+        return {
+            "config": {"seed": seed},
+            "candidates": {
+                "composition": {"mixed": per([1, 1, 1, 0])},
+                "task_arithmetic": {"mixed": per([0, 0, 0, 0] if seed == 0 else [1, 1, 0, 0])},
+            },
+            "paired_vs_best_expert": {
+                "mixed": {"vs": {c: {"mcnemar": {"p_value": p}} for c, p in vs_p.items()}}
+            },
+            "remedies": {
+                "rows": {
+                    "plain": {"benchmarks": {"count": {"score": {"mean": 0.0}}}},
+                    "weight": {
+                        "weight": 0.5,
+                        "eos_policy": "plain",
+                        "benchmarks": {"count": {"score": {"mean": 0.25}}},
+                        "vs_plain": {"count": {"mcnemar": {"p_value": remedy_p}}},
+                    },
+                }
+            },
+        }
+
+    out = summarise(
+        {
+            "s0": run(0, {"composition": 0.01, "task_arithmetic": 0.04}, 0.0078),
+            "s1": run(1, {"composition": 0.02, "task_arithmetic": 0.5}, 0.25),
+        }
+    )
+    # 4 tests vs the best expert on mixed: 0.01·4, 0.02·3, 0.04·2, 0.5·1
+    holm_vs = out["holm_vs_best_expert"]["mixed"]
+    assert holm_vs["composition"] == pytest.approx([0.04, 0.06])
+    assert holm_vs["task_arithmetic"] == pytest.approx([0.08, 0.5])
+    # the head-to-head pair at two seeds: 0.25 · 2, then max(0.5, 1.0)
+    pair = out["pairs"]["composition vs task_arithmetic"]["mixed"]
+    assert [t["p_holm"] for t in pair] == pytest.approx([0.5, 1.0])
+    # remedy × benchmark × seed: 0.0078 · 2 = 0.0156, 0.25
+    assert out["remedies"]["weight"]["holm_vs_plain"]["count"] == pytest.approx([0.0156, 0.25])
+    assert set(out["corrections"]) == set(CORRECTIONS)
+    table = markdown(out)
+    assert "0.01 (0.04) / 0.02 (0.06)" in table and "0.0078 (0.016) / 0.25 (0.25)" in table
+    assert CORRECTIONS["holm_vs_best_expert"] in table
+
+
 def test_eos_profile_equals_the_models_own_eos_probabilities():
     """p(EOS) along the reference, recomputed from the model's logits by hand."""
     import dataclasses

@@ -5,7 +5,8 @@ the last two drawn from results.json alone (``--plot-only`` redraws them from th
       results.json          spec, versions, splits, every job's per-item scores, choices,
                             statistics, costs
       table.md              one row per candidate: test score [95% CI] per benchmark, the
-                            difference to the best single expert [CI] with its p-value, cost
+                            difference to the best single expert [CI] with its p-value and the
+                            Holm-adjusted p (family: the rows vs the best expert), cost
       figures/scores.png    score with CI per benchmark (baselines as dashed floors)
       figures/score_vs_cost.png
 """
@@ -92,6 +93,7 @@ def summary_rows(data: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "high": pb["high"],
                     "p": vs["p_value"],
                     "p_kind": vs["p_value_kind"],
+                    "p_holm": vs.get("p_holm"),
                 }
                 if multi and row in multi["benchmarks"][bench]["vs_best_expert"]:
                     d = multi["benchmarks"][bench]["vs_best_expert"][row]
@@ -128,12 +130,14 @@ def markdown_table(data: Mapping[str, Any]) -> str:
     lines.append(
         f"Test scores (%), {interval}. Δ: difference to the best single expert (chosen "
         "on validation) with its paired bootstrap CI; p: exact McNemar test for "
-        "binary outcomes" + (" (first seed)" if multi else "") + "."
+        "binary outcomes" + (" (first seed)" if multi else "") + "; p Holm: p adjusted by "
+        "Holm's step-down method over its family, the rows against the best expert on the same "
+        "benchmark" + (" and seed" if multi else "") + "."
     )
     lines.append("")
     head = ["candidate", "family", "chosen on validation"]
     for b in benches:
-        head += [f"{b}", f"Δ {b}", "p"]
+        head += [f"{b}", f"Δ {b}", "p", "p Holm"]
     head += ["model evals/token", "ms/token"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
@@ -147,13 +151,14 @@ def markdown_table(data: Mapping[str, Any]) -> str:
             cells.append(_ci(e["score"]))
             if e["diff"] is None:
                 best = e["best_expert"] == row
-                cells += ["best expert" if best else "–", "–"]
+                cells += ["best expert" if best else "–", "–", "–"]
             else:
                 d = e["diff"]
                 sign = "+" if d["mean"] >= 0 else ""
                 cells += [
                     f"{sign}{_pct(d['mean'])} [{_pct(d['low'])}, {_pct(d['high'])}]",
                     _p(d["p"]),
+                    "–" if d["p_holm"] is None else _p(d["p_holm"]),
                 ]
         cost = [by[(row, b)]["cost"] for b in benches if by[(row, b)]["cost"]]
         evals = cost[0]["model_evaluations_per_token"] if cost else None

@@ -10,6 +10,12 @@ honest statement of spread, not an interval); the same for the trivial baselines
 experts termination measures and the remedies; and each seed's exact McNemar p-value of every
 candidate against that seed's best single expert, and of the composition against the weight
 merges head to head.
+
+Every p-value also comes Holm-adjusted over the family a claim would be picked from
+(``corrections`` names each family; :func:`mergelab.eval.stats.holm`): every row × seed against
+the best expert on one benchmark; every head-to-head pair × benchmark × seed; every remedy ×
+benchmark × seed against the plain composition. The families span the seeds, so "significant at
+one seed" is judged among all the seeds' tests.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mergelab.eval.stats import mcnemar_exact
+from mergelab.eval.stats import holm, mcnemar_exact
 from mergelab.outputs import atomic_output_file
 from mergelab.results import json_with_keys, starts_with, write_json_atomic
 
@@ -132,11 +138,56 @@ def summarise(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for a, b in PAIRS
         if a in table and b in table
     }
+    _add_holm(out)
     out["runtime_seconds"] = {
         k: [_get(r, "runtime_seconds", k) for r in runs.values()]
         for k in first.get("runtime_seconds", {})
     }
     return out
+
+
+# The families the Holm-adjusted p-values are computed over (summary["corrections"]).
+CORRECTIONS = {
+    "holm_vs_best_expert": "Holm over every row × seed against that seed's best single expert "
+    "on one benchmark (exact McNemar)",
+    "pairs.p_holm": "Holm over every head-to-head pair × benchmark × seed (exact McNemar)",
+    "remedies.holm_vs_plain": "Holm over every remedy × benchmark × seed against the plain "
+    "3-expert composition (exact McNemar)",
+}
+
+
+def holm_lists(family: dict[Any, list[float | None]]) -> dict[Any, list[float | None]]:
+    """Holm over every p-value of ``family`` (key → one p per seed; None: no test), in the same
+    shape."""
+    flat = {(k, i): p for k, ps in family.items() for i, p in enumerate(ps) if p is not None}
+    adj = holm(flat) if flat else {}
+    return {k: [adj.get((k, i)) for i in range(len(ps))] for k, ps in family.items()}
+
+
+def _add_holm(out: dict[str, Any]) -> None:
+    """Holm-adjusted p-values beside the raw ones, one family per block (:data:`CORRECTIONS`)."""
+    out["holm_vs_best_expert"] = {
+        b: holm_lists(per) for b, per in out["mcnemar_vs_best_expert"].items()
+    }
+    pairs = {
+        (pair, b): [t["p_value"] if t else None for t in tests]
+        for pair, per in out["pairs"].items()
+        for b, tests in per.items()
+    }
+    for (pair, b), adjusted in holm_lists(pairs).items():
+        for t, p in zip(out["pairs"][pair][b], adjusted):
+            if t is not None:
+                t["p_holm"] = p
+    remedies = holm_lists(
+        {
+            (label, b): ps
+            for label, row in out["remedies"].items()
+            for b, ps in row["mcnemar_vs_plain"].items()
+        }
+    )
+    for label, row in out["remedies"].items():
+        row["holm_vs_plain"] = {b: remedies[(label, b)] for b in row["mcnemar_vs_plain"]}
+    out["corrections"] = CORRECTIONS
 
 
 TERMINATION_MEASURES = {
@@ -212,8 +263,54 @@ def markdown(summary: dict[str, Any]) -> str:
             + " | ".join(cell(per[b]) if b in per else "–" for b in benches)
             + " |"
         )
+    lines += ["", *tests_markdown(summary)]
     lines += ["", *termination_markdown(summary), "", *remedies_markdown(summary)]
     return "\n".join(lines)
+
+
+def _ps(raw: list[float | None], adjusted: list[float | None]) -> str:
+    """Per-seed "raw (Holm)" p-values, "–" for a seed without the test."""
+    return " / ".join(
+        "–" if p is None else f"{p:.2g}" + ("" if q is None else f" ({q:.2g})")
+        for p, q in zip(raw, adjusted, strict=True)
+    )
+
+
+def tests_markdown(summary: dict[str, Any]) -> list[str]:
+    """Per-seed exact McNemar p-values with their Holm-adjusted values, each family named."""
+    vs, adj = summary["mcnemar_vs_best_expert"], summary.get("holm_vs_best_expert")
+    if adj is None:  # a summary written before the corrections
+        return []
+    benches = list(vs)
+    out = [
+        "Against each seed's best single expert: exact McNemar p per seed, Holm-adjusted in "
+        f"brackets ({CORRECTIONS['holm_vs_best_expert']}):",
+        "",
+        "| candidate | " + " | ".join(benches) + " |",
+        "|---" * (len(benches) + 1) + "|",
+    ]
+    for c in next(iter(vs.values())):
+        cells = [
+            _ps(vs[b][c], adj[b][c]) if any(p is not None for p in vs[b][c]) else "–"
+            for b in benches
+        ]
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    if summary["pairs"]:
+        out += [
+            "",
+            f"Head to head: exact McNemar p per seed (Holm in brackets: {CORRECTIONS['pairs.p_holm']}):",
+            "",
+            "| pair | " + " | ".join(benches) + " |",
+            "|---" * (len(benches) + 1) + "|",
+        ]
+        for pair, per in summary["pairs"].items():
+            cells = []
+            for b in benches:
+                tests = per.get(b) or []
+                raw = [t["p_value"] if t else None for t in tests]
+                cells.append(_ps(raw, [t["p_holm"] if t else None for t in tests]))
+            out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _fmt(s: dict[str, Any], scale: float = 1.0, digits: int = 1) -> str:
@@ -262,7 +359,8 @@ def remedies_markdown(summary: dict[str, Any]) -> list[str]:
     benches = list(next(iter(rem.values()))["scores"])
     out = [
         "Remedies for 3 experts, chosen on validation, on test (score %, mean [min–max]; "
-        "per-seed choice (w, EOS policy); per-seed exact McNemar p vs plain):",
+        "per-seed choice (w, EOS policy); per-seed exact McNemar p vs plain, Holm-adjusted in "
+        f"brackets: {CORRECTIONS['remedies.holm_vs_plain']}):",
         "",
         "| remedy | chosen per seed | " + " | ".join(benches) + " |",
         "|---" * (len(benches) + 2) + "|",
@@ -272,7 +370,8 @@ def remedies_markdown(summary: dict[str, Any]) -> list[str]:
         cells = []
         for b in benches:
             ps = row["mcnemar_vs_plain"].get(b) or []
-            pv = "/".join(f"{p:.2g}" for p in ps if p is not None)
+            held = row.get("holm_vs_plain", {}).get(b) or [None] * len(ps)
+            pv = _ps(ps, held) if any(p is not None for p in ps) else ""
             cells.append(_fmt(row["scores"][b], 100) + (f" (p {pv})" if pv else ""))
         out.append(f"| {label} | {chosen} | " + " | ".join(cells) + " |")
     return out
