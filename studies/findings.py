@@ -54,6 +54,7 @@ TOST_MARGIN = 0.10  # equivalence margin (10 points of accuracy), fixed before a
 ALPHA = 0.05
 SMOLLM2_NEW = "results/llm/smollm2_n150_seed{}/results.json"  # the n = 150 runs (seeds 0-2)
 SMOLLM2_OLD = ("results/llm/smollm2/results.json", "results/llm/smollm2_seed1/results.json")
+THREE_EXPERTS = "results/llm/three_experts_smollm2.json"  # studies.llm.three_experts's output
 MINI_SEEDS = tuple(f"results/llm/mini_seed{s}/results.json" for s in (0, 1, 2))
 
 
@@ -738,6 +739,93 @@ def _lengthened_and_reference(res: list[dict]) -> list[str]:
     return out
 
 
+def smollm2_three_expert_cause(root: Path) -> Finding:
+    """The 3-expert drop read item by item (:mod:`studies.llm.three_experts`, the analysis
+    committed as ``THREE_EXPERTS``): does early stopping cause it?"""
+    from studies.llm.three_experts import analyse
+
+    res, kind = smollm2_files(root)
+    files = [SMOLLM2_NEW.format(s) for s in (0, 1, 2)] if kind == "new" else list(SMOLLM2_OLD)
+    a = analyse(dict(zip(files, res)))
+    cells = [
+        (r["seed"], b, e)
+        for r in a["runs"].values()
+        for b, e in r["benchmarks"].items()
+        if b in ("math", "mixed")
+    ]
+    v = a["summary"]["verdicts"]
+    where = f"`{THREE_EXPERTS}` (`python -m studies.llm.three_experts`) from " + _smollm2_where(
+        kind, root
+    )
+
+    def runs_text(e: dict) -> str:
+        return ", ".join(
+            f"{name.removeprefix('eos_policy ')} {run['tokens']:.1f} tokens / {pct(run['score'])}% "
+            f"({run['category']})"
+            for name, run in e["lengthening"].items()
+        )
+
+    if kind == "old":
+        possible = sum(e["drop_best_case"]["smallest_possible_p"] <= ALPHA for *_, e in cells)
+        text = "; ".join(
+            f"seed {s} {b}: {pct(e['score_2_experts'])} → {pct(e['score_3_experts'])} (n = "
+            f"{e['n']}, smallest p any pairing allows {p_text(e['drop_best_case']['smallest_possible_p'])}); "
+            f"3 experts {e['tokens_3_experts']:.1f} tokens, {runs_text(e)}"
+            for s, b, e in cells
+        )
+        return Finding(
+            "llm smollm2",
+            '"A third expert makes the composition stop too early, and that causes its drop" '
+            "— the n = 40 files keep no per-item outcomes for the 2-vs-3 rows, so no paired test "
+            f"is possible (verdict per_item_not_recorded in {v['per_item_not_recorded']} seed × "
+            f"benchmark cells); from the scores alone the drop could reach p ≤ {ALPHA} at best in "
+            f"{possible} of {len(cells)} math/mixed cells",
+            f"{where}: {text}",
+            "pending: runs in progress",
+            f"per-item outcomes not recorded (n = {cells[0][2]['n']} per set)",
+        )
+    shown = v["lengthening_restores"] + v["lengthening_does_not_restore"] + v["undecided"]
+    if shown == 0:
+        status = "not reproduced"
+    elif v["lengthening_restores"] == shown:
+        status = "reproduced"
+    elif v["lengthening_does_not_restore"] == shown:
+        status = "contradicted"
+    else:
+        status = "not reproduced"
+
+    def cell_text(s: int, b: str, e: dict) -> str:
+        d, lost = e["drop"], e["lost"]
+        out = (
+            f"seed {s} {b}: {pct(e['score_2_experts'])} → {pct(e['score_3_experts'])}, "
+            f"{d['b_only']}–{d['a_only']} items lost–gained, Holm p = {p_text(d['p_holm'])}"
+        )
+        if lost["by_end"]:
+            ends = lost["by_end"]
+            out += (
+                f"; lost items: {ends['stopped_early']} stopped early ("
+                f"{lost['stopped_before_shortest_reference']} before the shortest reference), "
+                f"{ends['full_length_wrong']} full-length wrong, {ends['token_limit']} at the "
+                "token limit"
+            )
+        return f"{out}; {runs_text(e)} → {e['verdict']}"
+
+    counts = ", ".join(f"{k} {n}" for k, n in v.items() if n)
+    return Finding(
+        "llm smollm2",
+        '"A third expert makes the composition stop too early, and that causes its drop" — '
+        f"read item by item over {sum(v.values())} seed × benchmark cells: the drop is shown "
+        f"(Holm) in {shown}; lengthening (other EOS policies, EOS ruled out until the shortest "
+        f"reference) restores accuracy in {v['lengthening_restores']}, leaves it significantly "
+        f"below 2 experts in {v['lengthening_does_not_restore']}, undecided in {v['undecided']}",
+        f"{where}; drop tests: {a['corrections']['drop']}; lengthening tests: "
+        f"{a['corrections']['below_two_experts']}: verdicts {counts}; "
+        + " | ".join(cell_text(*c) for c in cells),
+        status,
+        f"verdicts: {counts}",
+    )
+
+
 def smollm2_math_expert(root: Path) -> Finding:
     res, kind = smollm2_files(root)
     ps, scores = [], []
@@ -805,6 +893,7 @@ CLAIMS: tuple[Callable[[Path], Finding], ...] = (
     smollm2_ta_vs_composition,
     smollm2_floor_mixed,
     smollm2_three_experts,
+    smollm2_three_expert_cause,
     paper_table,
 )
 
@@ -827,6 +916,8 @@ HEADLINES = {
     "smollm2_ta_vs_composition": "smollm2: task arithmetic vs composition",
     "smollm2_floor_mixed": "smollm2: composition above the floor on mixed",
     "smollm2_three_experts": "smollm2: the 3rd expert's drop and what lengthening does",
+    "smollm2_three_expert_cause": "smollm2: does early stopping cause the 3rd expert's drop? "
+    "(item by item)",
     "paper_table": "paper's Gemma-2-2B table",
 }
 

@@ -88,6 +88,7 @@ def test_smollm2_rows_use_the_n150_runs_once_all_three_seeds_are_committed(tmp_p
         "smollm2_ta_vs_composition",
         "smollm2_floor_mixed",
         "smollm2_three_experts",
+        "smollm2_three_expert_cause",
     ):
         f = rows[findings.HEADLINES[name]]
         assert f.status != "pending: runs in progress", name
@@ -98,3 +99,8 @@ def test_smollm2_rows_use_the_n150_runs_once_all_three_seeds_are_committed(tmp_p
     # math 50 → 25 at seeds 0 and 2, 65 → 25 at seed 1 (20 items): 5, 8 and 5 discordant
     # items, p = 0.0625, 0.0078, 0.0625; after Holm over the seeds only seed 1's drop stands
     assert three.status == "not reproduced"
+    # item by item (studies.llm.three_experts): over 15 seed × benchmark cells Holm leaves no
+    # drop standing (seed 1's 0.0078 × 15 > 0.05), so there is nothing for lengthening to explain
+    cause = rows[findings.HEADLINES["smollm2_three_expert_cause"]]
+    assert "drop_not_shown 15" in cause.evidence and cause.status == "not reproduced"
+    assert "the drop is shown (Holm) in 0" in cause.claim
