@@ -168,3 +168,55 @@ def test_lm_eval_entry_errors_are_one_line_at_dry_run(world, tmp_path, capsys, e
     assert main(["compare", str(spec), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "benchmarks[" in err, err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "where, relation",
+    [
+        (lambda tasks, tmp: ["--out", str(tasks / "out")], "the output folder"),
+        (lambda tasks, tmp: ["--out", str(tasks)], "is the task folder"),
+        (lambda tasks, tmp: ["--out", str(tasks.parent)], "contains the task folder"),
+        (
+            lambda tasks, tmp: ["--out", str(tmp / "o"), "--cache", str(tasks / "c")],
+            "the cache folder",
+        ),
+        (lambda tasks, tmp: ["--out", str(tmp / "o"), "--cache", str(tasks)], "the cache folder"),
+    ],
+)
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_out_or_cache_overlapping_an_include_path_is_refused_before_any_work(
+    world, tmp_path, capsys, where, relation, dry_run
+):
+    """lm-eval reads every YAML under include_path, and --force would replace what is there:
+    an output or cache that is, holds or sits inside it is refused in one line, exit 2, at
+    --dry-run and at the start of a run, with nothing written."""
+    from mergelab.cli import main
+
+    tasks = tmp_path / "proj" / "tasks"
+    tasks.mkdir(parents=True)
+    for f in world["tasks"].iterdir():
+        (tasks / f.name).write_bytes(f.read_bytes())
+    spec = _spec(world, tmp_path, {"task": TASK, "include_path": str(tasks)})
+    before = _tree(tmp_path)
+    argv = ["compare", str(spec), *where(tasks, tmp_path), "--no-progress"]
+    assert main(argv + (["--dry-run"] if dry_run else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "benchmarks[sums].lm_eval.include_path" in err and relation in err, err
+    assert str(tasks) in err
+    assert _tree(tmp_path) == before  # nothing written, nothing of the user's touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj", "spec.yaml"]
+
+
+def test_run_from_python_refuses_a_cache_inside_an_include_path(world, tmp_path):
+    from mergelab.compare import run
+    from mergelab.compare.spec import SpecError
+
+    spec = _spec(world, tmp_path, {"task": TASK, "include_path": str(world["tasks"])})
+    with pytest.raises(SpecError, match="the cache folder .* is inside the task folder"):
+        run(str(spec), cache_dir=world["tasks"] / "cache")
+    assert not (world["tasks"] / "cache").exists()
