@@ -310,7 +310,7 @@ def baseline_functions(b, task: str, source: str) -> dict[str, Any]:
 
 
 def costs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per row and benchmark: cost averaged over its test jobs (all seeds), weighted by tokens."""
+    """Per row and benchmark: cost averaged over its test jobs (all seeds)."""
     out: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r["split"] != "test":
@@ -318,8 +318,17 @@ def costs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out.setdefault(r["row"], {}).setdefault(r["benchmark"], []).append(r["cost"])
     for benches in out.values():
         for b, cs in benches.items():
-            benches[b] = {k: sum(c[k] for c in cs) / len(cs) for k in cs[0]}
+            benches[b] = {k: _mean_of([c.get(k) for c in cs]) for k in cs[0]}
     return out
+
+
+def _mean_of(values: list[Any]) -> Any:
+    """The mean of numbers (None if one is unknown); a label shared by all (else "mixed")."""
+    if any(isinstance(v, str) for v in values):
+        return values[0] if len(set(values)) == 1 else "mixed"
+    if any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
 
 
 def package_versions() -> dict[str, str | None]:
