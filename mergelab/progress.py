@@ -50,6 +50,11 @@ def progress_bar(
     )
 
 
+def on_terminal(stream: TextIO | None = None) -> bool:
+    """Whether progress on ``stream`` (default stderr) is drawn as tqdm's bars."""
+    return _is_terminal(sys.stderr if stream is None else stream)
+
+
 def _is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()
@@ -160,10 +165,16 @@ def _duration(seconds: float) -> str:
 
 
 def quiet_library_bars(stream: TextIO | None = None) -> None:
-    """Outside a terminal, turn off transformers' and huggingface_hub's own bars ("Loading
-    weights"), which would fill a log with carriage returns."""
+    """Outside a terminal, turn off transformers', huggingface_hub's and datasets' own bars
+    ("Loading weights", "Generating test split"), which would fill a log with carriage returns."""
     if _is_terminal(sys.stderr if stream is None else stream):
         return
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:  # read by datasets when it is imported (an lm-eval task's data)
+        import os
+
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
 

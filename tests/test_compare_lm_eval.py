@@ -6,6 +6,7 @@ local JSONL file, tiny models built from configs.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -83,8 +84,10 @@ def test_per_item_scores_are_lm_evals_own_per_document_metrics(world, tmp_path):
     bench = load_lm_eval_task({"task": TASK, "include_path": str(world["tasks"])})
     assert [it.item_id for it in bench.items] == [str(i) for i in range(len(DOCS))]
     assert bench.items[3].prompt == DOCS[3]["question"]
-    # a subset (as a compare split is) scores each document as lm-eval's full run does
-    subset = type(bench)(bench.name, bench.task, bench.items[2:8], bench.source)
+    # a subset (as a compare split is: its items in a random order) scores each document as
+    # lm-eval's full run does
+    items = [bench.items[i] for i in (7, 2, 5, 3, 6, 4)]
+    subset = type(bench)(bench.name, bench.task, items, bench.source)
     result = evaluate(cand, subset, EvalSettings(), cache_dir=tmp_path / "c", progress=False)
     full = lm_eval.simple_evaluate(
         model=MergelabLM(cand),
@@ -98,6 +101,9 @@ def test_per_item_scores_are_lm_evals_own_per_document_metrics(world, tmp_path):
     for item in result.items:
         doc = by_doc[item["item_id"]]
         assert item["scores"] == {"acc": doc["acc"], "acc_norm": doc["acc_norm"]}
+        # the document's own log-likelihoods (0/1 scores alone could match by chance)
+        ours = json.loads(item["samples"][0]["text"])
+        assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in doc["filtered_resps"]])
     values = [it["scores"]["acc"] for it in result.items]
     assert result.score() == pytest.approx(sum(values) / len(values))
     again = evaluate(cand, subset, EvalSettings(), cache_dir=tmp_path / "c", progress=False)
@@ -137,9 +143,13 @@ def test_compare_runs_an_lm_eval_task_with_paired_statistics(world, tmp_path, ca
     assert main(["compare", str(spec), "--dry-run"]) == 0
     assert "lm_eval" in capsys.readouterr().out
     out = tmp_path / "out"
-    assert main(["compare", str(spec), "--out", str(out), "--no-progress"]) == 0, (
-        capsys.readouterr().err[-2000:]
-    )
+    code = main(["compare", str(spec), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    # Progress in a log (stderr is not a terminal here): the job lines, as for any benchmark;
+    # none of lm-eval's bars, whose carriage returns a log shows as garbled lines.
+    assert "\r" not in err and "Tokenizing inputs" not in err, err[-2000:]
+    assert "test (seed 0): 4/4 jobs (100%)" in err
     results = json.loads((out / "results.json").read_text())
     tests = [r for r in results["runs"] if r["split"] == "test"]
     assert len(tests) == 4 and all(r["metric"] == "acc" for r in tests)
@@ -150,6 +160,16 @@ def test_compare_runs_an_lm_eval_task_with_paired_statistics(world, tmp_path, ca
     assert pair["n"] == 6
     assert pair["mcnemar"]["a_only"] == sum(base[i] > math[i] for i in base)
     assert pair["mcnemar"]["b_only"] == sum(base[i] < math[i] for i in base)
+    # Cost, as the bridge measured it: lm-eval's loglikelihood requests score every choice's
+    # continuation (one token per character with this tokenizer); the time is the model's.
+    for r in tests:
+        scored = [sum(len(c) for c in DOCS[int(i)]["choices"]) for i in r["items"]]
+        assert r["cost"]["tokens_counted"] == "scored"
+        assert r["cost"]["tokens_per_item"] == pytest.approx(sum(scored) / len(scored))
+        assert r["cost"]["ms_per_token"] > 0 and r["cost"]["mean_new_tokens"] == 0
+    assert results["costs"]["base"]["sums"]["tokens_counted"] == "scored"
+    table = (out / "table.md").read_text()
+    assert "| model evals/token | scored tokens/item | ms/scored token |" in table
 
 
 @pytest.mark.parametrize(
@@ -168,3 +188,93 @@ def test_lm_eval_entry_errors_are_one_line_at_dry_run(world, tmp_path, capsys, e
     assert main(["compare", str(spec), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "benchmarks[" in err, err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "where, relation",
+    [
+        (lambda tasks, tmp: ["--out", str(tasks / "out")], "the output folder"),
+        (lambda tasks, tmp: ["--out", str(tasks)], "is the task folder"),
+        (lambda tasks, tmp: ["--out", str(tasks.parent)], "contains the task folder"),
+        (
+            lambda tasks, tmp: ["--out", str(tmp / "o"), "--cache", str(tasks / "c")],
+            "the cache folder",
+        ),
+        (lambda tasks, tmp: ["--out", str(tmp / "o"), "--cache", str(tasks)], "the cache folder"),
+    ],
+)
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_out_or_cache_overlapping_an_include_path_is_refused_before_any_work(
+    world, tmp_path, capsys, where, relation, dry_run
+):
+    """lm-eval reads every YAML under include_path, and --force would replace what is there:
+    an output or cache that is, holds or sits inside it is refused in one line, exit 2, at
+    --dry-run and at the start of a run, with nothing written."""
+    from mergelab.cli import main
+
+    tasks = tmp_path / "proj" / "tasks"
+    tasks.mkdir(parents=True)
+    for f in world["tasks"].iterdir():
+        (tasks / f.name).write_bytes(f.read_bytes())
+    spec = _spec(world, tmp_path, {"task": TASK, "include_path": str(tasks)})
+    before = _tree(tmp_path)
+    argv = ["compare", str(spec), *where(tasks, tmp_path), "--no-progress"]
+    assert main(argv + (["--dry-run"] if dry_run else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "benchmarks[sums].lm_eval.include_path" in err and relation in err, err
+    assert str(tasks) in err
+    assert _tree(tmp_path) == before  # nothing written, nothing of the user's touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj", "spec.yaml"]
+
+
+def test_run_from_python_refuses_a_cache_inside_an_include_path(world, tmp_path):
+    from mergelab.compare import run
+    from mergelab.compare.spec import SpecError
+
+    spec = _spec(world, tmp_path, {"task": TASK, "include_path": str(world["tasks"])})
+    with pytest.raises(SpecError, match="the cache folder .* is inside the task folder"):
+        run(str(spec), cache_dir=world["tasks"] / "cache")
+    assert not (world["tasks"] / "cache").exists()
+
+
+class _Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_lm_evals_progress_is_bars_on_a_terminal_and_lines_in_a_log(world, monkeypatch, terminal):
+    """On a terminal lm-eval's bars and the bridge's (tqdm) are drawn, as before; in a log the
+    bridge's request progress is mergelab.progress's plain lines and lm-eval's own bars are off
+    (no carriage returns); with progress off, nothing."""
+    from mergelab import ModelCandidate
+    from mergelab.eval.lm_eval_tasks import run_lm_eval
+
+    cand = ModelCandidate(world["math"], world["tok"], name="math")
+    bench = load_lm_eval_task({"task": TASK, "include_path": str(world["tasks"])})
+    items = [bench.items[i] for i in (4, 1, 8)]
+    stream = _Stream(terminal)
+    monkeypatch.setattr("sys.stderr", stream)
+    records = run_lm_eval(cand, items, progress=True)
+    text = stream.getvalue()
+    assert "loglikelihood (mergelab)" in text
+    if terminal:
+        assert "\r" in text and "Tokenizing inputs" in text and "9/9" in text
+    else:
+        assert "\r" not in text and "Tokenizing inputs" not in text and "%|" not in text
+        lines = [line for line in text.splitlines() if "(mergelab)" in line]
+        assert lines[0] == "loglikelihood (mergelab): 0/9 requests (0%), elapsed 0s"
+        assert lines[-1].startswith("loglikelihood (mergelab): 9/9 requests (100%)")
+    quiet = _Stream(terminal)
+    monkeypatch.setattr("sys.stderr", quiet)
+    assert run_lm_eval(cand, items, progress=False).keys() == records.keys()
+    assert "(mergelab)" not in quiet.getvalue() and "\r" not in quiet.getvalue()

@@ -297,6 +297,32 @@ def test_compare_spec_with_own_jsonl_runs_with_paired_statistics(models, tmp_pat
         math = next(r for r in tests if r["row"] == "math")["items"]
         discordant = sum(base[i] != math[i] for i in base)
         assert pair["mcnemar"]["a_only"] + pair["mcnemar"]["b_only"] == discordant
+    # Costs: scored tokens (every choice's continuation) for multiple choice, generated for
+    # exact match; measured, not 0, and labelled in the table.
+    tok = models["tok"]
+    by_id = {str(i + 1): r for i, r in enumerate(LM_EVAL_RECORDS * 2)}  # ids: line numbers
+    for r in results["runs"]:
+        cost = r["cost"]
+        assert cost["ms_per_token"] > 0 and cost["ms_per_item"] > 0
+        if r["benchmark"] == "sums_mc":
+            scored = [
+                sum(
+                    len(tok(" " + c, add_special_tokens=False)["input_ids"]) for c in rec["choices"]
+                )
+                for rec in (by_id[i] for i in r["items"])
+            ]
+            assert cost["tokens_counted"] == "scored" and cost["mean_new_tokens"] == 0
+            assert cost["tokens_per_item"] == pytest.approx(sum(scored) / len(scored))
+            assert min(scored) > 0
+        else:
+            assert cost["tokens_counted"] == "generated"
+            assert cost["tokens_per_item"] == pytest.approx(cost["mean_new_tokens"])
+    table = (out / "table.md").read_text()
+    head = next(line for line in table.splitlines() if line.startswith("| candidate"))
+    assert head.endswith("| model evals/token | tokens/item | ms/token |")
+    base_row = next(line for line in table.splitlines() if line.startswith("| base |"))
+    assert base_row.count("(scored)") == 2 and base_row.count("(generated)") == 2
+    assert "*scored* tokens" in table
 
 
 def test_a_bad_template_is_one_line_and_exit_2_at_dry_run(models, tmp_path, capsys):

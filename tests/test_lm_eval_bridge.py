@@ -470,3 +470,35 @@ def test_requests_with_the_same_input_share_one_forward(models, tok):
     alone = [lm._loglikelihood_tokens([r], disable_tqdm=True)[0] for r in requests]
     assert [g for _, g in shared] == [g for _, g in alone]
     assert [s for s, _ in shared] == pytest.approx([s for s, _ in alone], abs=ATOL)
+
+
+def test_usage_counts_each_documents_tokens_and_time(models, tok):
+    """What compare reports as an lm-eval row's cost: per (task, doc_id), the tokens the model
+    generated (generate_until) or scored (loglikelihood: every continuation token; rolling:
+    every window), and its time."""
+    candidate = ModelCandidate(models[0], tok)
+    lm = MergelabLM(candidate, batch_size=2, progress=False)
+    gen_kwargs = {"until": ["*"], "max_gen_toks": 6, "do_sample": False}
+    prompts = ["the cat", "ab", "hello"]
+    generate = [
+        Instance("generate_until", {}, (p, gen_kwargs), i, ("t", i, 1))
+        for i, p in enumerate(prompts)
+    ]
+    lm.generate_until(generate)
+    gens = candidate.generate(prompts, GenerationSettings(max_new_tokens=6, stop_strings=("*",)))
+    for i, g in enumerate(gens):
+        used = lm.usage[("t", i)]
+        assert used["generated_tokens"] == len(g.token_ids) and used["scored_tokens"] == 0
+        assert used["seconds"] > 0 and used["forward_calls"] > 0
+    choices = [" a", " bc", " def"]
+    score = [
+        Instance("loglikelihood", {}, ("the cat is", c), j, ("s", 7, 1))
+        for j, c in enumerate(choices)
+    ]
+    lm.loglikelihood(score)
+    assert lm.usage[("s", 7)]["scored_tokens"] == sum(len(c) for c in choices)  # one per char
+    text = "hello world, the cat sat on the mat"  # 35 characters: 3 windows of 12 tokens
+    lm = MergelabLM(candidate, batch_size=2, max_length=12, progress=False)
+    lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0, ("r", 0, 1))])
+    assert lm.usage[("r", 0)]["scored_tokens"] == len(tok(text)["input_ids"])
+    assert lm.usage[("r", 0)]["generated_tokens"] == 0

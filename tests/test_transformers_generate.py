@@ -140,3 +140,34 @@ def test_conventions_are_refused_by_name_where_they_cannot_apply(models, tok):
     gens = candidate.generate(PROMPTS, max_new_tokens=3, do_sample=True, num_return_sequences=2)
     assert [g.prompt for g in gens] == [p for p in PROMPTS for _ in range(2)]
     assert candidate.generation_config.to_dict() == models[0].generation_config.to_dict()
+
+
+def test_a_stop_string_begun_in_the_prompt_stops_as_each_convention_does(models, tok):
+    """The stop string is the prompt's last character followed by the first generated one.
+    transformers' StopStringCriteria reads the prompt and the new tokens together, so
+    model.generate stops after one token: the ids call does the same. lm-eval's `until` looks
+    at the generated continuation only (its hf model's criterion and its cut): the text call,
+    and the bridge's generate_until, go on and equal lm-eval's hf model."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from mergelab.eval.lm_eval_bridge import MergelabLM
+
+    candidate = ModelCandidate(models[0], tok)
+    prompt = PROMPTS[2]
+    first = candidate.generate([prompt], GenerationSettings(max_new_tokens=1))[0].text
+    stop = prompt[-1] + first
+    enc = tok([prompt], return_tensors="pt")
+    config = GenerationConfig(
+        max_new_tokens=12, stop_strings=[stop], do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    expected = models[0].generate(**enc, generation_config=config, tokenizer=tok)
+    assert expected.shape[1] == enc["input_ids"].shape[1] + 1  # transformers stopped at once
+    assert torch.equal(candidate.generate(**enc, generation_config=config), expected)
+
+    [g] = candidate.generate([prompt], config)
+    assert len(g.token_ids) > 1 and g.text.startswith(first)  # not stopped by the prompt
+    request = [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)]
+    theirs = HFLM(pretrained=models[0], tokenizer=tok, batch_size=1).generate_until(request)
+    assert MergelabLM(candidate).generate_until(request) == theirs == [g.text]
+    assert len(theirs[0]) > 1

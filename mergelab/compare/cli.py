@@ -68,7 +68,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mergelab.compare.run import default_cache_dir, run
+    from mergelab.compare.run import check_work_folders, default_cache_dir, run
     from mergelab.plugins import load_from_args
 
     plugins = load_from_args(args)  # before the spec names their methods and tasks
@@ -114,6 +114,10 @@ def main(args: argparse.Namespace) -> int:
         loaded = with_plugins(load_spec(spec), plugins)
         if executor is not None:
             loaded = with_executor(loaded, executor)
+        cache = (
+            args.cache or loaded.cache_dir or (default_cache_dir(args.out) if args.out else None)
+        )
+        check_work_folders(loaded, args.out, cache)  # as the run would refuse them
         print(make_plan(loaded).describe())
         return 0
     if not args.out:

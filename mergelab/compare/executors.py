@@ -29,7 +29,7 @@ from mergelab.outputs import atomic_output_file
 from mergelab.plugins import load_plugins
 from mergelab.progress import progress_bar
 
-JOB_FORMAT = 1
+JOB_FORMAT = 2  # 2: costs count scored tokens (log-likelihood and lm-eval jobs)
 
 
 @dataclass
@@ -118,14 +118,33 @@ def job_record(job: Job, result, candidate) -> dict[str, Any]:
 
     Cost: ``model_evaluations_per_token`` — component models run per decoding step (1 for a
     model or merge, k + 1 for a composition of k experts; the LoRA fast path runs them as one
-    batched forward); ``forward_calls_per_token`` — the decoder's forward calls per generated
-    token; ``ms_per_token`` — wall time per generated token (a batch's time split evenly over its
-    rows; timings depend on the machine and its load, outcomes do not)."""
+    batched forward); ``tokens_counted`` — what the per-token numbers count: ``"generated"``
+    tokens (generation), ``"scored"`` tokens (log-likelihood scoring: the continuation tokens
+    of every choice, or of lm-eval's requests), or ``"generated+scored"`` (an lm-eval task with
+    both); ``tokens_per_item`` — those tokens per item (all its samples); ``ms_per_token`` —
+    wall time of the model per counted token (a batch's time split evenly over its rows; timings
+    depend on the machine and its load, outcomes do not); ``ms_per_item``;
+    ``forward_calls_per_token`` — forward calls per counted token; ``mean_new_tokens`` —
+    generated tokens per sample (0 when nothing is generated). Token counts and times of
+    scoring records written before they were recorded are None."""
     metric = result.primary_metric
     wanted = {it["item_id"] for it in result.items}
     records = read_generations(result.run_dir / "generations.jsonl")
     gens = [g for (item_id, _), g in records.items() if item_id in wanted]
-    tokens = sum(g["n_tokens"] for g in gens)
+    generated = sum(g["n_tokens"] for g in gens)
+    scored = sum(g.get("n_scored_tokens", 0) for g in gens)
+    tokens = generated + scored
+    seconds = sum(g["seconds"] for g in gens)
+    scoring = [g for g in gens if g["finish_reason"] in ("loglikelihood", "lm_eval")]
+    # a scoring record from before scored tokens were counted: its cost is unknown
+    unknown = any("n_scored_tokens" not in g for g in scoring)
+    counted = (
+        "generated+scored"
+        if generated and scored
+        else "scored"
+        if scored or scoring
+        else "generated"
+    )
     texts = [s["text"] for it in result.items for s in it["samples"]]
     per_item = {it["item_id"]: float(it["scores"][metric]) for it in result.items}
     components = getattr(getattr(candidate, "composition", None), "components", ("model",))
@@ -143,9 +162,14 @@ def job_record(job: Job, result, candidate) -> dict[str, Any]:
         "completions_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest(),
         "cost": {
             "model_evaluations_per_token": len(components),
-            "forward_calls_per_token": sum(g["forward_passes"] for g in gens) / max(1, tokens),
-            "ms_per_token": 1000.0 * sum(g["seconds"] for g in gens) / max(1, tokens),
-            "mean_new_tokens": tokens / max(1, len(gens)),
+            "tokens_counted": counted,
+            "tokens_per_item": None if unknown else tokens / max(1, len(per_item)),
+            "forward_calls_per_token": None
+            if unknown
+            else sum(g["forward_passes"] for g in gens) / max(1, tokens),
+            "ms_per_token": None if unknown else 1000.0 * seconds / max(1, tokens),
+            "ms_per_item": 1000.0 * seconds / max(1, len(per_item)),
+            "mean_new_tokens": generated / max(1, len(gens)),
         },
         "termination": {
             "stop_rate": sum(g["finish_reason"] != "length" for g in gens) / max(1, len(gens)),

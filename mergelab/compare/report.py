@@ -138,7 +138,10 @@ def markdown_table(data: Mapping[str, Any]) -> str:
     head = ["candidate", "family", "chosen on validation"]
     for b in benches:
         head += [f"{b}", f"Δ {b}", "p", "p Holm"]
-    head += ["model evals/token", "ms/token"]
+    kinds = {_counted(c) for r in rows if (c := r["cost"])}
+    kind = next(iter(kinds)) if len(kinds) == 1 else None  # one kind: named in the header
+    what = f"{kind} " if kind else ""
+    head += ["model evals/token", f"{what}tokens/item", f"ms/{what}token"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for r in data["rows"]:
@@ -162,9 +165,10 @@ def markdown_table(data: Mapping[str, Any]) -> str:
                 ]
         cost = [by[(row, b)]["cost"] for b in benches if by[(row, b)]["cost"]]
         evals = cost[0]["model_evaluations_per_token"] if cost else None
-        ms = sum(c["ms_per_token"] for c in cost) / len(cost) if cost else None
-        cells += ["–" if evals is None else f"{evals:g}", "–" if ms is None else f"{ms:.2f}"]
+        cells.append("–" if evals is None else f"{evals:g}")
+        cells += _cost_cells(cost, labelled=kind is None)
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", COST_NOTE]
     made = [f"- {r['row']}: {made_of_text(r['made_of'])}" for r in data["rows"] if "made_of" in r]
     if made:
         lines += ["", "What each row is made of:", *made]
@@ -185,6 +189,38 @@ def markdown_table(data: Mapping[str, Any]) -> str:
     ]
     lines.append("")
     return "\n".join(lines)
+
+
+COST_NOTE = (
+    "Cost (test split, on the machine that ran it): tokens/item and ms/token count *generated* "
+    "tokens where the benchmark generates, and *scored* tokens — the continuation tokens whose "
+    "log-probabilities are summed, every choice's — where it scores (multiple choice, lm-eval's "
+    "log-likelihood requests); ms is the model's time."
+)
+
+
+def _counted(cost: Mapping[str, Any]) -> str:
+    return cost.get("tokens_counted", "generated")  # results written before it was recorded
+
+
+def _cost_cells(cost: list[Mapping[str, Any]], labelled: bool) -> list[str]:
+    """Tokens per item and ms per token of one row, averaged over benchmarks that count the same
+    tokens; with several kinds in the table, each value names its kind."""
+    by_kind: dict[str, list[Mapping[str, Any]]] = {}
+    for c in cost:
+        by_kind.setdefault(_counted(c), []).append(c)
+    cells = [[], []]
+    for kind, cs in by_kind.items():
+        for cell, key, fmt in (
+            (cells[0], "tokens_per_item", ".1f"),
+            (cells[1], "ms_per_token", ".2f"),
+        ):
+            values = [c.get(key) for c in cs]
+            if any(v is None for v in values):
+                continue
+            text = format(sum(values) / len(values), fmt)
+            cell.append(f"{text} ({kind})" if labelled else text)
+    return [" · ".join(cell) or "–" for cell in cells]
 
 
 def _interval(entry: Mapping[str, Any]) -> tuple[float, float, float]:
@@ -267,7 +303,7 @@ def draw_figures(data: Mapping[str, Any], folder: str | os.PathLike) -> list[Pat
             points = [
                 (n, by[(n, b)]["cost"]["ms_per_token"], 100 * by[(n, b)]["score"]["mean"])
                 for n in names
-                if by[(n, b)]["cost"]
+                if by[(n, b)]["cost"] and by[(n, b)]["cost"]["ms_per_token"] is not None
             ]
             xs = [x for _, x, _ in points]
             point_colors = [fs.family_color(family[n]) for n, *_ in points]
@@ -278,6 +314,8 @@ def draw_figures(data: Mapping[str, Any], folder: str | os.PathLike) -> list[Pat
                 ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
             ax.set_ylim(-5, 105)
             ax.set_title(b, loc="left")
+            counted = {_counted(by[(n, b)]["cost"]) for n in names if by[(n, b)]["cost"]}
+            ax.set_xlabel(f"ms per {' / '.join(sorted(counted)) or 'generated'} token")
             ax.set_ylabel("test score (%)")
             fs.label_points(
                 ax,
@@ -286,7 +324,8 @@ def draw_figures(data: Mapping[str, Any], folder: str | os.PathLike) -> list[Pat
                 [n for n, *_ in points],
                 point_colors,
             )
-        axes[-1][0].set_xlabel("ms per generated token (test split, on the machine that ran it)")
+        last = axes[-1][0]
+        last.set_xlabel(f"{last.get_xlabel()} (test split, on the machine that ran it)")
         fs.family_legend(
             axes[-1][0],
             [family[n] for n in names],

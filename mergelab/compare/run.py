@@ -29,6 +29,7 @@ from mergelab.compare.results_file import RESULTS_SCHEMA, RESULTS_VERSION
 from mergelab.compare.select import choose_best_expert, choose_point
 from mergelab.compare.spec import (
     CompareSpec,
+    SpecError,
     eval_settings_for,
     load_spec,
     with_executor,
@@ -52,7 +53,39 @@ def _inputs(spec: CompareSpec, plan: Plan | None = None) -> list[str]:
         paths.append(spec.tokenizer)
     for b in spec.benchmarks:
         paths += [b.load[k] for k in ("file", "path") if b.load.get(k)]
-    return paths
+    return paths + [path for _, path in _include_paths(spec)]
+
+
+def _include_paths(spec: CompareSpec) -> list[tuple[str, str]]:
+    """(benchmark name, folder) of each lm-eval benchmark's ``include_path``."""
+    return [
+        (b.name, b.load["lm_eval"]["include_path"])
+        for b in spec.benchmarks
+        if "lm_eval" in b.load and b.load["lm_eval"].get("include_path")
+    ]
+
+
+def check_work_folders(
+    spec: CompareSpec,
+    out: str | os.PathLike | None,
+    cache_dir: str | os.PathLike | None,
+) -> None:
+    """Refuse an output or cache folder that is, contains or sits inside an lm-eval benchmark's
+    ``include_path`` (before any work, ``--dry-run`` included): lm-eval reads every YAML under
+    that folder, and mergelab would write (and with ``--force`` replace) among the user's task
+    files."""
+    folders = [(w, f) for w, f in (("output", out), ("cache", cache_dir)) if f]
+    for bench, include in _include_paths(spec):
+        inc = Path(include).resolve()
+        for what, folder in folders:
+            f = Path(os.path.abspath(folder)).resolve()
+            if f == inc or inc in f.parents or f in inc.parents:
+                relation = "is" if f == inc else "contains" if f in inc.parents else "is inside"
+                raise SpecError(
+                    f"{spec.source}: benchmarks[{bench}].lm_eval.include_path: the {what} folder "
+                    f"{f} {relation} the task folder {inc} (lm-eval reads every YAML under it); "
+                    "choose an output and cache outside it"
+                )
 
 
 def run(
@@ -90,6 +123,7 @@ def run(
     if cache_dir is None:
         raise ValueError("give out= or cache_dir= (where merges and generations are kept)")
     cache_dir = Path(os.path.abspath(cache_dir))
+    check_work_folders(spec, out, cache_dir)
     if out is not None:  # refused now, before any work
         check_output_path(out, force=force, inputs=[*_inputs(spec), cache_dir])
     t0, c0 = time.time(), time.process_time()
@@ -276,7 +310,7 @@ def baseline_functions(b, task: str, source: str) -> dict[str, Any]:
 
 
 def costs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per row and benchmark: cost averaged over its test jobs (all seeds), weighted by tokens."""
+    """Per row and benchmark: cost averaged over its test jobs (all seeds)."""
     out: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r["split"] != "test":
@@ -284,8 +318,17 @@ def costs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out.setdefault(r["row"], {}).setdefault(r["benchmark"], []).append(r["cost"])
     for benches in out.values():
         for b, cs in benches.items():
-            benches[b] = {k: sum(c[k] for c in cs) / len(cs) for k in cs[0]}
+            benches[b] = {k: _mean_of([c.get(k) for c in cs]) for k in cs[0]}
     return out
+
+
+def _mean_of(values: list[Any]) -> Any:
+    """The mean of numbers (None if one is unknown); a label shared by all (else "mixed")."""
+    if any(isinstance(v, str) for v in values):
+        return values[0] if len(set(values)) == 1 else "mixed"
+    if any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
 
 
 def package_versions() -> dict[str, str | None]:

@@ -18,7 +18,9 @@ Conventions:
   the order of batching.
 * A stop string ends a row as soon as it appears in the generated text; ``text`` is cut before
   it (lm-eval's ``until``), ``token_ids`` keep the token that completed it (transformers'
-  ``stop_strings``: the ids of ``generate(input_ids=...)`` are transformers' ids).
+  ``stop_strings``: the ids of ``generate(input_ids=...)`` are transformers' ids). That call
+  checks with transformers' ``StopStringCriteria``, which also reads the prompt: a stop string
+  begun in the prompt ends the row there, and not in the text call (docs/conventions.md).
 
 transformers' conventions (``generate`` takes what ``model.generate`` takes, within reason):
 

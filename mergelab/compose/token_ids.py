@@ -11,7 +11,9 @@ What is transformers' here:
 * ``sequences`` is each input row as given (its padding included) followed by the new tokens: an
   EOS that ended a row is kept, and the row is then filled with ``pad_token_id`` up to the
   longest row; a row ended by a stop string keeps the token that completed it (so decoding the
-  row shows the stop string, as in transformers). Rows are repeated ``num_return_sequences``
+  row shows the stop string, as in transformers). Stop strings are checked by transformers'
+  ``StopStringCriteria`` on the prompt and the new tokens together, so one that begins in the
+  prompt's last characters and ends in a new token ends the row, as in ``model.generate``. Rows are repeated ``num_return_sequences``
   times, prompt by prompt (``repeat_interleave``); more than one needs ``do_sample``.
 * Without ``generation_config`` the candidate's own is used (``candidate.generation_config``:
   a model's, or the composition's), updated by the keyword arguments.
@@ -31,6 +33,7 @@ has several models' logits and states, none of them its own; use ``candidate.tok
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -98,6 +101,15 @@ def generate_token_ids(
     # One batch, as transformers decodes it (unless batch_size is given).
     kwargs.setdefault("batch_size", max(1, batch * n))
     settings = generation_settings(_copy(config), **kwargs)
+    if settings.stop_strings and getattr(candidate, "_plain_loop", False):
+        # transformers' own criterion, on the prompt and the new tokens together: a stop string
+        # that begins in the prompt's last characters and ends in a new token ends the row, as in
+        # model.generate (the text call looks at the new text only, as lm-eval's `until`).
+        from transformers import StopStringCriteria
+
+        criterion = StopStringCriteria(candidate.tokenizer, list(settings.stop_strings))
+        stopping_criteria = [*_as_hook_list(stopping_criteria), criterion]
+        settings = replace(settings, stop_strings=())
     recorder = None
     if options["output_scores"]:
         if settings.batch_size < batch * n:
@@ -151,6 +163,13 @@ def _input_ids(prompts: Any, kwargs: dict[str, Any]) -> torch.Tensor:
             "(strings go to generate(prompts, settings))"
         )
     return ids if ids.dim() == 2 else ids.reshape(1, -1)
+
+
+def _as_hook_list(hooks: Any) -> list[Any]:
+    """transformers' stopping-criteria argument (None, one callable or a list) as a list."""
+    if hooks is None:
+        return []
+    return list(hooks) if isinstance(hooks, (list, tuple)) else [hooks]
 
 
 def _num_return_sequences(config: Any, kwargs: dict[str, Any]) -> int:

@@ -25,6 +25,7 @@ are written as ``items.jsonl`` + ``summary.json``, each atomically. An ``output_
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -380,7 +381,7 @@ def _generate_missing(
                 time.sleep(CLAIM_POLL_SECONDS)
                 continue
             if run_items is not None:
-                lines = _run_items_batch(candidate, chunk, run_items)
+                lines = _run_items_batch(candidate, chunk, run_items, progress)
             elif continuations is not None:
                 lines = _score_batch(candidate, chunk, continuations)
             else:
@@ -426,10 +427,17 @@ def _generate_batch(
     return lines
 
 
-def _run_items_batch(candidate: Candidate, chunk, run_items) -> list[dict[str, Any]]:
-    """Cache records of a task that evaluates its items itself (``Task.run_items``)."""
+def _run_items_batch(
+    candidate: Candidate, chunk, run_items, progress: bool
+) -> list[dict[str, Any]]:
+    """Cache records of a task that evaluates its items itself (``Task.run_items``; given
+    ``progress`` when it takes it)."""
     items, by_id = run_items
-    records = items(candidate, [by_id[i] for i in dict.fromkeys(i for i, _, _ in chunk)])
+    todo = [by_id[i] for i in dict.fromkeys(i for i, _, _ in chunk)]
+    takes_progress = "progress" in inspect.signature(items).parameters
+    records = (
+        items(candidate, todo, progress=progress) if takes_progress else items(candidate, todo)
+    )
     return [
         {
             **records[item_id],
@@ -451,6 +459,9 @@ def _score_batch(
     t0 = time.time()
     scores = candidate.score(prompts, conts)
     seconds = (time.time() - t0) / max(1, len(chunk))
+    encode = getattr(candidate, "encode_continuation", None) or (
+        lambda text: candidate.tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
     lines, at = [], 0
     for item_id, sample, prompt in chunk:
         k = len(continuations[item_id])
@@ -465,7 +476,9 @@ def _score_batch(
                 "text": continuations[item_id][best],
                 "finish_reason": "loglikelihood",
                 "loglikelihoods": lls,
-                "n_tokens": 0,
+                "n_tokens": 0,  # generated: none
+                # the tokens whose log-probs were summed, every choice's (the item's cost)
+                "n_scored_tokens": sum(len(encode(c)) for c in continuations[item_id]),
                 "seconds": seconds,
                 "forward_passes": k,
             }

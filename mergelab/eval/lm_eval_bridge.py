@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -59,11 +60,11 @@ from lm_eval.models.utils import (
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
-from tqdm.auto import tqdm
 
 from mergelab.candidate import Candidate, GenerationSettings, generation_settings
 from mergelab.compose.decoding import DecodingCandidate, left_pad
 from mergelab.errors import UserInputError
+from mergelab.progress import on_terminal, progress_bar
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model falls back to this too
 DEFAULT_BATCH_SIZE = 8
@@ -78,6 +79,13 @@ class MergelabLM(TemplateLM):
     ``max_length``: context window in tokens (default: the smallest of the models' configured
     positions, as lm-eval's ``hf`` model reads them). ``max_gen_toks``: default generation length
     when a task gives none (lm-eval's default, 256). ``device``/``dtype``: for a spec.
+    ``progress`` (Python only): False silences the request bars (:mod:`mergelab.progress`:
+    tqdm's on a terminal, plain lines in a log).
+
+    ``usage[(task name, doc_id)]`` is what each document's requests cost: ``generated_tokens``
+    (``generate_until``), ``scored_tokens`` (continuation tokens of ``loglikelihood`` requests,
+    every window of ``loglikelihood_rolling``), ``seconds`` and ``forward_calls`` (each batch's
+    share, split evenly over the requests it served).
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class MergelabLM(TemplateLM):
         dtype: str | None = None,
         trust_remote_code: bool = False,
         max_batch_size: int | None = None,  # passed by lm-eval; mergelab batches are fixed
+        progress: bool = True,
     ):
         super().__init__()
         if spec is not None and pretrained is not None:
@@ -124,6 +133,30 @@ class MergelabLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
         self._device = getattr(candidate, "device", None) or torch.device("cpu")
+        self.progress = bool(progress)
+        self.usage: dict[tuple[str | None, int | None], dict[str, float]] = {}
+        self._owners: list[Any] | None = None  # the Instance of each request being scored
+        self._bars: bool | None = None  # the caller's wish for bars, while lm-eval tokenises
+
+    def terminal_bars(self, disable_tqdm: bool = False) -> bool:
+        """Whether progress is drawn as tqdm's bars (on a terminal): where lm-eval's own bars
+        ("Tokenizing inputs", "Building contexts") are shown too; in a log only mergelab's
+        lines are."""
+        return self.progress and not disable_tqdm and on_terminal()
+
+    def _bar(self, total: int, desc: str, disable_tqdm: bool):
+        enabled = self.progress and not disable_tqdm
+        return progress_bar(total=total, desc=desc, unit="request", enabled=enabled)
+
+    def _account(self, instance: Any, **amounts: float) -> None:
+        if instance is None:
+            return
+        key = (getattr(instance, "task_name", None), getattr(instance, "doc_id", None))
+        entry = self.usage.setdefault(
+            key, {"generated_tokens": 0, "scored_tokens": 0, "seconds": 0.0, "forward_calls": 0.0}
+        )
+        for name, value in amounts.items():
+            entry[name] += value
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config=None) -> MergelabLM:
@@ -207,6 +240,17 @@ class MergelabLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ scoring
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's: each (context, continuation) tokenised, then :meth:`_loglikelihood_tokens`;
+        each request's cost is kept for its document (``usage``)."""
+        self._owners, self._bars = list(requests), not disable_tqdm
+        try:
+            return super().loglikelihood(
+                requests, disable_tqdm=not self.terminal_bars(disable_tqdm)
+            )
+        finally:
+            self._owners = self._bars = None
+
     @torch.no_grad()
     def _loglikelihood_tokens(
         self,
@@ -227,9 +271,13 @@ class MergelabLM(TemplateLM):
         # Longest first: similar lengths share a batch (little padding), results keep input order.
         inputs = sorted(users, key=len, reverse=True)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (mergelab)")
+        owners = self._owners if self._owners and len(self._owners) == len(requests) else None
+        if self._bars is not None:  # called by loglikelihood, which silenced lm-eval's bar
+            disable_tqdm = not self._bars
+        bar = self._bar(len(requests), "loglikelihood (mergelab)", disable_tqdm)
         for start in range(0, len(inputs), self.batch_size):
             chunk = inputs[start : start + self.batch_size]
+            started = time.perf_counter()
             ids, mask = left_pad([list(key) for key in chunk], pad_id, self.device)
             logprobs = self.candidate.token_logprobs(ids, mask).float()
             for row, key in enumerate(chunk):
@@ -244,14 +292,25 @@ class MergelabLM(TemplateLM):
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
                 bar.update(len(users[key]))
+            if owners is not None:
+                served = [i for key in chunk for i in users[key]]
+                share = (time.perf_counter() - started) / len(served)
+                for i in served:
+                    self._account(
+                        owners[i],
+                        scored_tokens=len(requests[i][2]),
+                        seconds=share,
+                        forward_calls=1 / len(served),
+                    )
         bar.close()
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Total log-likelihood of each string, in disjoint windows of ``max_length`` tokens."""
         windows: list[tuple[None, list[int], list[int]]] = []
-        counts = []
-        for (string,) in [req.args for req in requests]:
+        counts, owners = [], []
+        for req in requests:
+            (string,) = req.args
             pairs = [
                 lm_utils.make_disjoint_window(pair)
                 for pair in lm_utils.get_rolling_token_windows(
@@ -263,7 +322,12 @@ class MergelabLM(TemplateLM):
             ]
             windows += [(None, context, continuation) for context, continuation in pairs]
             counts.append(len(pairs))
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+            owners += [req] * len(pairs)
+        self._owners = owners
+        try:
+            scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        finally:
+            self._owners = None
         totals, at = [], 0
         for req, n in zip(requests, counts):
             total = sum(s for s, _ in scores[at : at + n])
@@ -307,7 +371,7 @@ class MergelabLM(TemplateLM):
         for i, (_, gen_kwargs) in enumerate(args):
             groups.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
         results: list[str | None] = [None] * len(args)
-        bar = tqdm(total=len(args), disable=disable_tqdm, desc="generate_until (mergelab)")
+        bar = self._bar(len(args), "generate_until (mergelab)", disable_tqdm)
         for indices in groups.values():
             settings, until = self.decoding_settings(args[indices[0]][1])
             room = self.max_length - settings.max_new_tokens
@@ -321,6 +385,12 @@ class MergelabLM(TemplateLM):
             for i, gen in zip(indices, generations):
                 text = postprocess_generated_text(gen.text, until, None)
                 results[i] = text
+                self._account(
+                    requests[i],
+                    generated_tokens=len(gen.token_ids),
+                    seconds=gen.seconds,
+                    forward_calls=gen.forward_passes,
+                )
                 self.cache_hook.add_partial("generate_until", args[i], text)
             bar.update(len(indices))
         bar.close()

@@ -22,9 +22,10 @@ lm-eval reads them: prefer absolute paths in your YAMLs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
-import time
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
@@ -115,40 +116,50 @@ def load_lm_eval_task(
     return bench.head(limit)
 
 
-def run_lm_eval(candidate, items: list[Item]) -> dict[str, dict[str, Any]]:
+def run_lm_eval(candidate, items: list[Item], progress: bool = True) -> dict[str, dict[str, Any]]:
     """One lm-eval run of ``candidate`` on ``items`` (documents of one task): item id → the
     cache record (``text``: lm-eval's filtered response; ``lm_eval_metrics``: the document's
-    values of every metric)."""
+    values of every metric; its cost as the bridge measured it: ``n_tokens`` generated,
+    ``n_scored_tokens`` scored, ``seconds`` and ``forward_passes`` of the model).
+
+    ``progress``: the bridge's request progress (:mod:`mergelab.progress`: tqdm's bars on a
+    terminal, plain lines in a log); lm-eval's own bars only on a terminal."""
     import lm_eval
 
     from mergelab.eval.lm_eval_bridge import MergelabLM
 
     config = items[0].meta["lm_eval"]
     name = config["task"]
-    t0 = time.time()
-    results = lm_eval.simple_evaluate(
-        model=MergelabLM(candidate),
-        tasks=[name],
-        task_manager=_task_manager(config["include_path"], config["include_defaults"]),
-        num_fewshot=config["num_fewshot"],
-        samples={name: [int(it.item_id) for it in items]},
-        log_samples=True,
-        bootstrap_iters=0,
-        verbosity="ERROR",
-    )
-    seconds = (time.time() - t0) / len(items)
+    # In ascending order: lm-eval walks the selected documents in the task's order and gives the
+    # k-th the id samples[k] (and its requests the doc_id k), so any other order mislabels them.
+    ids = sorted(int(it.item_id) for it in items)
+    lm = MergelabLM(candidate, progress=progress)
+    with _lm_eval_bars(shown=lm.terminal_bars()):
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[name],
+            task_manager=_task_manager(config["include_path"], config["include_defaults"]),
+            num_fewshot=config["num_fewshot"],
+            samples={name: ids},
+            log_samples=True,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
     metrics = [m["metric"] for m in _lm_eval_task(config).config.metric_list]
+    usage = {ids[k]: used for (task, k), used in lm.usage.items() if task == name}
     out = {}
     for sample in results["samples"][name]:
         resp = sample["filtered_resps"]
         text = resp[0] if len(resp) == 1 and isinstance(resp[0], str) else json.dumps(resp)
+        used = usage.get(sample["doc_id"], {})
         out[str(sample["doc_id"])] = {
             "text": text,
             "finish_reason": "lm_eval",
             "lm_eval_metrics": {m: float(sample[m]) for m in metrics if m in sample},
-            "n_tokens": 0,
-            "seconds": seconds,
-            "forward_passes": 0,
+            "n_tokens": int(used.get("generated_tokens", 0)),
+            "n_scored_tokens": int(used.get("scored_tokens", 0)),
+            "seconds": float(used.get("seconds", 0.0)),
+            "forward_passes": float(used.get("forward_calls", 0.0)),
         }
     missing = [it.item_id for it in items if it.item_id not in out]
     if missing:
@@ -176,6 +187,24 @@ def score_lm_eval(benchmark, samples, settings, *, sandbox=None, progress=False)
         )
     extra = {"lm_eval": benchmark.items[0].meta["lm_eval"]} if benchmark.items else {}
     return TaskScores(items, metrics, primary, extra)
+
+
+@contextlib.contextmanager
+def _lm_eval_bars(shown: bool):
+    """lm-eval's "Building contexts" bar (``lm_eval.api.task``'s module-level ``tqdm``, which
+    takes no ``disable``) switched off where progress is not drawn as bars: in a log its
+    carriage returns would arrive as one garbled line per job."""
+    import lm_eval.api.task as task_module
+
+    bar = getattr(task_module, "tqdm", None)
+    if shown or bar is None:
+        yield
+        return
+    task_module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        task_module.tqdm = bar
 
 
 register_task(

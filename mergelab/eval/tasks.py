@@ -87,7 +87,8 @@ class Task:
     ``loglikelihoods`` (its ``text`` is the most likely continuation). ``run_items(candidate,
     items)``, when given, evaluates a split's items in one call outside mergelab's decoding loop
     (an lm-eval run) and returns item id → the sample's record (``text``, ``finish_reason``,
-    ``n_tokens``, ``seconds``, ``forward_passes`` and whatever ``score`` reads)."""
+    ``n_tokens`` (generated), ``n_scored_tokens`` (scored, for log-likelihood requests),
+    ``seconds``, ``forward_passes`` and whatever ``score`` reads)."""
 
     name: str
     kind: str
