@@ -23,13 +23,18 @@ import torch
 
 from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts
 from mergelab.merge.accelerator import chunks, kernels, sampling, thresholds
-from mergelab.merge.checkpoint import (
+from mergelab.merge.accelerator.io import (
     DIRECT_ALIGN,
     HUGE_PAGE_MIN_BYTES,
-    BufferPool,
-    CheckpointFolder,
+    DirectIO,
     DirectStream,
     huge_page_empty,
+)
+from mergelab.merge.checkpoint import (
+    BufferPool,
+    CheckpointFolder,
+    FileStream,
+    PlainIO,
     merge_checkpoints,
 )
 from mergelab.merge.methods import steps
@@ -520,8 +525,40 @@ def test_direct_writes_give_the_same_bytes_as_ordinary_writes(tmp_path, monkeypa
 
     assert write(tmp_path / "a.bin", staging=8192) == expected  # many staging flushes
     assert write(tmp_path / "b.bin", staging=1 << 20) == expected
+    plain = FileStream(tmp_path / "plain.bin")  # the engine's own, without the accelerator
+    for piece in pieces:
+        plain.write(piece)
+    plain.close()
+    assert (tmp_path / "plain.bin").read_bytes() == expected
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # where the OS has no direct I/O
     assert write(tmp_path / "c.bin", staging=8192) == expected
+
+
+def test_plain_writes_are_complete_when_a_call_writes_less(tmp_path, monkeypatch):
+    """One write() call may write only part (at most ~2 GiB on Linux): both streams go on."""
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, memoryview(data)[:1000]))
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (4500,), generator=g, dtype=torch.uint8)
+    plain = FileStream(tmp_path / "plain.bin")
+    plain.write(b"head")
+    plain.write(data)
+    plain.close()
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    fallback = DirectStream(tmp_path / "fallback.bin")
+    fallback.write(data)
+    fallback.close()
+    assert (tmp_path / "plain.bin").read_bytes() == b"head" + data.numpy().tobytes()
+    assert (tmp_path / "fallback.bin").read_bytes() == data.numpy().tobytes()
+
+
+def test_the_plain_pool_places_nothing():
+    """Without the accelerator the pool's buffers are ordinary tensors, a phase is ignored,
+    and a slot's buffer is reused."""
+    pool = BufferPool(PlainIO)
+    first = pool.take("out", (5000,), torch.float32, phase=8)
+    again = pool.take("out", (100,), torch.float32, phase=12)
+    assert first.data_ptr() == again.data_ptr() and again.shape == (100,)
 
 
 def _vma_fields(address: int) -> dict[str, str] | None:
@@ -565,7 +602,7 @@ def test_large_pool_buffers_are_advised_into_huge_pages():
         fields = _vma_fields(big.data_ptr())
         if fields is not None and "THPeligible" in fields:
             assert fields["THPeligible"] == "1"
-    pool = BufferPool()
+    pool = BufferPool(DirectIO)
     first = pool.take("out", (n,), torch.bfloat16, phase=8)
     again = pool.take("out", (n // 2,), torch.bfloat16, phase=8)
     assert first.data_ptr() == again.data_ptr()
@@ -576,7 +613,7 @@ def test_placed_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch)
     """A buffer taken with its file position's phase goes to the disk from its own memory: only
     the partial blocks at its ends pass through the staging buffer; the bytes are the same."""
     g = torch.Generator().manual_seed(1)
-    pool = BufferPool()
+    pool = BufferPool(DirectIO)
     header = b"h" * 13
     pieces: list[bytes | torch.Tensor] = [header]
     position = len(header)
