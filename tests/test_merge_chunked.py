@@ -733,3 +733,47 @@ def test_sample_stride_grows_with_the_tensor_up_to_one_row_per_period():
             numel // stride >= sampling.SAMPLE_VALUES
             and sampling.histogram_chunk(numel) % (sampling.SAMPLE_RUN * stride) == 0
         )  # every chunk starts a period
+
+
+def test_dropped_slots_let_go_of_their_buffers():
+    pool = BufferPool(DirectIO)
+    pool.take("compute-base-pass", (10,), torch.float32)
+    pool.take("compute-0-pass", (10,), torch.float32, phase=4)
+    kept = pool.take("compute-0-0", (10,), torch.float32)
+    pool.drop("-pass")
+    assert [k[0] for k in pool._flat] == ["compute-0-0"]
+    assert pool.take("compute-0-0", (10,), torch.float32).data_ptr() == kept.data_ptr()
+
+
+def test_the_whole_model_passes_buffers_are_let_go_before_the_merge(tmp_path, monkeypatch):
+    """Without the accelerator, TIES' whole-model trim reads every tensor cast to float32 into a
+    buffer set of its own: dropped once the thresholds are known, so the merge does not hold a
+    second set."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    folders = []
+    for name in ("base", "math", "code"):
+        (tmp_path / name).mkdir()
+        tensors = {f"w{i}": torch.randn(64, 32, generator=g).bfloat16() for i in range(3)}
+        save_file(tensors, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text("{}")
+        folders.append(tmp_path / name)
+    monkeypatch.setattr(kernels, "enabled", False)
+    drop, dropped = BufferPool.drop, []
+
+    def spy(self, suffix):
+        dropped.append(sorted(k[0] for k in self._flat if k[0].endswith(suffix)))
+        drop(self, suffix)
+        assert not [k for k in self._flat if k[0].endswith(suffix)]
+
+    monkeypatch.setattr(BufferPool, "drop", spy)
+    merge_checkpoints(
+        "ties",
+        folders[0],
+        folders[1:],
+        output=tmp_path / "out",
+        params={"density": 0.3, "trim_scope": "model"},
+        progress=False,
+    )
+    assert dropped == [["compute-0-pass", "compute-1-pass", "compute-base-pass"]]

@@ -559,6 +559,7 @@ class ShardWriter:
 # overlaps compute (WRITE_BEHIND, and the OUTPUT_SLOTS = WRITE_BEHIND + 1 buffers a producer
 # that reuses them needs, are the scheduler's: accelerator/scheduler.py).
 SHARD_METADATA = {"format": "pt"}  # the header metadata of every output shard
+PASS_SLOT = "-pass"  # the buffer set of the inputs of a method's whole-model passes (iter_inputs)
 
 
 def write_sharded(
@@ -810,7 +811,7 @@ class CheckpointMergePlan:
         dtype as read-only memory maps (for a fast path's prepare pass, which casts
         chunk by chunk), with ``sparse`` not populated ahead (a pass that reads few pages)."""
         for t in self.tensors:
-            loaded = self.load(t, "-pass", check=False, stored=stored, sparse=sparse)
+            loaded = self.load(t, PASS_SLOT, check=False, stored=stored, sparse=sparse)
             if loaded is not None:
                 yield (t.name, *loaded)
 
@@ -1038,6 +1039,13 @@ class BufferPool:
             return self.take(slot, shape, dtype)
         return flat[start : start + n * dtype.itemsize].view(dtype).view(tuple(shape))
 
+    def drop(self, suffix: str) -> None:
+        """Let go of the buffers of the slots whose names end with ``suffix`` (their memory is
+        freed once no tensor taken from them is alive)."""
+        with self._lock:
+            for key in [k for k in self._flat if k[0].removesuffix("@placed").endswith(suffix)]:
+                del self._flat[key]
+
 
 class InTurn:
     """The plain schedule of :meth:`CheckpointMergePlan.merge_tensor`: each tensor's inputs read
@@ -1254,6 +1262,8 @@ def run_checkpoint_merge(
                 )
             else:
                 plan.stats = m.compute_stats(params, plan.iter_inputs)
+            # the passes' inputs, cast to the compute dtype (iter_inputs), are not needed again
+            plan._pool.drop(PASS_SLOT)
         write_sharded(
             tmp,
             plan.tensors,
