@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from mergelab.merge import accelerator
 from mergelab.merge.accelerator import kernels, sampling
-from mergelab.merge.checkpoint import merge_checkpoints
+from mergelab.merge.accelerator.io import DirectIO, DirectStream
+from mergelab.merge.checkpoint import FileStream, PlainIO, merge_checkpoints, output_io
 from mergelab.merge.methods import standard, steps
 from mergelab.merge.registry import fast_path
 
@@ -103,6 +104,40 @@ def test_one_setting_switches_the_accelerator(monkeypatch):
     assert accelerator.enabled() == accelerator.available()
     assert (fast_path("ties") is not None) == accelerator.available()
     assert fast_path("slerp") is None  # a method without a fast path
+
+
+def test_the_output_io_follows_the_switch(monkeypatch):
+    monkeypatch.setattr(kernels, "enabled", False)
+    assert output_io() is PlainIO
+    monkeypatch.setattr(kernels, "enabled", True)
+    assert output_io() is (DirectIO if accelerator.available() else PlainIO)
+
+
+@needs_loops
+def test_the_shards_have_the_same_bytes_on_and_off(tmp_path, monkeypatch):
+    """On, the shards are written by the accelerator's O_DIRECT stream; off, by the engine's
+    ordinary writes: the same files, byte for byte."""
+    base, *experts = write_set(tmp_path, torch.bfloat16)
+    opened: list[str] = []
+    for stream in (FileStream, DirectStream):
+        init = stream.__init__
+
+        def spy(self, path, *args, _init=init, _name=stream.__name__, **kwargs):
+            opened.append(_name)
+            _init(self, path, *args, **kwargs)
+
+        monkeypatch.setattr(stream, "__init__", spy)
+    files = []
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "enabled", on)
+        out = tmp_path / f"ties-{on}"
+        merge_checkpoints("ties", base, experts, output=out, progress=False, shard_size="1MB")
+        shards = sorted(out.glob("*.safetensors"))
+        assert len(shards) > 1
+        files.append({p.name: p.read_bytes() for p in shards})
+        assert set(opened) == {"DirectStream" if on else "FileStream"}
+        opened.clear()
+    assert files[0] == files[1]
 
 
 def test_the_environment_switches_it_off():

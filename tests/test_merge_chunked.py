@@ -23,13 +23,18 @@ import torch
 
 from mergelab.merge import TensorContext, get_merge_method, merge_state_dicts
 from mergelab.merge.accelerator import chunks, kernels, sampling, thresholds
-from mergelab.merge.checkpoint import (
+from mergelab.merge.accelerator.io import (
     DIRECT_ALIGN,
     HUGE_PAGE_MIN_BYTES,
-    BufferPool,
-    CheckpointFolder,
+    DirectIO,
     DirectStream,
     huge_page_empty,
+)
+from mergelab.merge.checkpoint import (
+    BufferPool,
+    CheckpointFolder,
+    FileStream,
+    PlainIO,
     merge_checkpoints,
 )
 from mergelab.merge.methods import steps
@@ -520,8 +525,40 @@ def test_direct_writes_give_the_same_bytes_as_ordinary_writes(tmp_path, monkeypa
 
     assert write(tmp_path / "a.bin", staging=8192) == expected  # many staging flushes
     assert write(tmp_path / "b.bin", staging=1 << 20) == expected
+    plain = FileStream(tmp_path / "plain.bin")  # the engine's own, without the accelerator
+    for piece in pieces:
+        plain.write(piece)
+    plain.close()
+    assert (tmp_path / "plain.bin").read_bytes() == expected
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # where the OS has no direct I/O
     assert write(tmp_path / "c.bin", staging=8192) == expected
+
+
+def test_plain_writes_are_complete_when_a_call_writes_less(tmp_path, monkeypatch):
+    """One write() call may write only part (at most ~2 GiB on Linux): both streams go on."""
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, memoryview(data)[:1000]))
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (4500,), generator=g, dtype=torch.uint8)
+    plain = FileStream(tmp_path / "plain.bin")
+    plain.write(b"head")
+    plain.write(data)
+    plain.close()
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    fallback = DirectStream(tmp_path / "fallback.bin")
+    fallback.write(data)
+    fallback.close()
+    assert (tmp_path / "plain.bin").read_bytes() == b"head" + data.numpy().tobytes()
+    assert (tmp_path / "fallback.bin").read_bytes() == data.numpy().tobytes()
+
+
+def test_the_plain_pool_places_nothing():
+    """Without the accelerator the pool's buffers are ordinary tensors, a phase is ignored,
+    and a slot's buffer is reused."""
+    pool = BufferPool(PlainIO)
+    first = pool.take("out", (5000,), torch.float32, phase=8)
+    again = pool.take("out", (100,), torch.float32, phase=12)
+    assert first.data_ptr() == again.data_ptr() and again.shape == (100,)
 
 
 def _vma_fields(address: int) -> dict[str, str] | None:
@@ -565,7 +602,7 @@ def test_large_pool_buffers_are_advised_into_huge_pages():
         fields = _vma_fields(big.data_ptr())
         if fields is not None and "THPeligible" in fields:
             assert fields["THPeligible"] == "1"
-    pool = BufferPool()
+    pool = BufferPool(DirectIO)
     first = pool.take("out", (n,), torch.bfloat16, phase=8)
     again = pool.take("out", (n // 2,), torch.bfloat16, phase=8)
     assert first.data_ptr() == again.data_ptr()
@@ -576,7 +613,7 @@ def test_placed_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch)
     """A buffer taken with its file position's phase goes to the disk from its own memory: only
     the partial blocks at its ends pass through the staging buffer; the bytes are the same."""
     g = torch.Generator().manual_seed(1)
-    pool = BufferPool()
+    pool = BufferPool(DirectIO)
     header = b"h" * 13
     pieces: list[bytes | torch.Tensor] = [header]
     position = len(header)
@@ -696,3 +733,47 @@ def test_sample_stride_grows_with_the_tensor_up_to_one_row_per_period():
             numel // stride >= sampling.SAMPLE_VALUES
             and sampling.histogram_chunk(numel) % (sampling.SAMPLE_RUN * stride) == 0
         )  # every chunk starts a period
+
+
+def test_dropped_slots_let_go_of_their_buffers():
+    pool = BufferPool(DirectIO)
+    pool.take("compute-base-pass", (10,), torch.float32)
+    pool.take("compute-0-pass", (10,), torch.float32, phase=4)
+    kept = pool.take("compute-0-0", (10,), torch.float32)
+    pool.drop("-pass")
+    assert [k[0] for k in pool._flat] == ["compute-0-0"]
+    assert pool.take("compute-0-0", (10,), torch.float32).data_ptr() == kept.data_ptr()
+
+
+def test_the_whole_model_passes_buffers_are_let_go_before_the_merge(tmp_path, monkeypatch):
+    """Without the accelerator, TIES' whole-model trim reads every tensor cast to float32 into a
+    buffer set of its own: dropped once the thresholds are known, so the merge does not hold a
+    second set."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    folders = []
+    for name in ("base", "math", "code"):
+        (tmp_path / name).mkdir()
+        tensors = {f"w{i}": torch.randn(64, 32, generator=g).bfloat16() for i in range(3)}
+        save_file(tensors, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text("{}")
+        folders.append(tmp_path / name)
+    monkeypatch.setattr(kernels, "enabled", False)
+    drop, dropped = BufferPool.drop, []
+
+    def spy(self, suffix):
+        dropped.append(sorted(k[0] for k in self._flat if k[0].endswith(suffix)))
+        drop(self, suffix)
+        assert not [k for k in self._flat if k[0].endswith(suffix)]
+
+    monkeypatch.setattr(BufferPool, "drop", spy)
+    merge_checkpoints(
+        "ties",
+        folders[0],
+        folders[1:],
+        output=tmp_path / "out",
+        params={"density": 0.3, "trim_scope": "model"},
+        progress=False,
+    )
+    assert dropped == [["compute-0-pass", "compute-1-pass", "compute-base-pass"]]

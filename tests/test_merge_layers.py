@@ -108,3 +108,17 @@ def test_the_graph_sees_the_imports():
     graph = merge_imports()
     assert f"{PACKAGE}.methods.steps" in graph[f"{PACKAGE}.accelerator.kernels"]
     assert f"{PACKAGE}.registry" in graph[f"{PACKAGE}.methods.standard"]
+
+
+def test_direct_io_and_huge_pages_live_in_the_accelerator():
+    """O_DIRECT and MADV_HUGEPAGE (speed, not meaning) are named only under accelerator/: the
+    engines' plain I/O is ordinary writes and torch.empty buffers."""
+    speed_names = {"O_DIRECT", "MADV_HUGEPAGE"}
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if name in speed_names:
+                found.setdefault(module_name(path), set()).add(name)
+    assert found, "the check sees no use of O_DIRECT or MADV_HUGEPAGE at all"
+    assert set(found) == {f"{PACKAGE}.accelerator.io"}, found

@@ -23,9 +23,10 @@ How memory stays bounded by a few tensors, not by the model, and the merge near 
   the inputs cast to the compute dtype in reused buffers;
 * each output shard's header is known before any tensor is merged (names, shapes and dtypes are
   fixed by the inputs), so shards are written front to back, one merged tensor at a time, with
-  ``O_DIRECT`` where the file system allows it (:class:`DirectStream`: the kernel neither copies
-  the output into its page cache, which cost more CPU than a linear merge's arithmetic, nor keeps
-  it there);
+  ordinary writes, each shard flushed to the disk when complete (:class:`PlainIO`); where the
+  accelerator runs, with ``O_DIRECT`` where the file system allows it (its ``io.DirectStream``:
+  the kernel neither copies the output into its page cache, which cost more CPU than a linear
+  merge's arithmetic, nor keeps it there), from buffers in huge pages;
 * with more than one core, such a fast path's tensors are merged whole, one per core, the
   next ones while the writer waits for the current one (the accelerator's ``scheduler.LookAhead``;
   a tensor over 1/(``WHOLE_SHARE`` · cores) of the model is merged in its turn on every core):
@@ -94,6 +95,7 @@ from mergelab.outputs import atomic_output_dir, check_output_path
 
 from ..progress import progress_bar
 from . import accelerator
+from .accelerator import io as accelerator_io
 from .accelerator import kernels
 from .accelerator.scheduler import OUTPUT_SLOTS, WRITE_BEHIND, LookAhead
 from .model_card import MODEL_CARD_NAME, model_card
@@ -444,143 +446,54 @@ def shard_file_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-class DirectStream:
-    """Writes a file front to back with ``O_DIRECT`` where the OS and file system allow it.
+class FileStream:
+    """Writes a file front to back with ordinary writes (through the page cache), and flushes
+    it to the disk (``fsync``) when closed: the engine's own way, used without the accelerator
+    (whose ``DirectStream`` writes the same bytes with ``O_DIRECT``)."""
 
-    Direct writes go from the caller's memory (see :meth:`write`) or a page-aligned staging buffer
-    straight to the disk: the kernel does not copy the bytes into its page cache (for a 2 GB output
-    that copy took several CPU-seconds here, the most expensive single step of a linear merge) and
-    does not keep them there, so the inputs stay cached. Every direct write is a multiple of
-    :data:`DIRECT_ALIGN` bytes at an offset that is one too; the last partial block goes through an
-    ordinary descriptor, and the caller's ``fsync`` of the file then flushes it. Where ``O_DIRECT``
-    is refused (tmpfs, macOS) everything goes through the ordinary descriptor.
-    """
-
-    def __init__(self, path: Path, staging: int = 16 << 20):
+    def __init__(self, path: Path):
         self.path = path
-        self._file = open(path, "wb", buffering=0)
-        self._direct: int | None = None
-        flag = getattr(os, "O_DIRECT", 0)
-        if flag:
-            try:
-                self._direct = os.open(path, os.O_WRONLY | flag)
-            except OSError:
-                self._direct = None
-        self._buffer = mmap.mmap(-1, staging) if self._direct is not None else None
-        self._view = memoryview(self._buffer) if self._buffer is not None else None
-        # the same memory as a tensor: torch copies into it without holding Python's GIL
-        self._staged = torch.frombuffer(self._buffer, dtype=torch.uint8) if self._buffer else None
-        self._used = 0  # bytes staged
-        self._offset = 0  # bytes already written to the file
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
 
     def write(self, data: torch.Tensor | bytes) -> None:
-        """Append ``data`` (bytes, or a tensor's bytes). The whole blocks of a tensor whose
-        address has the file position's remainder modulo :data:`DIRECT_ALIGN` (see
-        :meth:`BufferPool.take`'s ``phase``) go straight from its memory to the disk; the rest
-        (a partial block at either end, or all of a tensor placed otherwise) is copied through
-        the staging buffer."""
-        if not isinstance(data, torch.Tensor):
-            data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-            if data is None:
-                return
-        data = data.detach().contiguous().reshape(-1).view(torch.uint8)
-        if self._staged is None:
-            self._file.write(data.numpy().data)
-            return
-        head = min(-self._used % DIRECT_ALIGN, data.numel())  # up to the next block boundary
-        if head:
-            self._stage(data[:head])
-            data = data[head:]
-        whole = data.numel() - data.numel() % DIRECT_ALIGN
-        if whole and data.data_ptr() % DIRECT_ALIGN == 0:
-            # the staged bytes end on a block boundary: all of them, then the tensor's blocks,
-            # in one call (each O_DIRECT write waits for the disk: one wait, not two)
-            views = [memoryview(data[:whole].numpy())]
-            if self._used:
-                views.insert(0, self._view[: self._used])
-            self._write_all(views)
-            self._used = 0
-            data = data[whole:]
-        self._stage(data)
-
-    def _write_all(self, views: list[memoryview]) -> None:
-        """Write ``views`` (whole blocks each) one after the other at the file position."""
-        total = sum(v.nbytes for v in views)
+        """Append ``data`` (bytes, or a tensor's bytes)."""
+        if isinstance(data, torch.Tensor):
+            data = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+        view = memoryview(data).cast("B")
         done = 0
-        try:
-            while done < total:
-                rest, skip = [], done
-                for v in views:  # what is left of the views after `done` bytes
-                    if skip >= v.nbytes:
-                        skip -= v.nbytes
-                        continue
-                    rest.append(v[skip:])
-                    skip = 0
-                try:
-                    if hasattr(os, "pwritev"):
-                        done += os.pwritev(self._direct, rest, self._offset + done)
-                    else:
-                        done += os.pwrite(self._direct, rest[0], self._offset + done)
-                finally:
-                    for v in rest:
-                        v.release()
-        finally:
-            # A failed write (disk full) keeps this frame in its traceback: views of the
-            # staging map left alive here would stop _release from closing the map.
-            for v in views:
-                v.release()
-        self._offset += total
-
-    def _stage(self, data: torch.Tensor) -> None:
-        """Copy ``data`` (flat uint8) into the staging buffer, writing it out whenever full."""
-        while data.numel():
-            n = min(data.numel(), self._staged.numel() - self._used)
-            self._staged[self._used : self._used + n].copy_(data[:n])
-            self._used += n
-            data = data[n:]
-            if self._used == self._staged.numel():
-                self._flush_blocks()
-
-    def _flush_blocks(self) -> None:
-        """Write the staged whole blocks directly; keep the partial last block staged."""
-        whole = self._used - self._used % DIRECT_ALIGN
-        if whole:
-            self._write_all([self._view[:whole]])
-        rest = self._used - whole
-        if rest:
-            self._view[:rest] = self._view[whole : self._used]
-        self._used = rest
+        while done < view.nbytes:  # one write() call writes at most ~2 GiB on Linux
+            done += os.write(self._fd, view[done:])
 
     def close(self) -> None:
         try:
-            if self._view is not None:
-                self._flush_blocks()
-                if self._used:  # the last partial block, through the page cache
-                    os.pwrite(self._file.fileno(), self._view[: self._used], self._offset)
-                    self._offset += self._used
-                    self._used = 0
+            os.fsync(self._fd)
         finally:
-            self._release()
+            self.abort()
 
     def abort(self) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        if self._direct is not None:
-            os.close(self._direct)
-            self._direct = None
-        if self._view is not None:
-            self._view.release()
-            self._staged = self._view = None  # the tensor's export must go before close()
-            try:
-                self._buffer.close()
-            except BufferError:  # a view still held by an exception's traceback: the map is
-                pass  # freed with it; the exception being raised is the one to report
-            self._buffer = None
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer address in whole blocks
+class PlainIO:
+    """The engine's output I/O without the accelerator: ``open(path)`` a :class:`FileStream`,
+    ``empty(numel, dtype)`` a flat ``torch.empty`` buffer, and no placement (``align`` None).
+    The accelerator's ``io.DirectIO`` has the same three names (``O_DIRECT`` writes, huge-page
+    buffers placed at their file position's remainder); the bytes written are the same."""
+
+    align: int | None = None
+    open = FileStream
+
+    @staticmethod
+    def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+
+def output_io() -> type[PlainIO] | type[accelerator_io.DirectIO]:
+    """The accelerator's output I/O where it runs (:func:`mergelab.merge.accelerator.enabled`),
+    else :class:`PlainIO`."""
+    return accelerator_io.DirectIO if accelerator.enabled() else PlainIO
 
 
 def shard_layout(
@@ -605,13 +518,19 @@ def shard_layout(
 
 class ShardWriter:
     """Writes one safetensors file front to back: header first, then each tensor as produced
-    (through a :class:`DirectStream`)."""
+    (through ``io.open``'s stream: :class:`PlainIO`'s, or the accelerator's)."""
 
-    def __init__(self, path: Path, tensors: Sequence[OutputTensor], metadata: dict[str, str]):
+    def __init__(
+        self,
+        path: Path,
+        tensors: Sequence[OutputTensor],
+        metadata: dict[str, str],
+        io: type[PlainIO] | type[accelerator_io.DirectIO] = PlainIO,
+    ):
         self.path = path
         self.expected = list(tensors)
         raw, self.positions = shard_layout(self.expected, metadata)
-        self._file = DirectStream(path)
+        self._file = io.open(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
@@ -640,6 +559,7 @@ class ShardWriter:
 # overlaps compute (WRITE_BEHIND, and the OUTPUT_SLOTS = WRITE_BEHIND + 1 buffers a producer
 # that reuses them needs, are the scheduler's: accelerator/scheduler.py).
 SHARD_METADATA = {"format": "pt"}  # the header metadata of every output shard
+PASS_SLOT = "-pass"  # the buffer set of the inputs of a method's whole-model passes (iter_inputs)
 
 
 def write_sharded(
@@ -650,25 +570,30 @@ def write_sharded(
     shard_size: int = DEFAULT_SHARD_SIZE,
     progress: bool = True,
     description: str = "merging",
-    expect: Callable[[list[int]], None] | None = None,
+    expect: Callable[[list[int | None]], None] | None = None,
+    io: type[PlainIO] | type[accelerator_io.DirectIO] | None = None,
 ) -> dict[str, Any]:
     """Write ``produce(t, phase)`` for every ``t`` in order into shards plus
-    ``model.safetensors.index.json``. ``phase`` is ``t``'s position in its file modulo
-    :data:`DIRECT_ALIGN`: a result at an address with that remainder is written straight from
-    its memory (:meth:`BufferPool.take`). ``expect``, if given, is called once before anything
-    is produced with every tensor's phase, in order (so a producer can start on tensors ahead).
+    ``model.safetensors.index.json``, through ``io`` (default :func:`output_io`). ``phase`` is
+    ``t``'s position in its file modulo ``io.align`` (None where ``io`` places nothing): a
+    result at an address with that remainder is written straight from its memory
+    (:meth:`BufferPool.take`). ``expect``, if given, is called once before anything is produced
+    with every tensor's phase, in order (so a producer can start on tensors ahead).
 
     ``produce`` is called in order; when it is called for tensor ``k``, the writes of tensors
     ``≤ k − OUTPUT_SLOTS`` have finished (so it may reuse ``OUTPUT_SLOTS`` rotating buffers). At
     most ``WRITE_BEHIND + 1`` produced tensors are alive at once. Returns the index dict.
     """
+    io = io or output_io()
+
+    def phase(position: int) -> int | None:
+        return position % io.align if io.align else None
+
     shards = plan_shards(tensors, shard_size)
     names = shard_file_names(len(shards))
     if expect is not None:
         positions = [shard_layout(shard, SHARD_METADATA)[1] for shard in shards]
-        expect(
-            [where[t.name] % DIRECT_ALIGN for shard, where in zip(shards, positions) for t in shard]
-        )
+        expect([phase(where[t.name]) for shard, where in zip(shards, positions) for t in shard])
     weight_map: dict[str, str] = {}
     total = sum(t.nbytes for t in tensors)
     bar = progress_bar(total=len(tensors), desc=description, unit="tensor", enabled=progress)
@@ -681,11 +606,11 @@ def write_sharded(
 
     try:
         for shard, file_name in zip(shards, names):
-            writer = ShardWriter(folder / file_name, shard, SHARD_METADATA)
+            writer = ShardWriter(folder / file_name, shard, SHARD_METADATA, io)
             try:
                 for t in shard:
                     drain(WRITE_BEHIND)
-                    result = produce(t, writer.positions[t.name] % DIRECT_ALIGN)
+                    result = produce(t, phase(writer.positions[t.name]))
                     pending.append(executor.submit(writer.write, t.name, result))
                     weight_map[t.name] = file_name
                     bar.update(1)
@@ -886,7 +811,7 @@ class CheckpointMergePlan:
         dtype as read-only memory maps (for a fast path's prepare pass, which casts
         chunk by chunk), with ``sparse`` not populated ahead (a pass that reads few pages)."""
         for t in self.tensors:
-            loaded = self.load(t, "-pass", check=False, stored=stored, sparse=sparse)
+            loaded = self.load(t, PASS_SLOT, check=False, stored=stored, sparse=sparse)
             if loaded is not None:
                 yield (t.name, *loaded)
 
@@ -1066,31 +991,8 @@ class CheckpointMergePlan:
     @property
     def _pool(self) -> BufferPool:
         if self.buffers is None:
-            self.buffers = BufferPool()
+            self.buffers = BufferPool(output_io())
         return self.buffers
-
-
-# Pool buffers of at least this many bytes are asked for in transparent huge pages.
-HUGE_PAGE_MIN_BYTES = 2 << 20
-
-
-def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised flat tensor of ``numel`` ``dtype`` entries in its own anonymous map,
-    which the kernel is asked to back with transparent huge pages (``MADV_HUGEPAGE``: 2 MiB
-    pages where the system allows them, on Linux where THP is set to "madvise" or "always").
-    Its first touch then takes one page fault per 2 MiB instead of one per 4 KiB, and the
-    ``O_DIRECT`` writes from it pin fewer pages. Small tensors, and systems without
-    ``madvise``, get ``torch.empty``. The map lives as long as the tensor."""
-    nbytes = numel * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE_MIN_BYTES or advice is None:
-        return torch.empty(numel, dtype=dtype)
-    # a length in whole huge pages: Linux then also places the map on a huge-page boundary
-    size = -(-nbytes // HUGE_PAGE_MIN_BYTES) * HUGE_PAGE_MIN_BYTES
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP turned off ("never"): ordinary pages
-        region.madvise(advice)
-    return torch.frombuffer(region, dtype=dtype, count=numel)
 
 
 class BufferPool:
@@ -1098,13 +1000,13 @@ class BufferPool:
 
     A fresh large tensor costs a page fault per 4 KiB page on first touch, every time (the
     allocator returns big blocks to the OS); reusing buffers made the per-tensor copies ~2x
-    faster here. Buffers of 2 MiB and more are asked for in huge pages
-    (:func:`huge_page_empty`): their first touch (e.g. a 1B model's 65 MB embedding output,
-    whose slot is taken once) faults once per 2 MiB. A tensor taken from a slot is valid until
-    the slot is taken again.
+    faster here. The buffers come from ``io.empty`` (:class:`PlainIO`: ``torch.empty``; the
+    accelerator's: huge pages for 2 MiB and more). A tensor taken from a slot is valid until the
+    slot is taken again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, io: type[PlainIO] | type[accelerator_io.DirectIO] = PlainIO) -> None:
+        self.io = io
         self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._lock = threading.Lock()  # the reader thread takes slots too
 
@@ -1116,24 +1018,33 @@ class BufferPool:
         phase: int | None = None,
     ) -> torch.Tensor:
         """A ``shape`` tensor of ``dtype`` in slot ``slot``'s memory. With ``phase`` (a byte
-        offset modulo :data:`DIRECT_ALIGN`) its address has that remainder too, so a
-        :class:`DirectStream` writing it at a file position with that remainder writes it
-        straight from this memory (where the dtype's alignment allows)."""
+        offset modulo ``io.align``, where the pool's I/O has one) its address has that remainder
+        too, so the accelerator's stream writing it at a file position with that remainder writes
+        it straight from this memory (where the dtype's alignment allows)."""
         n = math.prod(shape)
-        if phase is None:
+        align = self.io.align
+        if phase is None or not align:
+            phase = None
             key, size = (slot, dtype), n
         else:  # bytes, with room to start at any remainder
-            key, size = (f"{slot}@placed", torch.uint8), n * dtype.itemsize + DIRECT_ALIGN
+            key, size = (f"{slot}@placed", torch.uint8), n * dtype.itemsize + align
         with self._lock:
             flat = self._flat.get(key)
             if flat is None or flat.numel() < size:
-                flat = self._flat[key] = huge_page_empty(size, key[1])
+                flat = self._flat[key] = self.io.empty(size, key[1])
         if phase is None:
             return flat[:n].view(tuple(shape))
-        start = (phase - flat.data_ptr()) % DIRECT_ALIGN
+        start = (phase - flat.data_ptr()) % align
         if start % dtype.itemsize:  # the dtype cannot sit there: an ordinary buffer
             return self.take(slot, shape, dtype)
         return flat[start : start + n * dtype.itemsize].view(dtype).view(tuple(shape))
+
+    def drop(self, suffix: str) -> None:
+        """Let go of the buffers of the slots whose names end with ``suffix`` (their memory is
+        freed once no tensor taken from them is alive)."""
+        with self._lock:
+            for key in [k for k in self._flat if k[0].removesuffix("@placed").endswith(suffix)]:
+                del self._flat[key]
 
 
 class InTurn:
@@ -1351,6 +1262,8 @@ def run_checkpoint_merge(
                 )
             else:
                 plan.stats = m.compute_stats(params, plan.iter_inputs)
+            # the passes' inputs, cast to the compute dtype (iter_inputs), are not needed again
+            plan._pool.drop(PASS_SLOT)
         write_sharded(
             tmp,
             plan.tensors,

@@ -267,7 +267,7 @@ def _write_full(
     )
     tensors = [OutputTensor(n, folder.tensors[n].shape, folder.tensors[n].dtype) for n in order]
 
-    def produce(t: OutputTensor, phase: int) -> torch.Tensor:  # (fresh tensors: no placement)
+    def produce(t: OutputTensor, phase: int | None) -> torch.Tensor:  # fresh tensors: not placed
         weight = folder.read(t.name)
         if t.name not in adapted:
             return weight
