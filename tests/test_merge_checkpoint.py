@@ -32,6 +32,11 @@ from mergelab.merge.checkpoint import (
 from mergelab.merge.registry import register_fast_path
 from mergelab.outputs import MARKER_NAME, ForeignOutputError, OutputExistsError
 
+needs_accelerator = pytest.mark.skipif(
+    not kernels.active(),
+    reason="tests the accelerator: built and not switched off (MERGELAB_ACCELERATOR=off)",
+)
+
 
 def tiny_config(vocab: int = 64, tie: bool = False) -> LlamaConfig:
     config = LlamaConfig(
@@ -548,6 +553,7 @@ def merge_in_turn(monkeypatch) -> None:
     monkeypatch.setattr(checkpoint.CheckpointMergePlan, "expect_phases", lambda self, p: None)
 
 
+@needs_accelerator
 @pytest.mark.parametrize(
     "method,params",
     [("ties", {"density": 0.3, "trim_scope": "tensor"}), ("breadcrumbs", {"density": 0.5})],
@@ -595,6 +601,7 @@ def test_per_tensor_thresholds_are_computed_once_per_tensor(
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
+@needs_accelerator
 @pytest.mark.parametrize(
     "method,params",
     [
@@ -642,6 +649,7 @@ def test_whole_tensors_ahead_give_the_merge_in_turn(
     assert all(torch.equal(whole[n], expected[n]) for n in expected)
 
 
+@needs_accelerator
 def test_whole_tensors_ahead_large_ones_in_turn(ckpts, monkeypatch, torch_threads):
     """Which tensors the engine merges ahead on one worker each: all but those holding more
     than 1/(WHOLE_SHARE · threads) of the model's entries (merged in their turn on every
@@ -707,6 +715,7 @@ def test_whole_tensors_ahead_nan_names_its_tensor_and_nothing_is_left(
     assert_nothing_left(tmp_path, "out")
 
 
+@needs_accelerator
 def test_an_ahead_hook_is_only_a_shortcut(ckpts, tmp_path, torch_threads):
     """A fast path's ``ahead`` statistics reach the method in ctx.stats; a hook that fails leaves
     the method to compute them itself, with the same result."""

@@ -232,6 +232,10 @@ def test_a_band_holding_more_values_than_it_may_keep_falls_back_to_exact_passes(
 
 
 needs_loops = pytest.mark.skipif(not kernels.available(), reason="the compiled loops are not built")
+needs_accelerator = pytest.mark.skipif(
+    not kernels.active(),
+    reason="tests the accelerator: built and not switched off (MERGELAB_ACCELERATOR=off)",
+)
 
 
 def bits_of(values: list[list[float]]) -> list[list[int]]:
@@ -253,6 +257,7 @@ def one_call_inputs(n: int, dtype: torch.dtype, seed: int, odd: bool = False):
     return base, experts
 
 
+@needs_accelerator
 @needs_loops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("odd", [False, True], ids=["normal", "nan-inf-zero"])
@@ -317,6 +322,7 @@ def test_one_compiled_call_histograms_the_band_or_takes_two_exact_passes(
     assert made == passes
 
 
+@needs_accelerator
 @needs_loops
 def test_a_large_tensor_on_the_calling_thread_takes_the_chunked_passes(monkeypatch):
     """From ONE_CALL_MAX entries, with worker threads and off them, the passes run chunked on
@@ -437,6 +443,7 @@ def test_cluster_sample_is_the_clusters_of_smallest_hash_however_it_was_cut(monk
         assert a.shape == (16, 16) and np.array_equal(a, b)
 
 
+@needs_accelerator
 def test_checkpoint_whole_model_sample_reads_unpopulated_maps(wide_ckpts, tmp_path, monkeypatch):
     """The engine's sampled pass maps the inputs without populating them (it reads a few pages),
     the exact pass and the merge populate them, and the result is the in-memory merge's bits."""
