@@ -438,6 +438,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     args.new_tokens = {"mini": args.mini_new_tokens, "small": args.small_new_tokens}
     load_before = os.getloadavg()
+    commit = code_commit()  # now: the worktree may change while this runs
     started = time.time()
     results = []
     for name in args.settings.split(","):
@@ -477,7 +478,7 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     config = {k: v for k, v in vars(args).items() if k != "new_tokens"}
     record = {
-        "code_commit": code_commit(),
+        "code_commit": commit,
         "config": {
             **config,
             "torch": torch.__version__,
