@@ -511,7 +511,9 @@ def code_commit() -> str:
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + (
-        "+dirty" if git("status", "--porcelain", "--", "mergelab", "benchmarks") else ""
+        "+dirty"
+        if git("status", "--porcelain", "--untracked-files=no", "--", "mergelab", "benchmarks")
+        else ""
     )
 
 
