@@ -491,6 +491,21 @@ def test_schedule_backs_off_at_low_acceptance_and_returns_when_it_recovers():
     assert gammas[first:].count(0) <= 3 and sum(gammas[first:]) > 200
 
 
+def test_a_badly_timed_first_block_does_not_keep_drafting_away():
+    """A decoder's first drafted block timed far too dear (a first wide forward, new shapes):
+    plain steps until the first probe, whose accepted draft brings drafting back on trial; the
+    trial's first block replaces the bad timing, and drafting stays."""
+    s = _Schedule(4, True, 8, None)
+    s.update(0, 0, 0, 1.0)
+    s.update(4, 4, 0, 20.0)  # really 1 + 4 × 0.3
+    assert s.gamma == 0
+    gammas = _run_schedule(s, 40, lambda g: g, lambda g: 1.0 + 0.3 * g)
+    probe = next(i for i, x in enumerate(gammas) if x)
+    assert probe == _PROBE_EVERY[0] and gammas[probe] == _PROBE_GAMMA
+    assert all(t == pytest.approx(1.0 + 0.3 * g) for g, t in s.block_seconds.items())
+    assert gammas[probe + 1 :].count(0) <= 2 and max(gammas) == 8
+
+
 def test_a_probe_that_brings_drafting_back_is_on_trial():
     """Drafting that a probe brought back and that stops paying within _PAYING_RUN blocks
     doubles the wait (a probe's lucky draft does not reset it); drafting that lasts resets it

@@ -370,6 +370,7 @@ class _Schedule:
         self.token_seconds: float | None = None  # D
         self.block_seconds: dict[int, float] = {}  # γ → seconds of a block of γ drafts
         self.best = gamma  # the block length that maximises tokens per unit of work (≥ 1)
+        self.initial_gamma = gamma
         # Measured costs: the first block is a plain step, so P is known from the start.
         self.gamma = 0 if adaptive and cost_ratio is None else gamma
         self.plain_run = 0  # plain steps since the last drafted block
@@ -460,8 +461,13 @@ class _Schedule:
             # A block cut short by the end of the generation is not timed: a short call's last
             # (or only) block would otherwise decide the costs of the γ chosen for the next.
             if in_sync and gamma == self.gamma and self.plain_seconds is not None:
+                # The first block of a trial replaces the costs: they were timed long ago, or
+                # badly (a decoder's first wide forward, new shapes, costs more than the next).
+                fresh = self.trial == 0
                 extra = max(seconds - self.plain_seconds, 0.0) / gamma
-                self.token_seconds = _ema(self.token_seconds, extra)
+                self.token_seconds = extra if fresh else _ema(self.token_seconds, extra)
+                if fresh:  # every γ's timing goes: P + γ·D from this block until re-timed
+                    self.block_seconds = {}
                 self.block_seconds[gamma] = _ema(self.block_seconds.get(gamma), seconds)
             self.plain_run = 0
             self.blocks_since_plain += 1
@@ -476,17 +482,25 @@ class _Schedule:
             worth = worth_drafting(self.best, self.rate(), ratio)
         else:
             self.best, worth = self._best_measured()
+        if self.probing and gamma > 0 and accepted == gamma:
+            # A probe's draft accepted: draft again, on trial, whatever the costs say — its
+            # blocks are timed, so costs timed long ago or badly cannot keep drafting away.
+            worth = True
         self.waiting = not worth
         if worth:
             # Drafting that a probe brought back is on trial: the wait between probes returns
             # to its shortest only once it has lasted _PAYING_RUN blocks.
+            gamma_next = self.best
             if self.probing:
                 self.trial = 0
+                # Not shorter than the initial γ: the trial's first block re-times the costs, and
+                # a narrow verification says little of wider ones (see __init__'s first block).
+                gamma_next = max(self.best, self.initial_gamma)
             elif self.trial is not None and gamma > 0:
                 self.trial += 1
                 if self.trial >= _PAYING_RUN:
                     self.trial, self.probe_every = None, _PROBE_EVERY[0]
-            self.gamma, self.probing = self.best, False
+            self.gamma, self.probing = gamma_next, False
             if self.cost_ratio is None and self.blocks_since_plain >= _REMEASURE_EVERY:
                 self.gamma = 0  # one plain step now and then keeps P current
             return
