@@ -40,9 +40,12 @@ linear in its width: on a CPU verifying 3 tokens can cost more than 5). A block 
 most tokens per second is used when it beats plain steps (``1 / P``) by 5 %, otherwise the block is
 **γ = 0: a plain composition step**, exactly plain decoding's (the draft does not run; it catches
 up on the decided tokens in one forward when drafting resumes, and a batch that starts in plain
-steps feeds the draft its prompt only then). While plain, a probe block of one draft after 8, 16,
-32, then every 64 steps measures the acceptance again, so decoding returns to drafting when it
-would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
+steps feeds the draft its prompt only then). Plain steps run as plain decoding's loop, and the
+first token of a batch comes from the prompt's forward, as in plain decoding. While plain, a probe
+block of one draft after 8, 16, 32, … up to 512 plain steps (each failed probe doubles the wait:
+the draft's catch-up on the plain steps is most of a probe's cost) measures the acceptance again;
+an accepted probe brings drafting back on trial (its blocks re-time the costs; drafting that does
+not last 8 blocks doubles the wait too), so decoding returns to drafting when it would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
 on a CPU, wall seconds on a GPU: the machine decides), and a decoder keeps α, the costs, γ and
 the probes' wait from one batch (and call) to the next, as if they were one long generation; a
 number fixes ``P = cost_ratio``, ``D = 1`` and every call starts afresh (then γ depends only on
