@@ -44,8 +44,9 @@ predict for the measured acceptance, and — from the forward costs alone — th
 acceptance rate with its best γ (when speculative composition pays off).
 Targets (batch 1, issue 54): speculative ≤ 1.05× plain composition at every acceptance rate (the
 adaptive rule falls back to plain steps when drafts do not pay); where acceptance ≥ 0.95,
-spec_full ≤ 2.0× and spec_lora ≤ 1.5× one model's time. ``--noise 0.02,0.3`` adds a small setting
-per noise level (lower acceptance).
+spec_full ≤ 2.0× and spec_lora ≤ 1.5× one model's time. The default ``--noise 0.02,0.3`` runs a small setting
+per noise level (acceptance ~1 and drafts that do not pay); ``--settings mini,small`` adds the
+study's mini experts (trained first when missing).
 
     python benchmarks/speculative_speed.py                      # writes benchmarks/results/speculative_speed.json
     python benchmarks/speculative_speed.py --settings mini --mini-new-tokens 32 --prompts 2 --out /tmp/s.json
