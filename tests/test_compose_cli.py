@@ -292,7 +292,7 @@ def test_speculative_flag_gives_the_plain_composition(checkpoints, tmp_path, dra
         "24",
     ]
     plain, fast = tmp_path / "plain.jsonl", tmp_path / "fast.jsonl"
-    assert main([*common, "--out", str(plain)]) == 0
+    assert main([*common, "--no-speculative", "--out", str(plain)]) == 0
     draft_arg = "ta" if draft == "ta" else str(paths[draft])
     argv = [*common, "--speculative", "--draft", draft_arg, "--gamma", "3", "--out", str(fast)]
     assert main(argv) == 0
@@ -303,21 +303,56 @@ def test_speculative_flag_gives_the_plain_composition(checkpoints, tmp_path, dra
     assert all(r["cost"]["drafted_tokens"] > 0 for r in fast_records)
 
 
-def test_speculative_only_flags_need_speculative(checkpoints, capsys):
+def test_greedy_decoding_is_speculative_by_default_and_sampling_is_not(checkpoints, tmp_path):
+    """Without --speculative / --no-speculative: greedy decoding is speculative (the same tokens
+    and the same candidate name as plain composition; the draft ran), sampling is plain
+    composition's (a seed's sample unchanged), --no-speculative is plain."""
     paths, _ = checkpoints
-    argv = [
+    common = [
         "compose",
         "--base",
         str(paths["base"]),
         "--expert",
         str(paths["math"]),
+        "--expert",
+        str(paths["code"]),
+        "--prompt",
+        "hello",
         "--prompt",
         "ab",
-        "--gamma",
-        "3",
+        "--max-new-tokens",
+        "24",
     ]
+
+    def records(*flags):
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.jsonl"
+        assert main([*common, *flags, "--out", str(out)]) == 0
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    plain, default = records("--no-speculative"), records()
+    assert [r["token_ids"] for r in default] == [r["token_ids"] for r in plain]
+    assert [r["candidate"] for r in default] == [r["candidate"] for r in plain]
+    assert all("drafted_tokens" not in r["cost"] for r in plain)
+    assert all(r["cost"]["blocks"] > 0 for r in default)  # decoded speculatively
+    sample = ["--sample", "--seed", "3"]
+    sampled, sampled_plain = records(*sample), records(*sample, "--no-speculative")
+    assert [r["token_ids"] for r in sampled] == [r["token_ids"] for r in sampled_plain]
+    assert all("drafted_tokens" not in r["cost"] for r in sampled)
+
+
+def test_speculative_only_flags_need_speculative(checkpoints, capsys):
+    paths, _ = checkpoints
+    common = ["compose", "--base", str(paths["base"]), "--expert", str(paths["math"])]
+    argv = [*common, "--prompt", "ab", "--gamma", "3", "--no-speculative"]
     assert main(argv) == 2
-    assert "--gamma: only with --speculative" in capsys.readouterr().err
+    assert "--gamma: only with speculative decoding (off with --no-speculative" in (
+        capsys.readouterr().err
+    )
+    argv = [*common, "--prompt", "ab", "--fixed-gamma", "--sample"]
+    assert main(argv) == 2
+    assert "--fixed-gamma: only with speculative decoding (off with --sample" in (
+        capsys.readouterr().err
+    )
     argv = [
         "compose",
         "--base",

@@ -92,22 +92,26 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--speculative",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="speculative decoding: a draft proposes, the composition verifies (same output); "
-        "falls back to plain steps while drafts do not pay",
+        "falls back to plain steps while drafts do not pay. Default: on for greedy float32 "
+        "decoding where the experts' task-arithmetic merge exists (the same tokens as plain "
+        "composition), off for --sample (a seed's sample stays plain sampling's); "
+        "--no-speculative: plain composition always",
     )
     p.add_argument(
         "--draft",
-        help="with --speculative: 'ta' (the experts' task-arithmetic merge, default) or a model "
-        "folder sharing the base's tokenizer",
+        help="with speculative decoding: 'ta' (the experts' task-arithmetic merge, default) or a "
+        "model folder sharing the base's tokenizer",
     )
     p.add_argument(
-        "--gamma", type=positive_int, help="with --speculative: drafted tokens per block (4)"
+        "--gamma", type=positive_int, help="with speculative decoding: drafted tokens per block (4)"
     )
     p.add_argument(
         "--fixed-gamma",
         action="store_true",
-        help="with --speculative: do not adapt gamma (and never fall back to plain steps)",
+        help="with speculative decoding: do not adapt gamma (and never fall back to plain steps)",
     )
     p.add_argument(
         "--dtype",
@@ -239,19 +243,41 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     return [args.base, *args.expert, args.composition, args.prompts_file, draft]
 
 
+def speculative_by_default(args: argparse.Namespace) -> bool:
+    """Whether decoding is speculative when neither --speculative nor --no-speculative is given:
+    for greedy decoding in float32, where its tokens are plain composition's (up to float ties,
+    rarer in float32 than in half precision) and the adaptive rule keeps its cost at plain
+    composition's when drafts do not pay; never for --sample (speculative sampling draws other
+    random numbers: a seed's sample would change). ``build_decoder`` also keeps plain decoding
+    where there is no task-arithmetic draft or a model has sliding-window layers."""
+    return not args.sample and args.dtype == "float32"
+
+
+def _speculative(args: argparse.Namespace) -> bool:
+    return args.speculative if args.speculative is not None else speculative_by_default(args)
+
+
 def _draft_folder(args: argparse.Namespace) -> str | None:
     """The --draft model folder (None for the default task-arithmetic draft); speculative-only
-    flags without --speculative are refused."""
-    if not args.speculative:
+    flags without speculative decoding are refused."""
+    if not _speculative(args):
         given = [f for f, v in [("--draft", args.draft), ("--gamma", args.gamma)] if v is not None]
         given += ["--fixed-gamma"] if args.fixed_gamma else []
         if given:
-            raise ValueError(f"{', '.join(given)}: only with --speculative")
+            why = "--no-speculative" if args.speculative is False else "--sample"
+            if args.speculative is None and not args.sample:
+                why = f"--dtype {args.dtype}"
+            raise ValueError(
+                f"{', '.join(given)}: only with speculative decoding (off with {why}; "
+                "pass --speculative)"
+            )
         return None
     return None if args.draft in (None, "ta") else args.draft
 
 
-def build_decoder(args: argparse.Namespace):
+def build_decoder(args: argparse.Namespace, decode: bool = True):
+    """The composition, decoded speculatively where asked or by default (``decode``: prompts
+    will be decoded; without them no draft is built)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -294,7 +320,7 @@ def build_decoder(args: argparse.Namespace):
     else:
         experts = [load_model(p) for p in args.expert]
         decoder = ComposedDecoder(base, experts, tokenizer, args.weight, **common)
-    if not args.speculative:
+    if not _speculative(args) or not decode:
         return decoder
     from mergelab.model_candidate import ModelCandidate
 
@@ -303,7 +329,20 @@ def build_decoder(args: argparse.Namespace):
     draft = "ta"
     if draft_folder is not None:
         draft = ModelCandidate(load_model(draft_folder), tokenizer, name=draft_folder)
-    return SpeculativeDecoder(decoder, draft, gamma=args.gamma or 4, adaptive=not args.fixed_gamma)
+    options = dict(gamma=args.gamma or 4, adaptive=not args.fixed_gamma)
+    if args.speculative:
+        return SpeculativeDecoder(decoder, draft, **options)
+    # The default: only where speculative decoding cannot lose. Sliding-window models decode
+    # one prompt at a time; a composition without a weight-space twin has no default draft.
+    if draft_folder is None and decoder.runner.has_sliding_window():
+        return decoder
+    try:
+        # The composition's name: the records say which composition decoded, as without it.
+        return SpeculativeDecoder(decoder, draft, name=decoder.name, **options)
+    except ValueError:
+        if draft_folder is not None:
+            raise
+        return decoder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.out, **output)  # fail before loading any model
     if args.save:
         check_output_path(args.save, force=args.force, inputs=inputs)
-    decoder = build_decoder(args)
+    decoder = build_decoder(args, decode=bool(prompts))
     if args.save:
         composed = getattr(decoder, "composed", decoder)  # speculative decoding decodes it
         composed.save_pretrained(args.save, force=args.force)

@@ -40,9 +40,12 @@ linear in its width: on a CPU verifying 3 tokens can cost more than 5). A block 
 most tokens per second is used when it beats plain steps (``1 / P``) by 5 %, otherwise the block is
 **γ = 0: a plain composition step**, exactly plain decoding's (the draft does not run; it catches
 up on the decided tokens in one forward when drafting resumes, and a batch that starts in plain
-steps feeds the draft its prompt only then). While plain, a probe block of one draft after 8, 16,
-32, then every 64 steps measures the acceptance again, so decoding returns to drafting when it
-would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
+steps feeds the draft its prompt only then). Plain steps run as plain decoding's loop, and the
+first token of a batch comes from the prompt's forward, as in plain decoding. While plain, a probe
+block of one draft after 8, 16, 32, … up to 512 plain steps (each failed probe doubles the wait:
+the draft's catch-up on the plain steps is most of a probe's cost) measures the acceptance again;
+an accepted probe brings drafting back on trial (its blocks re-time the costs; drafting that does
+not last 8 blocks doubles the wait too), so decoding returns to drafting when it would pay. With the default ``cost_ratio=None`` the costs are measured while decoding (CPU seconds
 on a CPU, wall seconds on a GPU: the machine decides), and a decoder keeps α, the costs, γ and
 the probes' wait from one batch (and call) to the next, as if they were one long generation; a
 number fixes ``P = cost_ratio``, ``D = 1`` and every call starts afresh (then γ depends only on
@@ -82,7 +85,9 @@ _DECAY = 0.8  # the acceptance rate that adapts γ weighs the last ~5 blocks mos
 _PRIOR = (1.6, 0.4)  # pseudo-counts (accepted, rejected) of that rate: 0.8 before any block
 DRAFT_MARGIN = 0.05  # draft only when blocks are expected 5 % faster than plain steps
 _PROBE_GAMMA = 1  # drafts in a probe block while plain steps are the faster
-_PROBE_EVERY = (8, 64)  # plain steps before a probe: 8, doubling after each failed probe, to 64
+_PROBE_EVERY = (8, 512)  # plain steps before a probe: 8, doubling after each failed probe, to 512
+_STALE_AFTER = 8  # plain steps that age the acceptance counts as much as one drafted block does
+_PAYING_RUN = 8  # drafted blocks in a row after a probe before drafting counts as paying again
 _REMEASURE_EVERY = 32  # drafted blocks between two plain steps that re-measure P
 _EMA_WEIGHT = 0.3  # of the newest timing in the running P and D
 
@@ -250,11 +255,13 @@ class _CachedDraft:
             qs.append(q)
         return torch.stack(drafts, dim=1), qs
 
+    def defer(self, decided: list[list[int]]) -> None:
+        """Tokens decided by plain steps (each row's): they wait with the others until the next
+        proposal feeds them all in one forward."""
+        self.todo = [t + d for t, d in zip(self.todo, decided)]
+
     def commit(self, accepted: list[int], drafts: list[list[int]], final: list[int]) -> None:
-        gamma = len(drafts[0]) if drafts else 0
-        if gamma == 0:  # nothing was drafted: the new token waits with the others
-            self.todo = [t + [f] for t, f in zip(self.todo, final)]
-            return
+        gamma = len(drafts[0])
         # Fed in this block: todo, then d_1 … d_{γ−1}. Keep what was accepted.
         keep = [self._start + min(n, gamma - 1) for n in accepted]
         self.track.keep(torch.tensor(keep))
@@ -307,6 +314,10 @@ class _TeacherForcedDraft:
             tokens.append(token)
             qs.append(q)
         return torch.stack(tokens, dim=1), qs
+
+    def defer(self, decided: list[list[int]]) -> None:
+        for row, d in enumerate(decided):
+            self.sequences[row] += d
 
     def commit(self, accepted: list[int], drafts: list[list[int]], final: list[int]) -> None:
         for row, (n, d, f) in enumerate(zip(accepted, drafts, final)):
@@ -362,18 +373,30 @@ class _Schedule:
         self.token_seconds: float | None = None  # D
         self.block_seconds: dict[int, float] = {}  # γ → seconds of a block of γ drafts
         self.best = gamma  # the block length that maximises tokens per unit of work (≥ 1)
+        self.initial_gamma = gamma
         # Measured costs: the first block is a plain step, so P is known from the start.
         self.gamma = 0 if adaptive and cost_ratio is None else gamma
         self.plain_run = 0  # plain steps since the last drafted block
         self.probe_every = _PROBE_EVERY[0]
         self.probing = False  # the block under way is a probe
+        self.trial: int | None = None  # drafted blocks since a probe brought drafting back
         self.blocks_since_plain = 0
         self.drafted_last = False  # the last block drafted: the draft is (nearly) in sync
+        self.waiting = False  # the last decision: plain steps are the faster (probes aside)
 
     @property
     def drafts_soon(self) -> bool:
         """The next block drafts, or the one after it will (to measure D)."""
         return self.gamma > 0 or (self.adaptive and self.ratio() is None)
+
+    def plain_steps(self) -> int:
+        """How many plain steps to take before the schedule decides again (≥ 1; when γ = 0):
+        up to the next probe while plain steps are the faster, else one (the first block, the
+        plain step that keeps ``P`` current). Nothing but a probe can bring drafting back
+        while α is not measured, so the steps in between need no decision of their own."""
+        if self.adaptive and self.ratio() is not None and self.waiting:
+            return max(1, self.probe_every - self.plain_run)
+        return 1
 
     def ratio(self) -> float | None:
         """One plain step's cost in drafted tokens, ``P / D`` (None: not measured yet)."""
@@ -407,20 +430,33 @@ class _Schedule:
         return (self.accepted + _PRIOR[0]) / (self.accepted + self.rejected + sum(_PRIOR))
 
     def update(
-        self, gamma: int, accepted: int, rejected: int, seconds: float, prompt: bool = False
+        self,
+        gamma: int,
+        accepted: int,
+        rejected: int,
+        seconds: float,
+        prompt: bool = False,
+        steps: int = 1,
     ) -> None:
-        """After a block of ``gamma`` drafts (0: a plain step) that took ``seconds``; ``prompt``:
-        the block fed the draft its prompt (the first drafted block of a batch begun in plain
-        steps)."""
+        """After a block of ``gamma`` drafts that took ``seconds``, or (``gamma`` 0) ``steps``
+        plain steps that took ``seconds`` together; ``prompt``: the block fed the draft its
+        prompt (the first drafted block of a batch begun in plain steps)."""
         if not self.adaptive:
             return
         if gamma == 0:
-            self.plain_seconds = _ema(self.plain_seconds, seconds)
-            self.plain_run += 1
+            self.plain_seconds = _ema(self.plain_seconds, seconds / steps)
+            self.plain_run += steps
             self.blocks_since_plain = 0
         else:
-            self.accepted = _DECAY * self.accepted + accepted
-            self.rejected = _DECAY * self.rejected + rejected
+            # Counts age with every block. A block with no rejection after plain steps (a probe
+            # whose draft was accepted) also ages them by the plain run (once per _STALE_AFTER
+            # steps): the rejections of a stretch long gone say little about the text decoded
+            # now, so drafting comes back at once when the drafts turn right (on trial: a false
+            # return costs a block or two, and doubles the wait).
+            stale = self.plain_run / _STALE_AFTER if rejected == 0 else 0.0
+            decay = _DECAY ** (1.0 + stale)
+            self.accepted = decay * self.accepted + accepted
+            self.rejected = decay * self.rejected + rejected
             # After plain steps the draft first catches up on them (and, in a batch begun in
             # plain steps, on its prompt): not a cost of drafting (one plain step leaves it two
             # tokens behind, as a fully accepted block does).
@@ -428,8 +464,13 @@ class _Schedule:
             # A block cut short by the end of the generation is not timed: a short call's last
             # (or only) block would otherwise decide the costs of the γ chosen for the next.
             if in_sync and gamma == self.gamma and self.plain_seconds is not None:
+                # The first block of a trial replaces the costs: they were timed long ago, or
+                # badly (a decoder's first wide forward, new shapes, costs more than the next).
+                fresh = self.trial == 0
                 extra = max(seconds - self.plain_seconds, 0.0) / gamma
-                self.token_seconds = _ema(self.token_seconds, extra)
+                self.token_seconds = extra if fresh else _ema(self.token_seconds, extra)
+                if fresh:  # every γ's timing goes: P + γ·D from this block until re-timed
+                    self.block_seconds = {}
                 self.block_seconds[gamma] = _ema(self.block_seconds.get(gamma), seconds)
             self.plain_run = 0
             self.blocks_since_plain += 1
@@ -444,13 +485,33 @@ class _Schedule:
             worth = worth_drafting(self.best, self.rate(), ratio)
         else:
             self.best, worth = self._best_measured()
+        if self.probing and gamma > 0 and accepted == gamma:
+            # A probe's draft accepted: draft again, on trial, whatever the costs say — its
+            # blocks are timed, so costs timed long ago or badly cannot keep drafting away.
+            worth = True
+        self.waiting = not worth
         if worth:
-            self.gamma, self.probe_every, self.probing = self.best, _PROBE_EVERY[0], False
+            # Drafting that a probe brought back is on trial: the wait between probes returns
+            # to its shortest only once it has lasted _PAYING_RUN blocks.
+            gamma_next = self.best
+            if self.probing:
+                self.trial = 0
+                # Not shorter than the initial γ: the trial's first block re-times the costs, and
+                # a narrow verification says little of wider ones (see __init__'s first block).
+                gamma_next = max(self.best, self.initial_gamma)
+            elif self.trial is not None and gamma > 0:
+                self.trial += 1
+                if self.trial >= _PAYING_RUN:
+                    self.trial, self.probe_every = None, _PROBE_EVERY[0]
+            self.gamma, self.probing = gamma_next, False
             if self.cost_ratio is None and self.blocks_since_plain >= _REMEASURE_EVERY:
                 self.gamma = 0  # one plain step now and then keeps P current
             return
-        if self.probing:  # a probe that did not pay: wait longer before the next one
+        if self.probing or self.trial is not None:
+            # A probe that did not pay, or drafting it brought back that did not last: wait
+            # twice as long before the next one (at most _PROBE_EVERY[1] plain steps).
             self.probe_every = min(2 * self.probe_every, _PROBE_EVERY[1])
+            self.trial = None
         self.probing = self.plain_run >= self.probe_every
         self.gamma = min(_PROBE_GAMMA, self.max_gamma) if self.probing else 0
 
@@ -629,13 +690,16 @@ class SpeculativeDecoder(DecodingCandidate):
         drafted, accepted, blocks, plain = [0] * batch, [0] * batch, [0] * batch, [0] * batch
         verify_before, draft_before = self.runner.forward_passes, draft.forward_passes
         started = time.perf_counter()
-        # Both sides start from the prompt without its last token: that token is the first one
-        # every block feeds to the verifier, so all blocks look alike.
-        pending = ids[:, -1].clone()
         with self.runner.session(), draft.session():
-            verifier.feed(ids[:, :-1], mask[:, :-1], last_only=True)
+            # The first token comes from the prompt's forward, as in plain decoding (no block
+            # drafts it); every block then feeds the verifier the last decided token first.
+            comps = [z[:, -1] for z in verifier.feed(ids, mask, last_only=True)]
+            lp = self.compose(comps, eos_ids=eos_ids)
+            pending = self._decide(lp, settings, generators)
+            if settings.max_new_tokens > 0:  # (not a block: plain decoding takes it too)
+                rows.add_step(pending, lp, comps)
             # The draft's prompt waits while the batch starts in plain steps (a carried schedule).
-            draft.prefill(ids[:, :-1], mask[:, :-1], pending.tolist(), now=schedule.drafts_soon)
+            draft.prefill(ids, mask, pending.tolist(), now=schedule.drafts_soon)
             while not all(rows.done):
                 block_started = clock()
                 # A block decides up to γ + 1 tokens of a row: draft no further than its end.
@@ -644,16 +708,18 @@ class SpeculativeDecoder(DecodingCandidate):
                     for r in range(batch)
                 ]
                 gamma = max(row_gamma)
-                if gamma == 0:  # a plain composition step, as plain decoding takes it
-                    live = [r for r in range(batch) if not rows.done[r]]
-                    pending = self._plain_step(
-                        verifier, pending, rows, settings, eos_ids, generators
+                if gamma == 0:  # plain composition steps, as plain decoding takes them
+                    steps_before = list(rows.steps)
+                    wanted = schedule.plain_steps() if schedule.gamma == 0 else 1
+                    pending, decided = self._plain_steps(
+                        verifier, pending, rows, settings, eos_ids, generators, wanted
                     )
-                    draft.commit([0] * batch, [[] for _ in range(batch)], pending.tolist())
-                    for r in live:
-                        blocks[r] += 1
-                        plain[r] += 1
-                    schedule.update(0, 0, 0, clock() - block_started)
+                    draft.defer(decided)
+                    for r in range(batch):
+                        blocks[r] += rows.steps[r] - steps_before[r]
+                        plain[r] += rows.steps[r] - steps_before[r]
+                    steps = len(decided[0])
+                    schedule.update(0, 0, 0, clock() - block_started, steps=steps)
                     continue
                 prompt = draft.prompt_pending
                 drafts, qs = draft.propose(gamma, choose)
@@ -726,7 +792,18 @@ class SpeculativeDecoder(DecodingCandidate):
             self._carried_schedule = _Schedule(self.gamma, True, self.max_gamma, None)
         return self._carried_schedule
 
-    def _plain_step(
+    @staticmethod
+    def _decide(
+        lp: torch.Tensor, settings: GenerationSettings, generators: Sequence[torch.Generator] | None
+    ) -> torch.Tensor:
+        """Plain decoding's choice from composed log-probs ``[B, V]``: the argmax, or one draw
+        per row of the warped distribution."""
+        if not settings.do_sample:
+            return lp.argmax(dim=-1)
+        warped = warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p)
+        return sample_tokens(warped, generators)
+
+    def _plain_steps(
         self,
         verifier: _CacheTrack,
         pending: torch.Tensor,
@@ -734,19 +811,29 @@ class SpeculativeDecoder(DecodingCandidate):
         settings: GenerationSettings,
         eos_ids: torch.Tensor,
         generators: Sequence[torch.Generator] | None,
-    ) -> torch.Tensor:
-        """Decide one token per row from the composition alone (plain decoding's step: one draw
-        per row when sampling); returns it ``[B]``, to be fed to the caches next."""
-        token = pending.unsqueeze(-1)
-        comps = [z[:, -1] for z in verifier.feed(token, torch.ones_like(token), last_only=True)]
-        lp = self.compose(comps, eos_ids=eos_ids)
-        if settings.do_sample:
-            warped = warp_logprobs(lp, settings.temperature, settings.top_k, settings.top_p)
-            next_ids = sample_tokens(warped, generators)
-        else:
-            next_ids = lp.argmax(dim=-1)
-        rows.add_step(next_ids, lp, comps)
-        return next_ids
+        steps: int,
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """Up to ``steps`` plain composition steps, until every row is done: plain decoding's
+        loop (:meth:`DecodingCandidate._generate_batch`) — one cached forward per model, one
+        draw per row when sampling, nothing else per step. ``pending [B]``, the last decided
+        token, is fed first. Returns the last decided token ``[B]`` (to be fed next) and each
+        row's decided tokens."""
+        batch = pending.shape[0]
+        mask = verifier.mask
+        positions = mask.sum(-1, keepdim=True)  # the next slot's position: the row's tokens so far
+        next_ids, decided = pending, []
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+            comps = self.runner.step(next_ids.unsqueeze(-1), mask, positions)
+            lp = self.compose(comps, eos_ids=eos_ids)
+            next_ids = self._decide(lp, settings, generators)
+            rows.add_step(next_ids, lp, comps)
+            decided.append(next_ids)
+            if all(rows.done):
+                break
+            positions = positions + 1
+        verifier.mask = mask
+        return next_ids, torch.stack(decided, dim=1).tolist()
 
 
 def _verify(
