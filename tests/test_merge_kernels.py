@@ -861,6 +861,21 @@ def test_dare_drop_compiled_equals_the_method(dtype, rescale, scale, numel):
         assert_same_bits(ours, theirs)
 
 
+@pytest.mark.parametrize("rescale", ["l1", "keep_rate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dare_drop_from_the_inputs_equals_the_method(dtype, rescale):
+    """Given base and expert, dare_drop_ writes τ = expert − base as steps.task_vectors does
+    (large and tiny differences, equal entries, ±0) and then drops it as the method."""
+    base, experts = inputs(1, dtype, seed=9, numel=ROW * 7900)  # two DARE blocks and a part
+    base, expert = base.view(-1), experts[0].view(-1)
+    expert[::101] = 1e-3 * expert[::101]  # far from the base: τ rounds
+    ours = torch.empty_like(base)
+    assert kernels.dare_drop_(ours, 0.3, 7, 1, rescale, inputs=(base, expert))
+    theirs = steps.task_vectors(base, [expert])[0]
+    steps.random_drop_(theirs, steps.dare_keep_mask(theirs.shape, 0.3, 7, 1), 0.3, rescale)
+    assert_same_bits(ours, theirs)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_dare_drop_hands_nonfinite_task_vectors_back(bad):
     """A NaN or an Inf in τ: dare_drop_ declines and leaves τ untouched (the method runs)."""

@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 7
+#define LOOPS_VERSION 8
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1733,13 +1733,16 @@ INLINE uint16_t f32_to_half(float v, int fp16) { return fp16 ? f32_to_f16(v) : f
 
 #define DROP_TILE 2048 /* entries of each block drawn per round of the streams */
 
-/* The read-only pass of steps.random_drop_ over entries [0, n) of a task vector tau (half
- * bits; entry 0 starts a DARE block of `block` entries): DARE's keep bits (steps.dare_keep_block's
+/* The first pass of steps.random_drop_ over entries [0, n) of a task vector tau (half bits;
+ * entry 0 starts a DARE block of `block` entries), which it leaves as it is or, given the inputs
+ * (base and expert, the same dtype; NULL: none), first writes as torch.sub(expert, base) does,
+ * the difference in float32 rounded to the half dtype: DARE's keep bits (steps.dare_keep_block's
  * stream and comparison: entry kept iff the low 23 bits of its 32-bit draw < limit; block k's
  * stream is lane k % DARE_LANES of states group k / DARE_LANES), one bit per entry into keep,
  * and steps.exact_sum_per_exponent of |tau| (all) and of the kept entries (kept), [bins] each,
  * added to. NaN/Inf entries land in the top exponent's bin, which steps counts as "not finite". */
-HOT static void dare_drop_counts_impl(const uint16_t *RESTRICT tau, int64_t n, int fp16,
+HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
+                                      const uint16_t *RESTRICT expert, int64_t n, int fp16,
                                       uint32_t limit, uint64_t *RESTRICT states, int64_t block,
                                       uint8_t *RESTRICT keep, int64_t *RESTRICT all,
                                       int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
@@ -1760,8 +1763,13 @@ HOT static void dare_drop_counts_impl(const uint16_t *RESTRICT tau, int64_t n, i
                 const int64_t m = n - start < DROP_TILE ? n - start : DROP_TILE;
                 uint32_t r32[DROP_TILE];
                 memcpy(r32, raw + l * stride, (size_t)(DROP_TILE * 4)); /* low half first */
-                const uint16_t *t = tau + start;
+                uint16_t *t = tau + start;
                 uint8_t *bits = keep + start / 8; /* start is a multiple of 8 */
+                if (base) {
+                    const uint16_t *x = expert + start, *y = base + start;
+                    for (int64_t j = 0; j < m; j++)
+                        t[j] = f32_to_half(half_to_f32(x[j], fp16) - half_to_f32(y[j], fp16), fp16);
+                }
                 for (int64_t j = 0; j < m; j++) {
                     const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
                     const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
@@ -2170,12 +2178,12 @@ done:
 static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
 {
     PyObject *o_states, *o_keep, *o_all, *o_kept;
-    long long address, n, block;
+    long long address, base, expert, n, block;
     int fp16;
     unsigned long limit;
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLpkOLOOO", &address, &n, &fp16, &limit, &o_states, &block,
-                          &o_keep, &o_all, &o_kept))
+    if (!PyArg_ParseTuple(args, "LLLLpkOLOOO", &address, &base, &expert, &n, &fp16, &limit,
+                          &o_states, &block, &o_keep, &o_all, &o_kept))
         return NULL;
     Buf bufs[4];
     memset(bufs, 0, sizeof bufs);
@@ -2188,7 +2196,7 @@ static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
     if (!(all = buffer_of(o_all, &bufs[2], 8, 1, "all"))) goto done;
     if (!(kept = buffer_of(o_kept, &bufs[3], 8, 1, "kept"))) goto done;
     const int64_t bins = fp16 ? 32 : 256, blocks = block > 0 ? (n + block - 1) / block : 0;
-    if (n < 0 || block <= 0 || block % DROP_TILE || items(&bufs[1]) < (n + 7) / 8 ||
+    if (n < 0 || block <= 0 || block % DROP_TILE || (base == 0) != (expert == 0) || items(&bufs[1]) < (n + 7) / 8 ||
         items(&bufs[2]) < bins || items(&bufs[3]) < bins || limit > (1ul << 23) ||
         items(&bufs[0]) < (blocks + DARE_LANES - 1) / DARE_LANES * 4 * DARE_LANES) {
         PyErr_SetString(PyExc_ValueError, "dare_drop_counts: inconsistent argument sizes");
@@ -2200,7 +2208,8 @@ static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    dare_drop_counts_impl((const uint16_t *)(intptr_t)address, n, fp16, (uint32_t)limit, states,
+    dare_drop_counts_impl((uint16_t *)(intptr_t)address, (const uint16_t *)(intptr_t)base,
+                          (const uint16_t *)(intptr_t)expert, n, fp16, (uint32_t)limit, states,
                           block, keep, all, kept, raw);
     Py_END_ALLOW_THREADS
     free(raw);
@@ -2346,7 +2355,7 @@ static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(address, bf16, m) -> bool"},
     {"sfc64_fill", py_sfc64_fill, METH_VARARGS, "sfc64_fill(states, rows, steps)"},
     {"dare_drop_counts", py_dare_drop_counts, METH_VARARGS,
-     "dare_drop_counts(address, n, fp16, limit, states, block, keep, all, kept)"},
+     "dare_drop_counts(address, base, expert, n, fp16, limit, states, block, keep, all, kept)"},
     {"dare_drop_apply", py_dare_drop_apply, METH_VARARGS,
      "dare_drop_apply(address, n, fp16, keep, mode, s)"},
     {NULL, NULL, 0, NULL},

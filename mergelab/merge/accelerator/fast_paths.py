@@ -291,13 +291,17 @@ def dare_keep_mask(shape: torch.Size, density: float, seed: int, expert: int) ->
 
 def _dare_stack(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
     """``standard.dare``'s stack of dropped and rescaled task vectors, in the compute dtype:
-    each drop in two compiled passes (:func:`.kernels.dare_drop_`), or where those decline
-    (a NaN or an Inf), from the integer-compared mask and the method's own step."""
-    stack = task_vectors(base, experts)
-    for i, (tau, d) in enumerate(zip(stack, p["density"])):
-        if d < 1 and not kernels.dare_drop_(tau, d, ctx.tensor_seed, i, p["rescale"]):
-            keep = dare_keep_mask(tau.shape, d, ctx.tensor_seed, i)
-            random_drop_(tau, keep, d, p["rescale"])
+    each τ_i and its drop in two compiled passes (:func:`.kernels.dare_drop_`), or where those
+    decline (a NaN or an Inf), ``steps.task_vectors``' difference, the integer-compared mask
+    and the method's own step."""
+    stack = torch.empty((len(experts), *base.shape), dtype=base.dtype, device=base.device)
+    for i, (expert, tau, d) in enumerate(zip(experts, stack, p["density"])):
+        drop = (tau, d, ctx.tensor_seed, i, p["rescale"])
+        if d < 1 and kernels.dare_drop_(*drop, inputs=(base, expert)):
+            continue
+        torch.sub(expert, base, out=tau)
+        if d < 1:
+            random_drop_(tau, dare_keep_mask(tau.shape, d, ctx.tensor_seed, i), d, p["rescale"])
     return stack
 
 

@@ -90,7 +90,7 @@ DARE_LANES = 8
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 7
+LOOPS_VERSION = 8
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION,
     "TILE": TILE,
@@ -319,16 +319,25 @@ def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
 _KEEP_ONLY, _MULTIPLY, _DIVIDE = 0, 1, 2
 
 
-def dare_drop_(tau: torch.Tensor, density: float, seed: int, expert: int, rescale: str) -> bool:
+def dare_drop_(
+    tau: torch.Tensor,
+    density: float,
+    seed: int,
+    expert: int,
+    rescale: str,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> bool:
     """``steps.random_drop_(tau, steps.dare_keep_mask(tau.shape, density, seed, expert),
     density, rescale)`` on a contiguous bfloat16/float16 CPU task vector, the same bits, in two
     compiled passes over it and no tensor-sized temporaries: one draws each entry's keep bit (a
     bit each) and sums |τ| and the kept |τ| exactly (``steps.exact_sum_per_exponent``), the
-    other drops and rescales in place, rounding as torch's ``mul_``/``div_`` do.
+    other drops and rescales in place, rounding as torch's ``mul_``/``div_`` do. With
+    ``inputs`` (base, expert: contiguous, tau's dtype and size) the first pass writes
+    ``tau = expert − base`` first, as ``torch.sub`` does (``steps.task_vectors``).
 
-    Returns False with ``tau`` untouched where it does not apply (the loops not active, another
-    dtype or layout, a NaN or an Inf in ``tau``, a rescale that is not finite): the caller runs
-    the method's steps."""
+    Returns False where it does not apply (the loops not active, another dtype or layout, a NaN
+    or an Inf in ``tau``, a rescale that is not finite): ``tau`` is then untouched or, with
+    ``inputs``, may hold the difference; the caller runs the method's steps."""
     compiled = active_loops()
     if compiled is None or tau.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -336,6 +345,13 @@ def dare_drop_(tau: torch.Tensor, density: float, seed: int, expert: int, rescal
         return False
     if rescale not in ("keep_rate", "l1", "none"):
         return False
+    base_address = expert_address = 0
+    if inputs is not None:
+        if not all(
+            x.dtype == tau.dtype and x.is_contiguous() and x.device.type == "cpu" for x in inputs
+        ) or any(x.numel() != tau.numel() for x in inputs):
+            return False
+        base_address, expert_address = inputs[0].data_ptr(), inputs[1].data_ptr()
     fp16 = tau.dtype == torch.float16
     _, mantissa_bits, bias = FLOAT_LAYOUT[tau.dtype]
     bins = 1 << (15 - mantissa_bits)
@@ -353,8 +369,11 @@ def dare_drop_(tau: torch.Tensor, density: float, seed: int, expert: int, rescal
             states[b // DARE_LANES, :, b % DARE_LANES] = sfc64_state(seed, expert, first + b)
         every, kept = np.zeros(bins, dtype=np.int64), np.zeros(bins, dtype=np.int64)
         bits = keep[part.start // 8 : (part.stop + 7) // 8]
-        start = address + part.start * item
-        compiled.dare_drop_counts(start, m, fp16, limit, states, DARE_BLOCK, bits, every, kept)
+        start, offset = address + part.start * item, part.start * item
+        b, e = (base_address + offset, expert_address + offset) if base_address else (0, 0)
+        compiled.dare_drop_counts(
+            start, b, e, m, fp16, limit, states, DARE_BLOCK, bits, every, kept
+        )
         return every, kept
 
     counted = chunks.for_chunks(numel, count, size)
