@@ -5,11 +5,12 @@ Two tables. The first is what a mergekit user runs: mergekit-format configs (``m
 ``dtype: bfloat16`` as in every mergekit example, mergekit's defaults otherwise: DARE rescales by
 the L1 norm), each tool at its defaults on the same file with the same arguments
 (``mergekit-yaml config.yml OUT`` and ``mergelab merge config.yml OUT``, plus ``--random-seed 0
---quiet --no-write-model-card --no-copy-tokenizer`` for both): seconds, mergekit's over
-mergelab's (wall, and CPU), mergelab's over its own linear merge of the same two experts (the
-table's ``linear`` row), and both peak RSS (``mergekit_format_rows`` in the results). The
-second is the float32-compute table (``rows``): the variants below, spelled in each tool's own
-dialect, both computing in float32 and storing bf16.
+--quiet`` for both and ``--no-write-model-card --no-copy-tokenizer`` for mergekit, as in the
+second table): seconds, mergekit's over mergelab's (wall, and CPU), mergelab's over its own
+linear merge of the same two experts (the table's ``linear`` row), and both peak RSS
+(``mergekit_format_rows`` in the results). The second is the float32-compute table (``rows``):
+the variants below, spelled in each tool's own dialect, both computing in float32 and storing
+bf16.
 
     python benchmarks/merge_speed.py --repeats 2                 # defaults: each tool's own threads
     python benchmarks/merge_speed.py --repeats 2 --threads 1     # both pinned to one thread
@@ -173,9 +174,12 @@ MERGEKIT_FORMAT: dict[str, tuple[str, dict, dict]] = {
     "dare_linear": ("dare_linear", {}, {"weight": 1.0, "density": 0.2}),
     "breadcrumbs": ("breadcrumbs", {}, {"weight": 1.0, "density": 0.9, "gamma": 0.01}),
 }
-# What both tools get after ``config.yml OUT`` in the first table (mergelab takes mergekit's flags)
-MERGEKIT_FORMAT_FLAGS = ["--random-seed", "0", "--quiet", "--no-write-model-card"]
-MERGEKIT_FORMAT_FLAGS += ["--no-copy-tokenizer"]
+# What both tools get after ``config.yml OUT`` in the first table (mergelab takes mergekit's
+# flags); mergekit also gets what the float32 table gives it, ``--no-write-model-card
+# --no-copy-tokenizer`` (mergelab refuses both: it always writes its model card and the base's
+# tokenizer where there is one; the synthetic set has none)
+MERGEKIT_FORMAT_FLAGS = ["--random-seed", "0", "--quiet"]
+MERGEKIT_ONLY_FLAGS = ["--no-write-model-card", "--no-copy-tokenizer"]
 
 
 def llama_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -556,7 +560,8 @@ def mergekit_format_commands(
     found = {}
     for tool, head in tools.items():
         out = work / f"format-{tool}-{variant}"
-        found[tool] = ([*head, str(path), str(out), *MERGEKIT_FORMAT_FLAGS], out)
+        extra = MERGEKIT_ONLY_FLAGS if tool == "mergekit" else []
+        found[tool] = ([*head, str(path), str(out), *MERGEKIT_FORMAT_FLAGS, *extra], out)
     return found
 
 
@@ -832,6 +837,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 "configs": {v: MERGEKIT_FORMAT[v] for v in args.format_variants},
                 "dtype": "bfloat16 compute and storage (each config's dtype)",
                 "flags_both_tools": MERGEKIT_FORMAT_FLAGS,
+                "flags_mergekit_only": MERGEKIT_ONLY_FLAGS,
             },
             "label": args.label,
             "commit": _commit(),
