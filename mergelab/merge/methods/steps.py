@@ -73,6 +73,9 @@ def add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torc
     return delta.add_(base)
 
 
+# The half-precision compute dtypes (DARE's L1 rescale sums them exactly: exact_l1_norm).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 # How each float dtype stores a magnitude: (integer view, mantissa bits, exponent bias).
 FLOAT_LAYOUT = {
     torch.bfloat16: (torch.int16, 7, 127),
@@ -85,7 +88,7 @@ FLOAT_LAYOUT = {
 def l1_norm(x: torch.Tensor) -> torch.Tensor:
     """Σ |x| as a 0-d tensor of x's dtype, as torch sums (and mergekit's DELLA rescale, bit for
     bit on tensors of one block): the sums of blocks of :data:`DARE_BLOCK` entries, each summed
-    whole, added in order. DARE's rescale uses :func:`exact_l1_norm`.
+    whole, added in order. DARE's rescale in half precision uses :func:`exact_l1_norm`.
 
     The order is fixed so the rounding does not depend on the number of threads: torch splits
     one long sum across its threads, but reduces each row of a matrix on one thread (hence the
@@ -418,8 +421,8 @@ def random_drop_(
     ``rescale``: "keep_rate" divides by the keep rate, τ/(1−p) with p = 1 − density (DARE paper,
     PEFT ``prune(..., "random", rescale=True)``); "l1" scales so the L1 norm equals the pre-drop
     one (mergekit's ``rescale``; skipped when either norm < 1e-7, as mergekit does; the norms are
-    ``norm``'s, :func:`exact_l1_norm` by default: exact sums rounded once, so a compiled drop
-    reproduces them in any order); "none".
+    ``norm``'s, by default :func:`exact_l1_norm` in bfloat16/float16 (exact sums rounded once, so
+    a compiled drop reproduces them in any order) and :func:`l1_norm` otherwise); "none".
     ``density`` ≥ 1 leaves τ untouched and ≤ 0 zeroes it (both tools agree).
     """
     if density >= 1:
@@ -427,7 +430,7 @@ def random_drop_(
     if density <= 0:
         return tau.zero_()
     if rescale == "l1":
-        norm = norm or exact_l1_norm
+        norm = norm or (exact_l1_norm if tau.dtype in HALF_DTYPES else l1_norm)
         before = norm(tau)
         tau.mul_(keep)
         after = norm(tau)
