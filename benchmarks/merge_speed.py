@@ -1,18 +1,29 @@
 """Wall time and peak memory of mergelab's streamed merges against mergekit's and against the
 time it takes just to read the inputs and write one output.
 
+Two tables. The first is what a mergekit user runs: mergekit-format configs (``merge_method``,
+``dtype: bfloat16`` as in every mergekit example, mergekit's defaults otherwise: DARE rescales by
+the L1 norm), each tool at its defaults on the same file with the same arguments
+(``mergekit-yaml config.yml OUT`` and ``mergelab merge config.yml OUT``, plus ``--random-seed 0
+--quiet`` for both and ``--no-write-model-card --no-copy-tokenizer`` for mergekit, as in the
+second table): seconds, mergekit's over mergelab's (wall, and CPU), mergelab's over its own
+linear merge of the same two experts (the table's ``linear`` row), and both peak RSS
+(``mergekit_format_rows`` in the results). The second is the float32-compute table (``rows``):
+the variants below, spelled in each tool's own dialect, both computing in float32 and storing
+bf16.
+
     python benchmarks/merge_speed.py --repeats 2                 # defaults: each tool's own threads
     python benchmarks/merge_speed.py --repeats 2 --threads 1     # both pinned to one thread
     python benchmarks/merge_speed.py --variants ties dare_ties --layers 12   # a quick look
+    python benchmarks/merge_speed.py --format-variants             # the float32 table only
     python benchmarks/merge_speed.py --mergekit-config my/ties.yml   # any mergekit-spelled config
 
 The checkpoints are synthetic: a base and two experts with Llama's tensor names and shapes (59
 layers, hidden 1024, MLP 4096: 0.95B parameters each, bf16), base ~ N(0, 0.02²), expert = base +
 N(0, 0.002²) (dense task vectors), a real ``config.json``. They are written once into
 ``--cache-dir`` (git-ignored ``.cache/``) and reused. Each merge runs in its own subprocess
-(``mergelab merge`` and ``mergekit-yaml``), both computing in float32 and storing bf16, interleaved
-(every variant of every tool once per round, ``--repeats`` rounds, the tools' order alternating),
-best wall time kept. Without ``--threads`` each tool runs at its default thread count (what users
+(``mergelab merge`` and ``mergekit-yaml``), interleaved (every variant of both tables with both
+tools once per round, ``--repeats`` rounds, the tools' order alternating), best wall time kept. Without ``--threads`` each tool runs at its default thread count (what users
 run); ``--threads N`` sets ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and mergekit's ``-j`` for both.
 
 The floors are subprocesses (``benchmarks/io_floor.py``) that import torch (both tools do), read
@@ -153,6 +164,22 @@ VARIANTS: dict[str, tuple[str, dict, str | None, dict, dict]] = {
     ),
 }
 DEFAULT_VARIANTS = list(VARIANTS)
+
+# The first table: mergekit-format configs as a mergekit user writes them (mergekit's defaults,
+# ``dtype: bfloat16``): variant -> (merge_method, global parameters, per-model parameters).
+MERGEKIT_FORMAT: dict[str, tuple[str, dict, dict]] = {
+    "linear": ("linear", {}, {"weight": 1.0}),
+    "ties": ("ties", {}, {"weight": 1.0, "density": 0.2}),
+    "dare_ties": ("dare_ties", {}, {"weight": 1.0, "density": 0.2}),
+    "dare_linear": ("dare_linear", {}, {"weight": 1.0, "density": 0.2}),
+    "breadcrumbs": ("breadcrumbs", {}, {"weight": 1.0, "density": 0.9, "gamma": 0.01}),
+}
+# What both tools get after ``config.yml OUT`` in the first table (mergelab takes mergekit's
+# flags); mergekit also gets what the float32 table gives it, ``--no-write-model-card
+# --no-copy-tokenizer`` (mergelab refuses both: it always writes its model card and the base's
+# tokenizer where there is one; the synthetic set has none)
+MERGEKIT_FORMAT_FLAGS = ["--random-seed", "0", "--quiet"]
+MERGEKIT_ONLY_FLAGS = ["--no-write-model-card", "--no-copy-tokenizer"]
 
 
 def llama_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -508,6 +535,36 @@ def mergekit_command(
     return [*cmd, "--random-seed", "0", "--no-write-model-card", "--no-copy-tokenizer"], out
 
 
+def mergekit_format_commands(
+    variant: str, folder: Path, work: Path, threads: int | None
+) -> dict[str, tuple[list[str], Path]]:
+    """The first table's runs: one mergekit-format config (:data:`MERGEKIT_FORMAT`, ``dtype:
+    bfloat16``) and, per tool, the command that merges it and its output folder."""
+    method, global_params, model_params = MERGEKIT_FORMAT[variant]
+    experts = [str(folder / "expert_0"), str(folder / "expert_1")]
+    cfg: dict = {
+        "merge_method": method,
+        "models": [{"model": e, "parameters": dict(model_params)} for e in experts],
+        "dtype": "bfloat16",
+    }
+    if global_params:
+        cfg["parameters"] = dict(global_params)
+    if method != "linear":
+        cfg["base_model"] = str(folder / "base")
+    path = work / f"format-{variant}.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    tools = {
+        "mergelab": [sys.executable, "-m", "mergelab.cli", "merge"],
+        "mergekit": ["mergekit-yaml", *_threads_flag(threads)],
+    }
+    found = {}
+    for tool, head in tools.items():
+        out = work / f"format-{tool}-{variant}"
+        extra = MERGEKIT_ONLY_FLAGS if tool == "mergekit" else []
+        found[tool] = ([*head, str(path), str(out), *MERGEKIT_FORMAT_FLAGS, *extra], out)
+    return found
+
+
 def require_this_tree() -> None:
     """Stop unless the ``mergelab`` this process imported is this checkout's: an in-process
     benchmark times the code it imports, and a virtual environment with an editable install of
@@ -658,6 +715,24 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 runs.setdefault((f"floor_{mode}_{n_inputs}", "floor"), []).append(
                     run_measured(floor_command(n_inputs, mode), env, warm=models)
                 )
+        for i, variant in enumerate(args.format_variants if not args.only_floor else []):
+            commands = mergekit_format_commands(variant, folder, work, args.threads)
+            order = ["mergelab"] if args.skip_mergekit else ["mergelab", "mergekit"]
+            if (round_ + i) % 2:
+                order.reverse()
+            for tool in order:
+                cmd, out = commands[tool]
+                shutil.rmtree(out, ignore_errors=True)
+                result = run_measured(cmd, env, warm=models)
+                runs.setdefault((f"format:{variant}", tool), []).append(result)
+                print(
+                    f"round {round_ + 1} mergekit-format {variant:12s} {tool:9s} "
+                    f"{result.wall:7.1f} s {result.rss_mib:7.0f} MiB  cpu {result.cpu:6.1f} s  "
+                    f"load {load_average()}",
+                    flush=True,
+                )
+                if not args.keep_outputs:
+                    shutil.rmtree(out, ignore_errors=True)
         for i, variant in enumerate(args.variants if not args.only_floor else []):
             ours, out_ours = mergelab_command(variant, folder, work)
             theirs = mergekit_command(variant, folder, work, args.threads)
@@ -729,7 +804,25 @@ def run_benchmark(args: argparse.Namespace) -> int:
             row["max_abs_diff_sample"] = diffs[variant]
         rows.append(row)
     add_ratios(rows, floors)
+    format_rows = []
+    format_linear = best(("format:linear", "mergelab"))
+    for variant in args.format_variants:
+        ours, theirs = (
+            best((f"format:{variant}", "mergelab")),
+            best((f"format:{variant}", "mergekit")),
+        )
+        row = {"variant": variant, "merge_method": MERGEKIT_FORMAT[variant][0]}
+        row["mergelab"], row["mergekit"] = ours, theirs
+        if ours is not None and format_linear is not None:
+            row["over_linear"] = ours["s"] / format_linear["s"]
+            row["over_linear_cpu"] = ours["cpu_s"] / format_linear["cpu_s"]
+        if ours is not None and theirs is not None:
+            row["speedup"] = theirs["s"] / ours["s"]
+            row["speedup_cpu"] = theirs["cpu_s"] / ours["cpu_s"]
+            row["rss_ratio"] = ours["rss_mib"] / theirs["rss_mib"]
+        format_rows.append(row)
 
+    print_format_table(format_rows)
     print_table(rows, floors)
     record = {
         "config": {
@@ -740,6 +833,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "torch_default_threads": torch.get_num_threads(),
             "repeats": args.repeats,
             "variants": {v: VARIANTS[v] for v in args.variants},
+            "mergekit_format": {
+                "configs": {v: MERGEKIT_FORMAT[v] for v in args.format_variants},
+                "dtype": "bfloat16 compute and storage (each config's dtype)",
+                "flags_both_tools": MERGEKIT_FORMAT_FLAGS,
+                "flags_mergekit_only": MERGEKIT_ONLY_FLAGS,
+            },
+            "label": args.label,
             "commit": _commit(),
             "machine": platform.platform(),
             "cpu": cpu_description(),
@@ -754,12 +854,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "held_in_memory": held.summary(),
         },
         "floor": floors,
+        "mergekit_format_rows": format_rows,
         "rows": rows,
     }
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nload average after: {load_after}\nresults: {results}")
-    return 0 if all((r["mergelab"] or {}).get("ok", True) for r in rows) else 1
+    every = rows + format_rows
+    return 0 if all((r["mergelab"] or {}).get("ok", True) for r in every) else 1
 
 
 def add_ratios(rows: list[dict], floors: dict[str, dict]) -> None:
@@ -795,6 +897,33 @@ def print_table(rows: list[dict], floors: dict[str, dict]) -> None:
             f"{s(row['mergelab'], 'rss_mib', '{:.0f}'):>12s} "
             f"{s(row['mergekit'], 'rss_mib', '{:.0f}'):>12s}"
         )
+
+
+def print_format_table(rows: list[dict]) -> None:
+    """The first table: mergekit-format configs (``dtype: bfloat16``), each tool at its defaults."""
+    if not rows:
+        return
+
+    def s(x: dict | None, key: str = "s", fmt: str = "{:.1f}") -> str:
+        return "–" if x is None else fmt.format(x[key])
+
+    def r(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}×"
+
+    print("\nmergekit-format configs (dtype: bfloat16), each tool at its defaults")
+    print(
+        f"{'config':14s} {'mergekit s':>10s} {'mergelab s':>10s} {'ratio':>7s} {'cpu ratio':>9s} "
+        f"{'/linear':>8s} {'mergekit MiB':>12s} {'mergelab MiB':>12s}"
+    )
+    for row in rows:
+        print(
+            f"{row['variant']:14s} {s(row['mergekit']):>10s} {s(row['mergelab']):>10s} "
+            f"{r(row.get('speedup')):>7s} {r(row.get('speedup_cpu')):>9s} "
+            f"{r(row.get('over_linear')):>8s} "
+            f"{s(row['mergekit'], 'rss_mib', '{:.0f}'):>12s} "
+            f"{s(row['mergelab'], 'rss_mib', '{:.0f}'):>12s}"
+        )
+    print("\nfloat32 compute (each tool's own dialect)")
 
 
 def compare_outputs(a: Path, b: Path, names: list[str]) -> float:
@@ -878,7 +1007,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=".cache/merge_speed")
+    parser.add_argument(
+        "--format-variants",
+        nargs="*",
+        default=list(MERGEKIT_FORMAT),
+        choices=list(MERGEKIT_FORMAT),
+        help="the first table's mergekit-format configs (none: the float32 table only)",
+    )
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument("--label", default="", help="a note on this run, kept in the results")
     parser.add_argument(
         "--threads", type=int, help="threads for both tools (default: each tool's own default)"
     )

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,51 @@ def test_l1_norm_does_not_depend_on_the_thread_count(numel):
         for n in (1, 2, 4):
             torch.set_num_threads(n)
             assert steps.l1_norm(x).item() == expected.item(), n
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_exact_l1_norm_is_the_exact_sum_rounded_once(dtype):
+    """Σ|x| exactly (fractions), rounded to the nearest value of x's dtype: neither neighbour of
+    exact_l1_norm's result is nearer; values from subnormal to large, zeros, −0.0."""
+    g = torch.Generator().manual_seed(5)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.finfo(dtype).bits // 8]
+    for exponent in (-9, -6, -2, 1):
+        x = (torch.randn(1500, generator=g, dtype=torch.float64) * 10.0**exponent).to(dtype)
+        x[::37] = -0.0
+        got = steps.exact_l1_norm(x)
+        assert got.dtype == dtype and got.dim() == 0
+        exact = sum((Fraction(v) for v in x.abs().double().tolist()), Fraction(0))
+        error = abs(Fraction(got.item()) - exact)
+        for step in (1, -1):
+            neighbour = (got.view(bits) + step).view(dtype).item()
+            if neighbour != neighbour:  # below +0.0: the bits of a NaN
+                continue
+            assert abs(Fraction(neighbour) - exact) >= error, (exponent, step)
+
+
+def test_exact_l1_norm_at_the_ends_of_the_range():
+    half = torch.float16
+    assert steps.exact_l1_norm(torch.tensor([65504.0, 65504.0], dtype=half)).item() == float("inf")
+    subnormals = torch.tensor([6e-8, -6e-8, 1e-7], dtype=half)  # 2⁻²⁴, −2⁻²⁴, 2·2⁻²⁴
+    assert steps.exact_l1_norm(subnormals).item() == 4 * 2.0**-24
+    assert steps.exact_l1_norm(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16)).isinf()
+    assert steps.exact_l1_norm(torch.tensor([float("nan"), 1.0])).isnan()
+    assert steps.exact_l1_norm(torch.zeros(0, dtype=torch.bfloat16)).item() == 0.0
+
+
+@pytest.mark.parametrize("numel", [1000, 3 * steps.DARE_BLOCK + 12345])
+def test_exact_l1_norm_does_not_depend_on_the_thread_count(numel):
+    """One thread, two or four give the same bits (the sum is exact, then rounded once)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.01
+    before = torch.get_num_threads()
+    try:
+        found = set()
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            found |= {steps.exact_l1_norm(x).item(), steps.exact_l1_norm(x.bfloat16()).item()}
+        assert len(found) == 2
     finally:
         torch.set_num_threads(before)
 

@@ -833,3 +833,54 @@ def test_dare_integer_masks_drop_an_entry_drawn_at_the_limit():
         ours = fast_paths.dare_keep_mask(torch.Size([8]), density, 11, 0)
         assert torch.equal(ours, steps.dare_keep_mask((8,), density, 11, 0))
         assert not ours[int(np.flatnonzero(drawn == u)[0])]
+
+
+def dare_task_vector(numel: int, dtype: torch.dtype, scale: float, seed: int = 3) -> torch.Tensor:
+    """A task vector in ``dtype`` with exact zeros, −0.0 and, at small ``scale``, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    tau = scale * torch.randn(numel, generator=g)
+    tau[torch.rand(numel, generator=g) < 0.02] = 0.0
+    tau[torch.rand(numel, generator=g) < 0.02] = -0.0
+    return tau.to(dtype)
+
+
+@pytest.mark.parametrize("numel", [1000, 3 * steps.DARE_BLOCK + 12345])
+@pytest.mark.parametrize("scale", [3e-3, 2e-7, 1e-12], ids=["normal", "subnormal", "tiny"])
+@pytest.mark.parametrize("rescale", ["l1", "keep_rate", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dare_drop_compiled_equals_the_method(dtype, rescale, scale, numel):
+    """kernels.dare_drop_ (two compiled passes) gives steps.random_drop_'s bits with
+    steps.dare_keep_mask's mask: every rescale, values from normal down to subnormal (float16)
+    and a Σ|τ| under the L1 rescale's 1e-7 floor ("tiny": no rescale), several DARE blocks."""
+    for density, expert in ((0.2, 0), (0.9, 1)):
+        tau = dare_task_vector(numel, dtype, scale)
+        ours, theirs = tau.clone(), tau.clone()
+        assert kernels.dare_drop_(ours, density, 7, expert, rescale)
+        keep = steps.dare_keep_mask(tau.shape, density, 7, expert)
+        steps.random_drop_(theirs, keep, density, rescale)
+        assert_same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("rescale", ["l1", "keep_rate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dare_drop_from_the_inputs_equals_the_method(dtype, rescale):
+    """Given base and expert, dare_drop_ writes τ = expert − base as steps.task_vectors does
+    (large and tiny differences, equal entries, ±0) and then drops it as the method."""
+    base, experts = inputs(1, dtype, seed=9, numel=ROW * 7900)  # two DARE blocks and a part
+    base, expert = base.view(-1), experts[0].view(-1)
+    expert[::101] = 1e-3 * expert[::101]  # far from the base: τ rounds
+    ours = torch.empty_like(base)
+    assert kernels.dare_drop_(ours, 0.3, 7, 1, rescale, inputs=(base, expert))
+    theirs = steps.task_vectors(base, [expert])[0]
+    steps.random_drop_(theirs, steps.dare_keep_mask(theirs.shape, 0.3, 7, 1), 0.3, rescale)
+    assert_same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dare_drop_hands_nonfinite_task_vectors_back(bad):
+    """A NaN or an Inf in τ: dare_drop_ declines and leaves τ untouched (the method runs)."""
+    tau = dare_task_vector(5000, torch.bfloat16, 3e-3)
+    tau[1234] = bad
+    before = tau.clone()
+    assert not kernels.dare_drop_(tau, 0.3, 7, 0, "l1")
+    assert torch.equal(tau.view(torch.int16), before.view(torch.int16))

@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 6
+#define LOOPS_VERSION 8
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1697,6 +1697,113 @@ HOT static int all_finite_impl(int64_t addr, int bf16, int64_t m)
     return most < F32_INF_BITS;
 }
 
+/* ---- DARE's drop in half precision (kernels.dare_drop_) --------------------------------- */
+
+/* float16 <-> float32: widening is exact; narrowing rounds to nearest even as torch does
+ * (subnormals kept: the float adder rounds a value below 2^-14 to a multiple of 2^-24 when 0.5
+ * is added to it; NaN becomes 0x7E00). */
+INLINE float f16_to_f32(uint32_t h)
+{
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+        return sign ? -v : v;
+    }
+    if (e == 31) return u2f(sign | F32_INF_BITS | (m << 13));
+    return u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+INLINE uint16_t f32_to_f16(float v)
+{
+    uint32_t u = f2u(v), sign = (u >> 16) & 0x8000u, o;
+    u &= 0x7FFFFFFFu;
+    if (u >= 0x47800000u) { /* 2^16 and beyond: Inf (NaN stays NaN) */
+        o = u > F32_INF_BITS ? 0x7E00u : 0x7C00u;
+    } else if (u < 0x38800000u) { /* below 2^-14: a subnormal or zero */
+        o = f2u(u2f(u) + 0.5f) - 0x3F000000u;
+    } else { /* rebias the exponent by (15 - 127) << 23 and round; a carry past 65504 gives Inf */
+        u += 0xC8000FFFu + ((u >> 13) & 1u);
+        o = u >> 13;
+    }
+    return (uint16_t)(o | sign);
+}
+
+INLINE float half_to_f32(uint32_t h, int fp16) { return fp16 ? f16_to_f32(h) : bf16_to_f32(h); }
+INLINE uint16_t f32_to_half(float v, int fp16) { return fp16 ? f32_to_f16(v) : f32_to_bf16(v); }
+
+#define DROP_TILE 2048 /* entries of each block drawn per round of the streams */
+
+/* The first pass of steps.random_drop_ over entries [0, n) of a task vector tau (half bits;
+ * entry 0 starts a DARE block of `block` entries), which it leaves as it is or, given the inputs
+ * (base and expert, the same dtype; NULL: none), first writes as torch.sub(expert, base) does,
+ * the difference in float32 rounded to the half dtype: DARE's keep bits (steps.dare_keep_block's
+ * stream and comparison: entry kept iff the low 23 bits of its 32-bit draw < limit; block k's
+ * stream is lane k % DARE_LANES of states group k / DARE_LANES), one bit per entry into keep,
+ * and steps.exact_sum_per_exponent of |tau| (all) and of the kept entries (kept), [bins] each,
+ * added to. NaN/Inf entries land in the top exponent's bin, which steps counts as "not finite". */
+HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
+                                      const uint16_t *RESTRICT expert, int64_t n, int fp16,
+                                      uint32_t limit, uint64_t *RESTRICT states, int64_t block,
+                                      uint8_t *RESTRICT keep, int64_t *RESTRICT all,
+                                      int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
+{
+    const int mb = fp16 ? 10 : 7, bins = fp16 ? 32 : 256;
+    const uint32_t fraction = (1u << mb) - 1u;
+    int64_t a[4][256], k[4][256]; /* four copies: consecutive entries rarely wait on a bin */
+    memset(a, 0, sizeof a);
+    memset(k, 0, sizeof k);
+    memset(keep, 0, (size_t)((n + 7) / 8));
+    const int64_t blocks = (n + block - 1) / block, stride = DROP_TILE / 2;
+    for (int64_t g = 0; g * DARE_LANES < blocks; g++) {
+        for (int64_t off = 0; off < block && g * DARE_LANES * block + off < n; off += DROP_TILE) {
+            sfc64_lanes(states + g * 4 * DARE_LANES, raw, stride, stride);
+            for (int l = 0; l < DARE_LANES; l++) {
+                const int64_t b = g * DARE_LANES + l, start = b * block + off;
+                if (b >= blocks || start >= n) break;
+                const int64_t m = n - start < DROP_TILE ? n - start : DROP_TILE;
+                uint32_t r32[DROP_TILE];
+                memcpy(r32, raw + l * stride, (size_t)(DROP_TILE * 4)); /* low half first */
+                uint16_t *t = tau + start;
+                uint8_t *bits = keep + start / 8; /* start is a multiple of 8 */
+                if (base) {
+                    const uint16_t *x = expert + start, *y = base + start;
+                    for (int64_t j = 0; j < m; j++)
+                        t[j] = f32_to_half(half_to_f32(x[j], fp16) - half_to_f32(y[j], fp16), fp16);
+                }
+                for (int64_t j = 0; j < m; j++) {
+                    const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
+                    const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
+                    const uint32_t kb = (r32[j] & 0x7FFFFFu) < limit;
+                    a[j & 3][e] += mant;
+                    k[j & 3][e] += kb ? mant : 0;
+                    bits[j >> 3] |= (uint8_t)(kb << (j & 7));
+                }
+            }
+        }
+    }
+    for (int c = 0; c < 4; c++)
+        for (int e = 0; e < bins; e++) all[e] += a[c][e], kept[e] += k[c][e];
+}
+
+/* The writing pass of steps.random_drop_ on finite half bits, operation for operation: tau *
+ * keep (a dropped entry becomes its sign's zero), then nothing (mode 0), * s (mode 1: the L1
+ * rescale's before / after) or / s (mode 2: the keep rate), in float32 and rounded, as torch's
+ * half-precision mul_ and div_ by a scalar; s > 0. */
+HOT static void dare_drop_apply_impl(uint16_t *RESTRICT tau, int64_t n, int fp16,
+                                     const uint8_t *RESTRICT keep, int mode, float s)
+{
+    for (int64_t j = 0; j < n; j++) {
+        const uint32_t h = tau[j];
+        const int kb = (keep[j >> 3] >> (j & 7)) & 1;
+        uint16_t v = (uint16_t)h;
+        if (mode == 1)
+            v = f32_to_half(half_to_f32(h, fp16) * s, fp16);
+        else if (mode == 2)
+            v = f32_to_half(half_to_f32(h, fp16) / s, fp16);
+        tau[j] = kb ? v : (uint16_t)(h & 0x8000u);
+    }
+}
+
 /* ---- Python bindings -------------------------------------------------------------------- */
 
 typedef struct {
@@ -2068,6 +2175,76 @@ done:
     return result;
 }
 
+static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
+{
+    PyObject *o_states, *o_keep, *o_all, *o_kept;
+    long long address, base, expert, n, block;
+    int fp16;
+    unsigned long limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LLLLpkOLOOO", &address, &base, &expert, &n, &fp16, &limit,
+                          &o_states, &block, &o_keep, &o_all, &o_kept))
+        return NULL;
+    Buf bufs[4];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    uint64_t *states;
+    uint8_t *keep;
+    int64_t *all, *kept;
+    if (!(states = buffer_of(o_states, &bufs[0], 8, 1, "states"))) goto done;
+    if (!(keep = buffer_of(o_keep, &bufs[1], 1, 1, "keep"))) goto done;
+    if (!(all = buffer_of(o_all, &bufs[2], 8, 1, "all"))) goto done;
+    if (!(kept = buffer_of(o_kept, &bufs[3], 8, 1, "kept"))) goto done;
+    const int64_t bins = fp16 ? 32 : 256, blocks = block > 0 ? (n + block - 1) / block : 0;
+    if (n < 0 || block <= 0 || block % DROP_TILE || (base == 0) != (expert == 0) || items(&bufs[1]) < (n + 7) / 8 ||
+        items(&bufs[2]) < bins || items(&bufs[3]) < bins || limit > (1ul << 23) ||
+        items(&bufs[0]) < (blocks + DARE_LANES - 1) / DARE_LANES * 4 * DARE_LANES) {
+        PyErr_SetString(PyExc_ValueError, "dare_drop_counts: inconsistent argument sizes");
+        goto done;
+    }
+    uint64_t *raw = malloc(sizeof(uint64_t) * DARE_LANES * (DROP_TILE / 2));
+    if (!raw) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dare_drop_counts_impl((uint16_t *)(intptr_t)address, (const uint16_t *)(intptr_t)base,
+                          (const uint16_t *)(intptr_t)expert, n, fp16, (uint32_t)limit, states,
+                          block, keep, all, kept, raw);
+    Py_END_ALLOW_THREADS
+    free(raw);
+    result = Py_NewRef(Py_None);
+done:
+    release(bufs, 4);
+    return result;
+}
+
+static PyObject *py_dare_drop_apply(PyObject *self, PyObject *args)
+{
+    PyObject *o_keep;
+    long long address, n;
+    int fp16, mode;
+    double s;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LLpOid", &address, &n, &fp16, &o_keep, &mode, &s)) return NULL;
+    Buf bufs[1];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    const uint8_t *keep;
+    if (!(keep = buffer_of(o_keep, &bufs[0], 1, 0, "keep"))) goto done;
+    if (n < 0 || items(&bufs[0]) < (n + 7) / 8 || mode < 0 || mode > 2) {
+        PyErr_SetString(PyExc_ValueError, "dare_drop_apply: inconsistent arguments");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dare_drop_apply_impl((uint16_t *)(intptr_t)address, n, fp16, keep, mode, (float)s);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release(bufs, 1);
+    return result;
+}
+
 #ifdef HAVE_MAPPING
 /* ---- memory maps that do not hold the GIL ----------------------------------------------- */
 
@@ -2177,6 +2354,10 @@ static PyMethodDef methods[] = {
      "locate_from_top(counts, k) -> (bin, rank)"},
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(address, bf16, m) -> bool"},
     {"sfc64_fill", py_sfc64_fill, METH_VARARGS, "sfc64_fill(states, rows, steps)"},
+    {"dare_drop_counts", py_dare_drop_counts, METH_VARARGS,
+     "dare_drop_counts(address, base, expert, n, fp16, limit, states, block, keep, all, kept)"},
+    {"dare_drop_apply", py_dare_drop_apply, METH_VARARGS,
+     "dare_drop_apply(address, n, fp16, keep, mode, s)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,8 +14,9 @@ TIES, DARE and breadcrumbs run the method's own steps in that dtype, in the meth
 their slow parts replaced: the k-th largest |τ_i| from the radix-histogram passes instead of a
 full selection (:func:`.thresholds.tau_kth_largest_abs`, exact, so the same float), and DARE's
 masks compared as integers, u < round(density · 2²³), the comparison ``steps.dare_keep_block``
-makes in float arithmetic, without its five whole-block passes. DARE's rescales, the L1 one
-included, are the method's (:func:`..methods.steps.random_drop_`).
+makes in float arithmetic, without its five whole-block passes; DARE's drop and rescale (the L1
+one included: Σ|τ| summed exactly, :func:`..methods.steps.exact_l1_norm`) in two compiled passes over
+each task vector, no mask or |τ| tensors (:func:`.kernels.dare_drop_`).
 """
 
 from __future__ import annotations
@@ -289,12 +290,18 @@ def dare_keep_mask(shape: torch.Size, density: float, seed: int, expert: int) ->
 
 
 def _dare_stack(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
-    """``standard.dare``'s stack of dropped and rescaled task vectors, in the compute dtype."""
-    stack = task_vectors(base, experts)
-    for i, (tau, d) in enumerate(zip(stack, p["density"])):
+    """``standard.dare``'s stack of dropped and rescaled task vectors, in the compute dtype:
+    each τ_i and its drop in two compiled passes (:func:`.kernels.dare_drop_`), or where those
+    decline (a NaN or an Inf), ``steps.task_vectors``' difference, the integer-compared mask
+    and the method's own step."""
+    stack = torch.empty((len(experts), *base.shape), dtype=base.dtype, device=base.device)
+    for i, (expert, tau, d) in enumerate(zip(experts, stack, p["density"])):
+        drop = (tau, d, ctx.tensor_seed, i, p["rescale"])
+        if d < 1 and kernels.dare_drop_(*drop, inputs=(base, expert)):
+            continue
+        torch.sub(expert, base, out=tau)
         if d < 1:
-            keep = dare_keep_mask(tau.shape, d, ctx.tensor_seed, i)
-            random_drop_(tau, keep, d, p["rescale"])
+            random_drop_(tau, dare_keep_mask(tau.shape, d, ctx.tensor_seed, i), d, p["rescale"])
     return stack
 
 

@@ -57,7 +57,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..methods.steps import DARE_BLOCK
+from ..methods.steps import DARE_BLOCK, FLOAT_LAYOUT, round_exact_sum
 from . import chunks, sampling
 from .chunks import scratch
 from .sampling import RUN_HASH
@@ -90,7 +90,7 @@ DARE_LANES = 8
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 6
+LOOPS_VERSION = 8
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION,
     "TILE": TILE,
@@ -313,6 +313,92 @@ def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
     the stream steps.dare_keep_block draws from."""
     generator = np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(expert, block)))
     return np.asarray(generator.state["state"]["state"], dtype=np.uint64)
+
+
+# DARE's drop in half precision: how dare_drop_ scales the kept entries (dare_drop_apply's mode)
+_KEEP_ONLY, _MULTIPLY, _DIVIDE = 0, 1, 2
+
+
+def dare_drop_(
+    tau: torch.Tensor,
+    density: float,
+    seed: int,
+    expert: int,
+    rescale: str,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> bool:
+    """``steps.random_drop_(tau, steps.dare_keep_mask(tau.shape, density, seed, expert),
+    density, rescale)`` on a contiguous bfloat16/float16 CPU task vector, the same bits, in two
+    compiled passes over it and no tensor-sized temporaries: one draws each entry's keep bit (a
+    bit each) and sums |τ| and the kept |τ| exactly (``steps.exact_sum_per_exponent``), the
+    other drops and rescales in place, rounding as torch's ``mul_``/``div_`` do. With
+    ``inputs`` (base, expert: contiguous, tau's dtype and size) the first pass writes
+    ``tau = expert − base`` first, as ``torch.sub`` does (``steps.task_vectors``).
+
+    Returns False where it does not apply (the loops not active, another dtype or layout, a NaN
+    or an Inf in ``tau``, a rescale that is not finite): ``tau`` is then untouched or, with
+    ``inputs``, may hold the difference; the caller runs the method's steps."""
+    compiled = active_loops()
+    if compiled is None or tau.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if tau.device.type != "cpu" or not tau.is_contiguous() or not 0 < density < 1:
+        return False
+    if rescale not in ("keep_rate", "l1", "none"):
+        return False
+    base_address = expert_address = 0
+    if inputs is not None:
+        if not all(
+            x.dtype == tau.dtype and x.is_contiguous() and x.device.type == "cpu" for x in inputs
+        ) or any(x.numel() != tau.numel() for x in inputs):
+            return False
+        base_address, expert_address = inputs[0].data_ptr(), inputs[1].data_ptr()
+    fp16 = tau.dtype == torch.float16
+    _, mantissa_bits, bias = FLOAT_LAYOUT[tau.dtype]
+    bins = 1 << (15 - mantissa_bits)
+    flat, numel = tau.view(-1), tau.numel()
+    size = dare_chunk(numel, 1)
+    keep = np.empty((numel + 7) // 8, dtype=np.uint8)
+    limit = round(density * (1 << 23))
+    address, item = flat.data_ptr(), flat.element_size()
+
+    def count(part: slice) -> tuple[np.ndarray, np.ndarray]:
+        first, m = part.start // DARE_BLOCK, part.stop - part.start
+        blocks = -(-m // DARE_BLOCK)
+        states = np.zeros((-(-blocks // DARE_LANES), 4, DARE_LANES), dtype=np.uint64)
+        for b in range(blocks):
+            states[b // DARE_LANES, :, b % DARE_LANES] = sfc64_state(seed, expert, first + b)
+        every, kept = np.zeros(bins, dtype=np.int64), np.zeros(bins, dtype=np.int64)
+        bits = keep[part.start // 8 : (part.stop + 7) // 8]
+        start, offset = address + part.start * item, part.start * item
+        b, e = (base_address + offset, expert_address + offset) if base_address else (0, 0)
+        compiled.dare_drop_counts(
+            start, b, e, m, fp16, limit, states, DARE_BLOCK, bits, every, kept
+        )
+        return every, kept
+
+    counted = chunks.for_chunks(numel, count, size)
+    every = [sum(int(c[0][e]) for c in counted) for e in range(bins)]
+    kept = [sum(int(c[1][e]) for c in counted) for e in range(bins)]
+    if every[-1]:  # the top exponent: a NaN or an Inf
+        return False
+    mode, scale = _KEEP_ONLY, 1.0
+    if rescale == "keep_rate":
+        mode, scale = _DIVIDE, density
+    elif rescale == "l1":  # steps.random_drop_'s test and ratio, on the same 0-d tensors
+        before = torch.tensor(round_exact_sum(every, mantissa_bits, bias), dtype=tau.dtype)
+        after = torch.tensor(round_exact_sum(kept, mantissa_bits, bias), dtype=tau.dtype)
+        if before >= 1e-7 and after >= 1e-7:
+            mode, scale = _MULTIPLY, float(before / after)
+            if not math.isfinite(scale):
+                return False
+
+    def apply(part: slice) -> None:
+        bits = keep[part.start // 8 : (part.stop + 7) // 8]
+        start = address + part.start * item
+        compiled.dare_drop_apply(start, part.stop - part.start, fp16, bits, mode, scale)
+
+    chunks.for_chunks(numel, apply, size)
+    return True
 
 
 class ChunkMerger:

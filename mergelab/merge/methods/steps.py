@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 # (name, base, experts) triples, one per tensor: what a whole-model statistics pass walks.
 TensorTriples = Iterable[tuple[str, torch.Tensor, list[torch.Tensor]]]
 
-# DARE's masks are drawn in blocks of this many entries, one random stream per block; Σ|τ| (the
-# "l1" rescale) is summed in blocks of this many entries too.
+# DARE's masks are drawn in blocks of this many entries, one random stream per block; l1_norm
+# (DELLA's rescale) sums in blocks of this many entries too.
 DARE_BLOCK = 1 << 18
 
 
@@ -73,9 +73,22 @@ def add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torc
     return delta.add_(base)
 
 
+# The half-precision compute dtypes (DARE's L1 rescale sums them exactly: exact_l1_norm).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# How each float dtype stores a magnitude: (integer view, mantissa bits, exponent bias).
+FLOAT_LAYOUT = {
+    torch.bfloat16: (torch.int16, 7, 127),
+    torch.float16: (torch.int16, 10, 15),
+    torch.float32: (torch.int32, 23, 127),
+    torch.float64: (torch.int64, 52, 1023),
+}
+
+
 def l1_norm(x: torch.Tensor) -> torch.Tensor:
-    """Σ |x| as a 0-d tensor of x's dtype: the sums of blocks of :data:`DARE_BLOCK` entries,
-    each summed whole, added in order.
+    """Σ |x| as a 0-d tensor of x's dtype, as torch sums (and mergekit's DELLA rescale, bit for
+    bit on tensors of one block): the sums of blocks of :data:`DARE_BLOCK` entries, each summed
+    whole, added in order. DARE's rescale in half precision uses :func:`exact_l1_norm`.
 
     The order is fixed so the rounding does not depend on the number of threads: torch splits
     one long sum across its threads, but reduces each row of a matrix on one thread (hence the
@@ -93,6 +106,74 @@ def l1_norm(x: torch.Tensor) -> torch.Tensor:
     if tail.numel():
         sums.append(torch.stack([tail, torch.zeros_like(tail)]).sum(1)[:1])
     return torch.cat(sums).sum() if sums else flat.new_zeros(())
+
+
+def exact_l1_norm(x: torch.Tensor) -> torch.Tensor:
+    """Σ |x| as a 0-d tensor of x's dtype: the exact sum, rounded once (to nearest, ties to
+    even), so it depends on no summation order, block size or thread count.
+
+    A finite |x_j| is m_j · 2^(max(e_j, 1) − 1) · u, with e_j its exponent field, m_j its
+    mantissa with the leading 1 (none for subnormals, e_j = 0) and u the dtype's smallest
+    subnormal: the sum is the integers Σ_{e_j = e} m_j, one per exponent, shifted and added
+    (:func:`exact_sum_per_exponent`, :func:`round_exact_sum`). With a NaN or an Inf among x the
+    sum is NaN or +Inf, as torch's.
+    """
+    if x.dtype not in FLOAT_LAYOUT:
+        raise TypeError(f"exact_l1_norm: no exact sum for {x.dtype}")
+    flat = x.detach().reshape(-1)
+    _, mantissa_bits, bias = FLOAT_LAYOUT[x.dtype]
+    per_exponent = exact_sum_per_exponent(flat)
+    if per_exponent is None:  # a NaN or an Inf
+        return flat.abs().sum()
+    return torch.tensor(round_exact_sum(per_exponent, mantissa_bits, bias), dtype=x.dtype)
+
+
+def exact_sum_per_exponent(flat: torch.Tensor) -> list[int] | None:
+    """Σ_{e_j = e} m_j for each exponent field e of a flat float tensor (the terms of
+    :func:`exact_l1_norm`), as Python integers; ``None`` if it holds a NaN or an Inf."""
+    view, mantissa_bits, _ = FLOAT_LAYOUT[flat.dtype]
+    width = torch.finfo(flat.dtype).bits
+    exponents = 1 << (width - 1 - mantissa_bits)
+    if width == 16:  # a count of every magnitude's bit pattern, then Σ count · m per exponent
+        bits = flat.view(view).to(torch.int32).bitwise_and_(0x7FFF)
+        counts = torch.bincount(bits, minlength=1 << 15).view(exponents, 1 << mantissa_bits)
+        mantissa = torch.arange(1 << mantissa_bits, dtype=torch.int64).expand_as(counts).clone()
+        mantissa[1:] += 1 << mantissa_bits  # the leading 1 of every exponent field but 0
+        if int(counts[-1].sum()):
+            return None
+        return (counts * mantissa).sum(1).tolist()
+    bits = flat.view(view).to(torch.int64) & ((1 << (width - 1)) - 1)  # |x|'s bits
+    exponent = bits >> mantissa_bits
+    if bool((exponent == exponents - 1).any()):
+        return None
+    fraction = bits & ((1 << mantissa_bits) - 1)
+    mantissa = fraction | (exponent > 0).to(torch.int64) << mantissa_bits
+    if mantissa_bits <= 30:  # Σ m_j < 2⁶³ for any tensor under 2³² entries
+        parts = [(mantissa, 0)]
+    else:  # float64: two halves of the 53-bit mantissa, each summed exactly
+        parts = [(mantissa >> 26, 26), (mantissa & ((1 << 26) - 1), 0)]
+    sums = [0] * exponents
+    for part, shift in parts:
+        summed = torch.zeros(exponents, dtype=torch.int64).index_add_(0, exponent, part)
+        for e, total in enumerate(summed.tolist()):
+            sums[e] += total << shift
+    return sums
+
+
+def round_exact_sum(per_exponent: Sequence[int], mantissa_bits: int, bias: int) -> float:
+    """Σ_e per_exponent[e] · 2^(max(e, 1) − 1) · u (u = 2^(1 − bias − mantissa_bits), the
+    smallest subnormal) rounded to the nearest float of that layout, ties to even (+Inf past
+    its largest), as a Python float (exact: every such float is a float64, or an Inf)."""
+    total = sum(s << (max(e, 1) - 1) for e, s in enumerate(per_exponent) if s)
+    precision = mantissa_bits + 1
+    dropped = max(0, total.bit_length() - precision)  # low bits below the result's last place
+    q, r = divmod(total, 1 << dropped)
+    if dropped and (2 * r > 1 << dropped or (2 * r == 1 << dropped and q & 1)):
+        q += 1
+    exponent = dropped + 1 - bias - mantissa_bits  # result = q · 2^exponent
+    if q and q.bit_length() - 1 + exponent > bias:  # beyond the largest finite value
+        return math.inf
+    return math.ldexp(q, exponent)
 
 
 # --- task vectors and per-expert scalars -------------------------------------------------------
@@ -329,13 +410,19 @@ DareRescale = Literal["keep_rate", "l1", "none"]
 
 
 def random_drop_(
-    tau: torch.Tensor, keep: torch.Tensor, density: float, rescale: DareRescale = "keep_rate"
+    tau: torch.Tensor,
+    keep: torch.Tensor,
+    density: float,
+    rescale: DareRescale = "keep_rate",
+    norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Drop the entries where ``keep`` is False and rescale the survivors (in place).
 
     ``rescale``: "keep_rate" divides by the keep rate, τ/(1−p) with p = 1 − density (DARE paper,
     PEFT ``prune(..., "random", rescale=True)``); "l1" scales so the L1 norm equals the pre-drop
-    one (mergekit's ``rescale``; skipped when either norm < 1e-7, as mergekit does); "none".
+    one (mergekit's ``rescale``; skipped when either norm < 1e-7, as mergekit does; the norms are
+    ``norm``'s, by default :func:`exact_l1_norm` in bfloat16/float16 (exact sums rounded once, so
+    a compiled drop reproduces them in any order) and :func:`l1_norm` otherwise); "none".
     ``density`` ≥ 1 leaves τ untouched and ≤ 0 zeroes it (both tools agree).
     """
     if density >= 1:
@@ -343,9 +430,10 @@ def random_drop_(
     if density <= 0:
         return tau.zero_()
     if rescale == "l1":
-        before = l1_norm(tau)
+        norm = norm or (exact_l1_norm if tau.dtype in HALF_DTYPES else l1_norm)
+        before = norm(tau)
         tau.mul_(keep)
-        after = l1_norm(tau)
+        after = norm(tau)
         if before >= 1e-7 and after >= 1e-7:
             tau.mul_(before / after)
     elif rescale == "keep_rate":
@@ -410,7 +498,7 @@ def magprune_(
     if rescale == "keep_rate":
         work.mul_(keep).div_(probability)
     else:
-        random_drop_(work, keep, density, rescale)
+        random_drop_(work, keep, density, rescale, norm=l1_norm)  # torch's sums, as mergekit's
     return tau if work is tau else tau.copy_(work)
 
 
