@@ -273,3 +273,96 @@ def test_half_precision_compute_writes_the_same_bits_on_and_off(
                 assert bool(same.all()), f"{method} {options}: {name} differs"
     finally:
         torch.set_num_threads(before)
+
+
+# linear and task arithmetic in half precision: taken where every add has alpha 1 (w_i = 1 after
+# the first, λ = 1), the method's elsewhere
+HALF_SUM_CASES = [
+    ("linear", {"weights": [1.0, 1.0]}, True),
+    ("linear", {"weights": [-0.5, 1.0], "params": {"normalize": False}}, True),
+    ("task_arithmetic", {"weights": [1.0, 1.0]}, True),
+    ("task_arithmetic", {"weights": [0.3, 1.0], "params": {"normalize": True}}, True),
+    ("task_arithmetic", {"weights": [0.3, 0.7], "params": {"lambda": 0.8}}, False),
+]
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    "stored,compute",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-in-bf16", "f32-in-f16"],
+)
+def test_half_precision_sums_write_the_same_bits_on_and_off(tmp_path, monkeypatch, stored, compute):
+    base, *experts = write_set(tmp_path, stored)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k, (method, options, taken) in enumerate(HALF_SUM_CASES):
+            outputs = []
+            for on in (True, False):
+                monkeypatch.setattr(kernels, "enabled", on)
+                # on, where the fast path takes every tensor, the method must not run
+                refused = on and taken
+                monkeypatch.setattr(
+                    standard, "weighted_sum", refuse if refused else steps.weighted_sum
+                )
+                out = tmp_path / f"{k}-{on}"
+                base_ = base if method == "task_arithmetic" else None
+                merge_checkpoints(
+                    method, base_, experts, output=out, progress=False, dtype=compute, **options
+                )
+                outputs.append(load_file(out / "model-00001-of-00001.safetensors"))
+            on, off = outputs
+            for name in SHAPES:
+                assert on[name].dtype == off[name].dtype == stored
+                bits = torch.int16 if stored == torch.bfloat16 else torch.int32
+                same = on[name].view(bits) == off[name].view(bits)
+                assert bool(same.all()), f"{method} {options}: {name} differs"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_loops
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mergekit_configs_of_sums_write_the_same_bits_on_and_off(tmp_path, monkeypatch, dtype):
+    """mergekit-dialect configs at a half dtype: linear (float32 inside, rounded once) and
+    task_arithmetic (the half dtype throughout), accelerator on and off."""
+    from mergelab.cli import main
+
+    base, *experts = write_set(tmp_path, torch.bfloat16)
+    configs = {
+        "linear": "normalize: true",
+        "task_arithmetic": "normalize: false",
+        "task_arithmetic_normalized": "normalize: true",
+        "task_arithmetic_lambda": "lambda: 0.8",
+    }
+    weights = ([1.0, 1.0], [0.4, 1.0], [-0.7, 1.3])
+    for name, params in configs.items():
+        for w in weights:
+            # linear's float32 loop takes every weight; the half one alpha-1 adds only
+            taken = name == "linear" or ("lambda" not in params and w[1] == 1)
+            method = "linear" if name == "linear" else "task_arithmetic"
+            lines = [f"merge_method: {method}", f"dtype: {dtype}", f"parameters: {{{params}}}"]
+            if method == "task_arithmetic":
+                lines.append(f"base_model: {base}")
+            lines.append("models:")
+            for e, x in zip(experts, w):
+                lines += [f"  - model: {e}", f"    parameters: {{weight: {x}}}"]
+            config = tmp_path / f"{name}-{w}.yml"
+            config.write_text("\n".join(lines) + "\n")
+            outputs = []
+            for on in (True, False):
+                monkeypatch.setattr(kernels, "enabled", on)
+                refused = on and taken  # the method must not run
+                monkeypatch.setattr(
+                    standard, "weighted_sum", refuse if refused else steps.weighted_sum
+                )
+                out = tmp_path / f"{name}-{w}-{on}"
+                args = ["merge", "--config", str(config), "--out", str(out), "--no-progress"]
+                assert main(args) == 0
+                outputs.append(load_file(out / "model-00001-of-00001.safetensors"))
+            on, off = outputs
+            for tensor in SHAPES:
+                assert on[tensor].dtype == getattr(torch, dtype)
+                same = on[tensor].view(torch.int16) == off[tensor].view(torch.int16)
+                assert bool(same.all()), f"{name} {w}: {tensor} differs"

@@ -815,6 +815,70 @@ def test_half_precision_compute_equals_the_method(monkeypatch, method, params, c
     assert fast_path(method).merge(*cast, ctx, {**globals_, **lists}) is not None
 
 
+# linear and task arithmetic in half precision: the fast path takes weights whose adds have
+# alpha 1 (w_i = 1 after the first, λ = 1); other weights and λ are the method's (taken or not,
+# the bits are the method's)
+HALF_SUMS = [
+    ("linear", {"weight": [1.0, 1.0, 1.0]}, True),
+    ("linear", {"weight": [1.0, 1.0, 1.0], "normalize": False}, True),
+    ("linear", {"weight": [-0.6, 1.0, 1.0]}, True),  # negative, Σw = 1.4
+    ("linear", {"weight": [0.3, 1.0, 1.0], "normalize": False}, True),
+    ("linear", {"weight": [0.3, 0.7, 1.0]}, False),
+    ("task_arithmetic", {"weight": [1.0, 1.0, 1.0]}, True),
+    ("task_arithmetic", {"weight": [2.5, 1.0, 1.0], "normalize": True}, True),
+    ("task_arithmetic", {"weight": [-0.4, 1.0, 1.0], "normalize": True}, True),
+    ("task_arithmetic", {"weight": [1.0, 1.0, 1.0], "lambda_": 0.8}, False),
+    ("task_arithmetic", {"weight": [0.5, -0.3, 1.0], "normalize": True, "lambda_": 1.3}, False),
+]
+
+
+@pytest.mark.parametrize(
+    "method,params,taken", HALF_SUMS, ids=[f"{m}{i}" for i, (m, _, _) in enumerate(HALF_SUMS)]
+)
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_precision_sums_equal_the_method(monkeypatch, method, params, taken, compute):
+    base, experts = inputs(3, torch.bfloat16, seed=23)
+    if method == "linear":
+        base = None
+    for threads in (1, 2):  # the fast path's chunks on every core, the method's torch threads
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            stored = both_paths(
+                monkeypatch, method, base, experts, params, out_dtype=torch.bfloat16, dtype=compute
+            )
+            cast = [None if base is None else base.to(compute), [e.to(compute) for e in experts]]
+            in_memory = both_paths(monkeypatch, method, *cast, params)
+        finally:
+            torch.set_num_threads(before)
+        if taken:  # where the fast path declines, the method ran both times
+            assert_same_bits(*stored)
+            assert_same_bits(*in_memory)
+            assert_same_bits(stored[0], in_memory[0].to(torch.bfloat16))
+    monkeypatch.setattr(kernels, "enabled", True)
+    m = get_merge_method(method)
+    globals_, lists = m.resolve(3, params)
+    ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
+    got = fast_path(method).merge(*cast, ctx, {**globals_, **lists})
+    assert (got is not None) == taken
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_precision_sums_in_float32_out_equal_the_method(monkeypatch, dtype):
+    """Stored float32, computed in half precision, stored back in float32 (the half result
+    widened exactly), and a lone expert (only the method's ``mul``)."""
+    base, experts = inputs(2, torch.float32, seed=24)
+    for method, b, weight in (
+        ("task_arithmetic", base, [0.7, 1.0]),
+        ("linear", None, [1.0, 1.0]),
+        ("linear", None, [-1.7]),
+    ):
+        xs = experts[: len(weight)]
+        params = {"weight": weight}
+        got = both_paths(monkeypatch, method, b, xs, params, out_dtype=torch.float32, dtype=dtype)
+        assert_same_bits(*got)
+
+
 @pytest.mark.parametrize("density", [0.2, 1e-7, 0.5, 0.9999999])
 @pytest.mark.parametrize("numel", [1, 3, steps.DARE_BLOCK, 2 * steps.DARE_BLOCK + 5])
 def test_dare_integer_masks_are_the_methods(density, numel):

@@ -6,15 +6,18 @@ thresholds and the per-tensor ones in fewer passes (:mod:`.thresholds`).
 Each is registered with :func:`mergelab.merge.registry.register_fast_path` and returns the bits
 of the method it stands for (tests/test_merge_kernels.py: every method × dtype × option, the
 accelerator on and off), or ``None`` where it does not apply (a tensor off the CPU; a compute
-dtype other than float32 for linear and task arithmetic, other than float32, bfloat16 and float16
-for the others; DARE's "l1" rescale in float32 compute): the method then runs.
+dtype other than float32, bfloat16 and float16; linear and task arithmetic in half precision
+with an ``add`` whose alpha is not 1, :func:`_weighted_sum_half`; DARE's "l1" rescale in float32
+compute): the method then runs.
 
 In half-precision compute (``dtype: bfloat16`` or ``float16``, what every mergekit example sets)
-TIES, DARE and breadcrumbs run the method's own steps in that dtype, in the method's order, with
-their slow parts replaced: the k-th largest |τ_i| from the radix-histogram passes instead of a
-full selection (:func:`.thresholds.tau_kth_largest_abs`, exact, so the same float), and DARE's
-masks compared as integers, u < round(density · 2²³), the comparison ``steps.dare_keep_block``
-makes in float arithmetic, without its five whole-block passes; DARE's drop and rescale (the L1
+linear and task arithmetic with w_i = 1 after the first and λ = 1 run the method's torch ops
+chunk by chunk (:func:`_weighted_sum_half`); TIES, DARE and breadcrumbs run the method's own
+steps in that dtype, in the method's order, with their slow parts replaced: the k-th largest
+|τ_i| from the radix-histogram passes instead of a full selection
+(:func:`.thresholds.tau_kth_largest_abs`, exact, so the same float), and DARE's masks compared
+as integers, u < round(density · 2²³), the comparison ``steps.dare_keep_block`` makes in float
+arithmetic, without its five whole-block passes; DARE's drop and rescale (the L1
 one included: Σ|τ| summed exactly, :func:`..methods.steps.exact_l1_norm`) in two compiled passes over
 each task vector, no mask or |τ| tensors (:func:`.kernels.dare_drop_`).
 """
@@ -120,14 +123,63 @@ def _weighted_sum(
     return out.view(experts[0].shape)
 
 
+def _weighted_sum_half(
+    base: torch.Tensor | None,
+    experts: list[torch.Tensor],
+    ctx: TensorContext,
+    weight: list[float],
+    *,
+    lambda_: float,
+    normalize: bool,
+) -> torch.Tensor | None:
+    """linear (no base) and task arithmetic in half precision: the method's own torch ops, in
+    its order and dtype, chunk by chunk on every core, straight from the stored inputs into the
+    output buffer; only where every ``add`` the method makes has alpha 1 (w_i = 1 for i ≥ 1,
+    λ = 1; w_0 and the normalisation are free).
+
+    torch rounds a half-precision ``add(x, y, alpha=a)`` with a ≠ 1 differently in its
+    vectorised loop and its scalar tails, so the method's bits for such weights depend on where
+    each thread's share of the tensor ends
+    (``benchmarks/results/half_precision_linear_findings.json``): no chunked order can repeat
+    them, and the method runs. With alpha 1 (and ``sub``, ``mul`` by a scalar, ``div`` by one)
+    every entry's bits depend on that entry alone."""
+    if any(w != 1 for w in weight[1:]) or lambda_ != 1:
+        return None
+    dtype = _compute_dtype(ctx, experts[0])
+    numel = experts[0].numel()
+    out = ctx.out.view(-1) if ctx.out is not None else torch.empty(numel, dtype=dtype)
+    flat_base = None if base is None else base.reshape(-1)
+    flat = [e.reshape(-1) for e in experts]
+
+    def part(s: slice) -> int:
+        b = None if flat_base is None else flat_base[s].to(dtype)
+        xs = (e[s].to(dtype) for e in flat)
+        if b is not None:
+            xs = (x - b for x in xs)  # standard.task_arithmetic's task vectors
+        merged = weighted_sum(xs, weight, normalize)
+        if b is not None:
+            merged = torch.add(b, merged, alpha=lambda_)
+        out[s].copy_(merged)
+        return 0
+
+    chunks.for_chunks(numel, part)
+    return out.view(experts[0].shape)
+
+
 def linear(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
+    if _runs_half(ctx, *experts):
+        return _weighted_sum_half(
+            None, experts, ctx, p["weight"], lambda_=1.0, normalize=p["normalize"]
+        )
     return _weighted_sum(None, experts, ctx, p["weight"], lambda_=1.0, normalize=p["normalize"])
 
 
 def task_arithmetic(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
-    return _weighted_sum(
-        base, experts, ctx, p["weight"], lambda_=p["lambda_"], normalize=p["normalize"]
-    )
+    args = (base, experts, ctx, p["weight"])
+    options = {"lambda_": p["lambda_"], "normalize": p["normalize"]}
+    if _runs_half(ctx, base, *experts):
+        return _weighted_sum_half(*args, **options)
+    return _weighted_sum(*args, **options)
 
 
 def _elect_plan(p: dict[str, Any]) -> tuple | None:
