@@ -366,3 +366,33 @@ def test_mergekit_configs_of_sums_write_the_same_bits_on_and_off(tmp_path, monke
                 assert on[tensor].dtype == getattr(torch, dtype)
                 same = on[tensor].view(torch.int16) == off[tensor].view(torch.int16)
                 assert bool(same.all()), f"{name} {w}: {tensor} differs"
+
+
+@needs_loops
+@pytest.mark.parametrize("dtype,streamed", [("bfloat16", True), ("float16", False)])
+def test_a_mergekit_config_at_the_stored_dtype_streams_the_stored_inputs(
+    tmp_path, monkeypatch, dtype, streamed
+):
+    """``dtype:`` equal to every input's stored dtype rounds nothing, so the stored tensors go to
+    the fast paths as they are (no cast copies); another dtype casts them first. Same bits either
+    way as with the accelerator off (the tests above)."""
+    from mergelab.cli import main
+    from mergelab.merge.checkpoint import CheckpointMergePlan
+
+    base, *experts = write_set(tmp_path, torch.bfloat16)
+    seen: dict[str, bool] = {}
+    original = CheckpointMergePlan.streams_stored
+
+    def record(self, name):
+        seen[name] = original(self, name)
+        return seen[name]
+
+    monkeypatch.setattr(CheckpointMergePlan, "streams_stored", record)
+    config = tmp_path / "ties.yml"
+    lines = ["merge_method: ties", f"dtype: {dtype}", f"base_model: {base}", "models:"]
+    for e in experts:
+        lines += [f"  - model: {e}", "    parameters: {weight: 0.5, density: 0.5}"]
+    config.write_text("\n".join(lines) + "\n")
+    assert main(["merge", "--config", str(config), "--out", str(tmp_path / "out")]) == 0
+    assert set(SHAPES) <= set(seen)
+    assert {seen[name] for name in SHAPES} == {streamed}

@@ -822,7 +822,19 @@ class CheckpointMergePlan:
         if not self.fast_stored:
             return False
         recipe = self.recipes.get(name) if self.recipes is not None else None
-        return self.input_dtype is None and (recipe is None or recipe.align is None)
+        if recipe is not None and recipe.align is not None:
+            return False
+        return self.input_dtype is None or self._stored_in_input_dtype(name)
+
+    def _stored_in_input_dtype(self, name: str) -> bool:
+        """Whether every input of tensor ``name`` is stored in ``input_dtype`` (rounding the
+        inputs to it changes nothing)."""
+        recipe = self.recipes.get(name) if self.recipes is not None else None
+        if recipe is not None:
+            sources = [(s.folder, s.name) for s in recipe.sources]
+        else:
+            sources = [(f, name) for f in self._input_folders(name)]
+        return all(f.info(n).dtype == self.input_dtype for f, n in sources)
 
     def load(
         self,
