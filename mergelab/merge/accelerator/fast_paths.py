@@ -189,13 +189,13 @@ def _elect_plan(p: dict[str, Any]) -> tuple | None:
         return None
     if p["divide_by"] not in ("count", "weight_sum", "none"):
         return None
-    return kernels.elect_plan(
-        p["weight"],
-        lambda_=p["lambda_"],
-        majority_sign=p["majority_sign"],
-        weighted_sign=p["weighted_sign"],
-        divide_by=p["divide_by"],
-    )
+    return kernels.elect_plan(p["weight"], **_elect_options(p))
+
+
+def _elect_options(p: dict[str, Any]) -> dict[str, Any]:
+    """TIES' elect and disjoint-merge options, as ``elect_merge`` and ``kernels.elect_plan``
+    take them."""
+    return {k: p[k] for k in ("lambda_", "majority_sign", "weighted_sign", "divide_by")}
 
 
 def _merge(
@@ -275,15 +275,7 @@ def _ties_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Te
     stack = task_vectors(base, experts)
     for tau, threshold in zip(stack, found):
         threshold_trim_(tau, threshold)
-    merged = elect_merge(
-        base,
-        stack,
-        p["weight"],
-        lambda_=p["lambda_"],
-        majority_sign=p["majority_sign"],
-        weighted_sign=p["weighted_sign"],
-        divide_by=p["divide_by"],
-    )
+    merged = elect_merge(base, stack, p["weight"], **_elect_options(p))
     return _deliver(ctx, merged)
 
 
@@ -364,15 +356,7 @@ def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Te
     if "majority_sign" not in p:  # dare_linear
         merged = add_scaled_(weighted_sum(stack, p["weight"], p["normalize"]), p["lambda_"], base)
     else:
-        merged = elect_merge(
-            base,
-            stack,
-            p["weight"],
-            lambda_=p["lambda_"],
-            majority_sign=p["majority_sign"],
-            weighted_sign=p["weighted_sign"],
-            divide_by=p["divide_by"],
-        )
+        merged = elect_merge(base, stack, p["weight"], **_elect_options(p))
     return _deliver(ctx, merged)
 
 
