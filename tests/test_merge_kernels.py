@@ -807,28 +807,89 @@ def test_half_precision_compute_equals_the_method(monkeypatch, method, params, c
     in_memory = both_paths(monkeypatch, method, *cast, params)
     assert_same_bits(*in_memory)
     assert_same_bits(stored[0], in_memory[0].to(torch.bfloat16))
-    # and the fast path took it (it did not hand the tensor back to the method)
+    # and the fast path took it, in its one compiled pass (it did not hand the tensor back to
+    # the method, nor run the method's steps itself)
     monkeypatch.setattr(kernels, "enabled", True)
+    passes = []
+    merge_in_one_pass = kernels.half_merge
+    monkeypatch.setattr(
+        kernels,
+        "half_merge",
+        lambda *a, **k: passes.append(merge_in_one_pass(*a, **k)) or passes[-1],
+    )
     m = get_merge_method(method)
     globals_, lists = m.resolve(2, params)
     ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
     assert fast_path(method).merge(*cast, ctx, {**globals_, **lists}) is not None
+    assert passes == [True]
 
 
-# linear and task arithmetic in half precision: the fast path takes weights whose adds have
-# alpha 1 (w_i = 1 after the first, λ = 1); other weights and λ are the method's (taken or not,
-# the bits are the method's)
+@pytest.mark.parametrize("method,params", HALF, ids=[f"{m}{i}" for i, (m, _) in enumerate(HALF)])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("where", ["base", "expert", "overflow"])
+def test_half_precision_pass_declines_nan_and_inf(monkeypatch, method, params, compute, where):
+    """A NaN in the base, an Inf in an expert, or finite inputs whose difference overflows the
+    dtype: the compiled pass declines and the method's steps give the bits (torch's NaN rules;
+    the result may still be finite, an Inf trimmed or outvoted)."""
+    base, experts = inputs(2, torch.bfloat16, seed=22)
+    base, experts = base.to(compute), [e.to(compute) for e in experts]
+    big = torch.finfo(compute).max
+    if where == "base":
+        base[3, 5] = float("nan")
+    elif where == "expert":
+        experts[1][7, 1] = float("-inf")
+    else:
+        base[2, 2], experts[0][2, 2] = -big, big
+    m = get_merge_method(method)
+    globals_, lists = m.resolve(2, params)
+    passes, results = [], []
+    merge_in_one_pass = kernels.half_merge
+    monkeypatch.setattr(
+        kernels,
+        "half_merge",
+        lambda *a, **k: passes.append(merge_in_one_pass(*a, **k)) or passes[-1],
+    )
+    for compiled in (True, False):  # unchecked: the results hold NaN or Inf
+        monkeypatch.setattr(kernels, "enabled", compiled)
+        ctx = TensorContext("model.layers.0.mlp.up_proj.weight", seed=7)
+        results.append(m.apply(base, experts, ctx, {**globals_, **lists}, check_finite=False))
+    assert_same_bits(*results)
+    assert True not in passes  # declined where it ran (DARE's drop pass may decline first)
+
+
+def test_half_precision_thresholds_are_the_rounded_float32_ones():
+    """torch forms a half-precision τ in float32 and rounds it, so the k-th largest |τ| in that
+    dtype is the float32 one rounded (thresholds.tau_kth_largest_abs relies on it): equal to
+    torch.kthvalue on the half τ, for every rank, with many zeros and ties."""
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (1000, 300_001, 9_000_001):  # one compiled call; chunked passes
+            base = (0.02 * torch.randn(n, generator=g)).to(dtype)
+            experts = [
+                (base.float() + s * torch.randn(n, generator=g)).to(dtype) for s in (2e-3, 5e-2)
+            ]
+            experts[0][: n // 3] = base[: n // 3]
+            ks = [1, 2, n // 5, n // 2, n - 1, n]
+            found = thresholds.tau_kth_largest_abs(base, experts, [ks, ks[:3]], dtype)
+            for expert, wanted, got in zip(experts, [ks, ks[:3]], found):
+                assert got == steps.kth_largest_abs_many(expert - base, wanted), (dtype, n)
+
+
+# linear and task arithmetic in half precision: the fast path takes every weight and λ (the
+# half-precision sum is steps.half_weighted_sum: each entry's bits depend on that entry alone),
+# at every thread count the method's bits
 HALF_SUMS = [
     ("linear", {"weight": [1.0, 1.0, 1.0]}, True),
     ("linear", {"weight": [1.0, 1.0, 1.0], "normalize": False}, True),
     ("linear", {"weight": [-0.6, 1.0, 1.0]}, True),  # negative, Σw = 1.4
     ("linear", {"weight": [0.3, 1.0, 1.0], "normalize": False}, True),
-    ("linear", {"weight": [0.3, 0.7, 1.0]}, False),
+    ("linear", {"weight": [0.3, 0.7, 1.0]}, True),
+    ("linear", {"weight": [0.3, -0.3, 1e-9]}, True),  # |Σw| < 1e-8: not divided
     ("task_arithmetic", {"weight": [1.0, 1.0, 1.0]}, True),
     ("task_arithmetic", {"weight": [2.5, 1.0, 1.0], "normalize": True}, True),
     ("task_arithmetic", {"weight": [-0.4, 1.0, 1.0], "normalize": True}, True),
-    ("task_arithmetic", {"weight": [1.0, 1.0, 1.0], "lambda_": 0.8}, False),
-    ("task_arithmetic", {"weight": [0.5, -0.3, 1.0], "normalize": True, "lambda_": 1.3}, False),
+    ("task_arithmetic", {"weight": [1.0, 1.0, 1.0], "lambda_": 0.8}, True),
+    ("task_arithmetic", {"weight": [0.5, -0.3, 1.0], "normalize": True, "lambda_": 1.3}, True),
 ]
 
 
@@ -851,10 +912,9 @@ def test_half_precision_sums_equal_the_method(monkeypatch, method, params, taken
             in_memory = both_paths(monkeypatch, method, *cast, params)
         finally:
             torch.set_num_threads(before)
-        if taken:  # where the fast path declines, the method ran both times
-            assert_same_bits(*stored)
-            assert_same_bits(*in_memory)
-            assert_same_bits(stored[0], in_memory[0].to(torch.bfloat16))
+        assert_same_bits(*stored)
+        assert_same_bits(*in_memory)
+        assert_same_bits(stored[0], in_memory[0].to(torch.bfloat16))
     monkeypatch.setattr(kernels, "enabled", True)
     m = get_merge_method(method)
     globals_, lists = m.resolve(3, params)

@@ -12,12 +12,13 @@ Tolerances:
 * float32: rtol = atol = 1e-6 (the same terms, summed in possibly another order).
 * float16/bfloat16 for linear, slerp and passthrough: equal, bit for bit (both compute in float32
   from inputs rounded to the dtype, or only copy).
-* float16/bfloat16 for mergekit's task-arithmetic family (ties here): mergekit computes in the
-  half dtype and rounds each w_i·τ_i before summing; mergelab's kernels sum in another order.
-  Entries may then differ by rounding (documented in docs/mergekit.md), and where the order
-  decides a discrete choice: a magnitude tied with the trim threshold, or a sign vote Σ w_i τ_i
-  within rounding of zero. The test checks that every entry is equal, one rounding step apart,
-  or at such a tie, and that the same config in float32 agrees to 1e-6.
+* float16/bfloat16 for mergekit's task-arithmetic family (ties here): both compute in the half
+  dtype in mergekit's order (each w_i·τ_i rounded with w_i in the dtype, the terms summed in
+  float32 and rounded once, docs/mergekit.md § Precision). Entries may differ only where the
+  two tools make a discrete choice differently: a magnitude tied with the trim threshold
+  (mergekit's sort keeps exactly k entries, mergelab every entry tied with the k-th), or a sign
+  vote Σ w_i τ_i within rounding of zero. The test checks that every differing entry is at such
+  a tie, and that the same config in float32 agrees to 1e-6.
 
 Random methods: mergelab draws from generators seeded by (seed, tensor name); mergekit from
 torch's global generator. mergekit's task-arithmetic kernel is wrapped so that it draws what
@@ -172,16 +173,16 @@ def config_of(folder: Path) -> dict:
 @contextlib.contextmanager
 def half_precision_gta(config: Path):
     """For a half-precision task-arithmetic config (module docstring): a function
-    ``(name, ours, theirs) -> mask`` of the entries allowed to differ: one rounding step of the
-    dtype at the scale of the operands (base, experts, result), or a tie (a magnitude equal to
-    an expert's trim threshold; a sign vote Σ w_i τ_i within rounding of zero). Inputs and
-    parameters per tensor are those mergelab's plan resolved."""
+    ``(name, ours, theirs) -> mask`` of the entries allowed to differ: a tie (a magnitude equal
+    to an expert's trim threshold; a sign vote Σ w_i τ_i within rounding of zero), and the
+    counts (``stats``: differing entries within one rounding step, at a tie, off any tie).
+    Inputs and parameters per tensor are those mergelab's plan resolved."""
     from mergelab.merge.config import load_merge_config, locate_model
     from mergelab.merge.mergekit_dialect import plan_mergekit_merge
 
     loaded = load_merge_config(config)
     planned = plan_mergekit_merge(loaded, lambda ref: locate_model(ref, [config.parent])[0])
-    stats = {"rounding": 0, "ties": 0, "entries": 0}
+    stats = {"rounding": 0, "ties": 0, "off_ties": 0, "entries": 0}
 
     def explained(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
         recipe, dtype = planned.plan.recipes[name], planned.plan.input_dtype
@@ -207,8 +208,9 @@ def half_precision_gta(config: Path):
         differ = ours != theirs
         stats["rounding"] += int((differ & rounding).sum())
         stats["ties"] += int((differ & ~rounding & tie).sum())
+        stats["off_ties"] += int((differ & ~tie).sum())
         stats["entries"] += ours.numel()
-        return rounding | tie
+        return tie
 
     try:
         yield explained, stats
@@ -249,8 +251,9 @@ def test_half_precision_ties_examples_differ_only_by_rounding_and_ties(
     ours = run_mergelab(config, tmp_path / "mergelab")
     with half_precision_gta(config) as (explained, stats):
         assert_same_model(ours, theirs, explained=explained)
-    # rounding-order differences are rare, ties rarer (docs/mergekit.md quotes these numbers)
-    assert stats["rounding"] < 0.02 * stats["entries"] and stats["ties"] < 1e-3 * stats["entries"]
+    # every differing entry is at a tie (before mergekit's order of operations, 290 of the
+    # 41,248 entries of the ties example differed off any tie), and ties are rare
+    assert stats["off_ties"] == 0 and stats["ties"] < 1e-3 * stats["entries"]
 
 
 @pytest.mark.parametrize("example", EXACT_EXAMPLES + HALF_GTA_EXAMPLES + ["arcee_fusion"])

@@ -277,3 +277,21 @@ def test_tied_embeddings_are_merged_once():
     assert torch.equal(sd_["lm_head.weight"], sd_["model.embed_tokens.weight"])
     out = merge_state_dicts("dare_linear", base.state_dict(), [expert.state_dict()])
     assert torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [0.3, 0.7, 0.5], [1.0, -0.45, 0.25]])
+def test_half_precision_weighted_sum_is_mergekits(dtype, weights):
+    """steps.half_weighted_sum is mergekit's ``(deltas * weights).sum(dim=0)`` with the weights a
+    tensor of the dtype, and its normaliser ``weights.sum(dim=0)`` (torch's half-precision sum
+    accumulates in float32: not the same bits as adding the rows one by one in the dtype)."""
+    g = torch.Generator().manual_seed(3)
+    stack = torch.stack([(s * torch.randn(50_001, generator=g)).to(dtype) for s in (1, 1e-2, 3)])
+    w = torch.tensor(weights, dtype=dtype).view(-1, 1)
+    mergekit = (stack * w).sum(dim=0)
+    ours = steps.weighted_sum(list(stack), weights, normalize=False)
+    assert torch.equal(ours.view(torch.int16), mergekit.view(torch.int16))
+    divisor = w.sum(dim=0)
+    ours = steps.weighted_sum(iter(stack), weights, normalize=True)
+    assert torch.equal(ours.view(torch.int16), (mergekit / divisor).view(torch.int16))
+    assert not torch.equal(stack.sum(0), stack[0] + stack[1] + stack[2])  # why it matters

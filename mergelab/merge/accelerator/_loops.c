@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 8
+#define LOOPS_VERSION 9
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1731,6 +1731,228 @@ INLINE uint16_t f32_to_f16(float v)
 INLINE float half_to_f32(uint32_t h, int fp16) { return fp16 ? f16_to_f32(h) : bf16_to_f32(h); }
 INLINE uint16_t f32_to_half(float v, int fp16) { return fp16 ? f32_to_f16(v) : f32_to_bf16(v); }
 
+/* ---- half-precision compute: the methods' steps in bfloat16 / float16 ------------------- */
+
+/* x rounded to bfloat16 (nearest even) and widened back: what storing a torch op's float32
+ * result into a bfloat16 tensor gives (NaN never reaches here: the loop declines it). */
+INLINE float round_bf16(float x)
+{
+    uint32_t u = f2u(x);
+    return u2f((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+/* x rounded to float16 and widened back (f32_to_f16 rounds as torch does). */
+INLINE float round_fp16(float x) { return f16_to_f32(f32_to_f16(x)); }
+
+INLINE float round_half(float x, const int fp16) { return fp16 ? round_fp16(x) : round_bf16(x); }
+
+INLINE int not_finite(float x) { return (f2u(x) & 0x7FFFFFFFu) >= F32_INF_BITS; }
+
+/* Entries [start, start + count) of a bfloat16 or float16 array, widened (exact). */
+INLINE void load_half(int64_t addr, const int fp16, int64_t start, int64_t count,
+                      float *RESTRICT dst)
+{
+    const uint16_t *src = (const uint16_t *)(intptr_t)addr + start;
+    if (fp16)
+        for (int64_t j = 0; j < count; j++) dst[j] = f16_to_f32(src[j]);
+    else
+        for (int64_t j = 0; j < count; j++) dst[j] = bf16_to_f32(src[j]);
+}
+
+/* src (values the dtype holds exactly) stored into entries [start, start + count). */
+INLINE void store_half(int64_t addr, const int fp16, int64_t start, int64_t count,
+                       const float *RESTRICT src)
+{
+    uint16_t *dst = (uint16_t *)(intptr_t)addr + start;
+    if (fp16)
+        for (int64_t j = 0; j < count; j++) dst[j] = f32_to_f16(src[j]);
+    else
+        for (int64_t j = 0; j < count; j++) dst[j] = (uint16_t)(f2u(src[j]) >> 16);
+}
+
+/* One step of steps.half_weighted_sum over a tile: acc (float32) = the product x * w rounded
+ * to the dtype (w already in it), or acc + that product. */
+INLINE void add_half_term(float *RESTRICT acc, const float *RESTRICT x, int64_t n, int first,
+                          float w, const int fp16)
+{
+    if (first)
+        for (int64_t j = 0; j < n; j++) acc[j] = round_half(x[j] * w, fp16);
+    else
+        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + round_half(x[j] * w, fp16);
+}
+
+/* half_chunk: m positions of a merge computed in bfloat16 (fp16 = 0) or float16, the inputs and
+ * the output in that dtype: the torch operations of the methods' steps in that dtype, each
+ * result rounded to it, in their order (steps.task_vectors, threshold_trim_ / band_trim_,
+ * half_weighted_sum and add_scaled_ for the sums; elect_sign, disjoint_merge_ and elect_merge's
+ * add_scaled_ for the elections). addresses: the base (if has_base) then n experts, or with
+ * tau_given the base then n task vectors already formed (DARE's dropped ones). params hold the
+ * weights already rounded to the dtype; scalars S_LAMBDA (float32), S_TOTAL and S_MIN_W (in the
+ * dtype). keeps: per expert, 0 or the address of its DARE keep bits (bit j of the chunk: entry
+ * j; kernels.dare_keep_bits), applied to tau_i as steps.random_drop_ does after the trim (the
+ * drop mode in column P_DARE_LIMIT: 1 keep only, 2 times P_DARE_DIVISOR, 3 divided by it; a
+ * dropped entry becomes its sign's zero). Returns FOUND_IN_INPUT where an input, a vote, a sum or a divisor is NaN or Inf and
+ * FOUND_IN_RESULT where a result is: the caller then runs the steps themselves (their NaN
+ * rules are torch's, not repeated here). */
+INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base, int tau_given,
+                           const int fp16, int64_t m, int64_t out, const float *params,
+                           const float *scalars, const int64_t *flags, const int64_t *keeps,
+                           float *work)
+{
+    const int kind = (int)flags[F_KIND], band = flags[F_BAND] != 0;
+    const int count_votes = flags[F_VOTE_COUNT] != 0, any_flip = flags[F_ANY_FLIP] != 0;
+    const int divide_by = (int)flags[F_DIVIDE_BY], all_positive = flags[F_ALL_POSITIVE] != 0;
+    const int sum_divide = flags[F_SUM_DIVIDE] != 0, scale = flags[F_SCALE] != 0;
+    const float lam = scalars[S_LAMBDA], total = scalars[S_TOTAL], min_w = scalars[S_MIN_W];
+    float *b = work, *acc = work + TILE, *sign = work + 2 * TILE, *divisor = work + 3 * TILE;
+    float *tau = work + 4 * TILE;
+    int found = 0;
+    for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        const int64_t cnt = m - t0 < TILE ? m - t0 : TILE;
+        int bad = 0;
+        if (has_base) {
+            load_half(addresses[0], fp16, t0, cnt, b);
+            for (int64_t j = 0; j < cnt; j++) bad |= not_finite(b[j]);
+        }
+        for (int i = 0; i < n; i++) {
+            float *row = tau + (int64_t)i * TILE;
+            const float *p = params + (int64_t)i * N_PARAMS;
+            load_half(addresses[has_base + i], fp16, t0, cnt, row);
+            for (int64_t j = 0; j < cnt; j++) bad |= not_finite(row[j]);
+            if (has_base && !tau_given)
+                for (int64_t j = 0; j < cnt; j++) row[j] = round_half(row[j] - b[j], fp16);
+            const float low = p[P_LOW], high = p[P_HIGH];
+            if (band) {
+                for (int64_t j = 0; j < cnt; j++)
+                    row[j] = hardshrink(row[j], low) - hardshrink(row[j], high);
+            } else if (low >= 0.0f) {
+                for (int64_t j = 0; j < cnt; j++) row[j] = hardshrink(row[j], low);
+            }
+            const int drop = (int)p[P_DARE_LIMIT];
+            if (drop && keeps[i]) { /* t0 is a multiple of TILE: bit j of byte t0 / 8 on */
+                const uint8_t *kb = (const uint8_t *)(intptr_t)keeps[i] + (t0 >> 3);
+                uint32_t *kept = (uint32_t *)divisor; /* all ones where kept (scratch) */
+                for (int64_t j = 0; j < cnt; j++) kept[j] = 0u - ((kb[j >> 3] >> (j & 7)) & 1u);
+                const float s = p[P_DARE_DIVISOR];
+                if (drop == 2)
+                    for (int64_t j = 0; j < cnt; j++) row[j] = round_half(row[j] * s, fp16);
+                else if (drop == 3)
+                    for (int64_t j = 0; j < cnt; j++) row[j] = round_half(row[j] / s, fp16);
+                /* a dropped entry: its sign's zero (the rescale keeps the sign of a finite x) */
+                for (int64_t j = 0; j < cnt; j++)
+                    row[j] = u2f(f2u(row[j]) & (kept[j] | 0x80000000u));
+            }
+        }
+        if (kind == KIND_SUM) {
+            for (int i = 0; i < n; i++)
+                add_half_term(acc, tau + (int64_t)i * TILE, cnt, i == 0,
+                              params[(int64_t)i * N_PARAMS + P_SUM_W], fp16);
+            for (int64_t j = 0; j < cnt; j++) {
+                float v = round_half(acc[j], fp16);
+                bad |= not_finite(v);
+                if (sum_divide) v = round_half(v / total, fp16);
+                if (has_base) {
+                    if (scale) v = round_half(v * lam, fp16);
+                    v = round_half(v + b[j], fp16);
+                }
+                acc[j] = v;
+            }
+        } else {
+            /* elect_sign: the votes (sign(tau_i) with count_votes) weighted and summed, then
+             * sign(v) + 0.5 and its sign: -1 where v < 0, else +1 */
+            for (int i = 0; i < n; i++) {
+                float *row = tau + (int64_t)i * TILE;
+                const float w = params[(int64_t)i * N_PARAMS + P_VOTE_W];
+                if (count_votes) {
+                    for (int64_t j = 0; j < cnt; j++) divisor[j] = sign_of(row[j]);
+                    add_half_term(acc, divisor, cnt, i == 0, w, fp16);
+                } else {
+                    add_half_term(acc, row, cnt, i == 0, w, fp16);
+                }
+            }
+            for (int64_t j = 0; j < cnt; j++) {
+                float v = round_half(acc[j], fp16);
+                bad |= not_finite(v);
+                sign[j] = v < 0.0f ? -1.0f : 1.0f;
+            }
+            /* disjoint_merge_: magnitudes relu(f_i * e * tau_i), their weighted sum times e */
+            for (int i = 0; i < n; i++) {
+                float *row = tau + (int64_t)i * TILE;
+                const float *p = params + (int64_t)i * N_PARAMS;
+                const float f = p[P_FLIP];
+                for (int64_t j = 0; j < cnt; j++) {
+                    float x = row[j] * sign[j];
+                    if (any_flip) x = x * f;
+                    row[j] = relu(x);
+                }
+                add_half_term(acc, row, cnt, i == 0, p[P_MERGE_W], fp16);
+            }
+            for (int64_t j = 0; j < cnt; j++) {
+                float v = round_half(acc[j], fp16);
+                bad |= not_finite(v);
+                acc[j] = v * sign[j];
+            }
+            if (divide_by == DIVIDE_COUNT) {
+                for (int64_t j = 0; j < cnt; j++) divisor[j] = 0.0f;
+                for (int i = 0; i < n; i++) {
+                    const float *row = tau + (int64_t)i * TILE;
+                    for (int64_t j = 0; j < cnt; j++) divisor[j] += row[j] > 0.0f ? 1.0f : 0.0f;
+                }
+                for (int64_t j = 0; j < cnt; j++) {
+                    float c = round_half(divisor[j], fp16);
+                    acc[j] = round_half(acc[j] / (c < 1.0f ? 1.0f : c), fp16);
+                }
+            } else if (divide_by == DIVIDE_WEIGHT_SUM) {
+                for (int i = 0; i < n; i++) {
+                    const float *row = tau + (int64_t)i * TILE;
+                    const float w = params[(int64_t)i * N_PARAMS + P_DIVISOR_W];
+                    for (int64_t j = 0; j < cnt; j++) {
+                        float term = round_half((row[j] > 0.0f ? 1.0f : 0.0f) * w, fp16);
+                        divisor[j] = i == 0 ? term : divisor[j] + term;
+                    }
+                }
+                for (int64_t j = 0; j < cnt; j++) {
+                    float d = round_half(divisor[j], fp16);
+                    bad |= not_finite(d);
+                    if (all_positive)
+                        d = d < min_w ? min_w : d;
+                    else
+                        d = d == 0.0f ? 1.0f : d;
+                    acc[j] = round_half(acc[j] / d, fp16);
+                }
+            }
+            for (int64_t j = 0; j < cnt; j++) {
+                float v = acc[j];
+                if (scale) v = round_half(v * lam, fp16);
+                acc[j] = round_half(v + b[j], fp16);
+            }
+        }
+        for (int64_t j = 0; j < cnt; j++) bad |= not_finite(acc[j]) << 1;
+        found |= (bad & 1 ? FOUND_IN_INPUT : 0) | (bad & 2 ? FOUND_IN_RESULT : 0);
+        if (found) return found; /* the caller runs the steps: no use finishing */
+        store_half(out, fp16, t0, cnt, acc);
+    }
+    return found;
+}
+
+/* half_chunk_body with the dtype a compile-time constant: each loop then vectorises with one
+ * rounding (bfloat16's bit operations, or float16's branches as selects). */
+HOT static int half_chunk_bf16(const int64_t *addresses, int n, int has_base, int tau_given,
+                               int64_t m, int64_t out, const float *params, const float *scalars,
+                               const int64_t *flags, const int64_t *keeps, float *work)
+{
+    return half_chunk_body(addresses, n, has_base, tau_given, 0, m, out, params, scalars, flags,
+                           keeps, work);
+}
+
+HOT static int half_chunk_fp16(const int64_t *addresses, int n, int has_base, int tau_given,
+                               int64_t m, int64_t out, const float *params, const float *scalars,
+                               const int64_t *flags, const int64_t *keeps, float *work)
+{
+    return half_chunk_body(addresses, n, has_base, tau_given, 1, m, out, params, scalars, flags,
+                           keeps, work);
+}
+
 #define DROP_TILE 2048 /* entries of each block drawn per round of the streams */
 
 /* The first pass of steps.random_drop_ over entries [0, n) of a task vector tau (half bits;
@@ -1741,17 +1963,18 @@ INLINE uint16_t f32_to_half(float v, int fp16) { return fp16 ? f32_to_f16(v) : f
  * stream is lane k % DARE_LANES of states group k / DARE_LANES), one bit per entry into keep,
  * and steps.exact_sum_per_exponent of |tau| (all) and of the kept entries (kept), [bins] each,
  * added to. NaN/Inf entries land in the top exponent's bin, which steps counts as "not finite". */
-HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
-                                      const uint16_t *RESTRICT expert, int64_t n, int fp16,
+INLINE void dare_drop_counts_body(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
+                                  const uint16_t *RESTRICT expert, int64_t n, const int fp16,
                                       uint32_t limit, uint64_t *RESTRICT states, int64_t block,
                                       uint8_t *RESTRICT keep, int64_t *RESTRICT all,
                                       int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
 {
     const int mb = fp16 ? 10 : 7, bins = fp16 ? 32 : 256;
     const uint32_t fraction = (1u << mb) - 1u;
-    int64_t a[4][256], k[4][256]; /* four copies: consecutive entries rarely wait on a bin */
+    /* a[c][2e + kept]: the mantissas of exponent e, dropped / kept entries apart (one add per
+     * entry); four copies: consecutive entries rarely wait on a bin */
+    int64_t a[4][512];
     memset(a, 0, sizeof a);
-    memset(k, 0, sizeof k);
     memset(keep, 0, (size_t)((n + 7) / 8));
     const int64_t blocks = (n + block - 1) / block, stride = DROP_TILE / 2;
     for (int64_t g = 0; g * DARE_LANES < blocks; g++) {
@@ -1761,36 +1984,56 @@ HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RE
                 const int64_t b = g * DARE_LANES + l, start = b * block + off;
                 if (b >= blocks || start >= n) break;
                 const int64_t m = n - start < DROP_TILE ? n - start : DROP_TILE;
-                uint32_t r32[DROP_TILE];
-                memcpy(r32, raw + l * stride, (size_t)(DROP_TILE * 4)); /* low half first */
-                uint16_t *t = tau + start;
+                const uint32_t *r32 = (const uint32_t *)(raw + l * stride); /* low half first */
+                uint16_t local[DROP_TILE];
+                uint16_t *t = tau ? tau + start : local; /* no tau: the difference is not kept */
                 uint8_t *bits = keep + start / 8; /* start is a multiple of 8 */
                 if (base) {
                     const uint16_t *x = expert + start, *y = base + start;
                     for (int64_t j = 0; j < m; j++)
                         t[j] = f32_to_half(half_to_f32(x[j], fp16) - half_to_f32(y[j], fp16), fp16);
                 }
-                for (int64_t j = 0; j < m; j++) {
-                    const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
-                    const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
-                    const uint32_t kb = (r32[j] & 0x7FFFFFu) < limit;
-                    a[j & 3][e] += mant;
-                    k[j & 3][e] += kb ? mant : 0;
-                    bits[j >> 3] |= (uint8_t)(kb << (j & 7));
+                for (int64_t j0 = 0; j0 < m; j0 += 8) { /* a byte of keep bits at a time */
+                    uint32_t byte = 0;
+                    const int64_t stop = m - j0 < 8 ? m - j0 : 8;
+                    for (int64_t q = 0; q < stop; q++) {
+                        const int64_t j = j0 + q;
+                        const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
+                        const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
+                        const uint32_t kb = (r32[j] & 0x7FFFFFu) < limit;
+                        a[q & 3][2 * e + kb] += mant;
+                        byte |= kb << q;
+                    }
+                    bits[j0 >> 3] = (uint8_t)byte;
                 }
             }
         }
     }
     for (int c = 0; c < 4; c++)
-        for (int e = 0; e < bins; e++) all[e] += a[c][e], kept[e] += k[c][e];
+        for (int e = 0; e < bins; e++)
+            all[e] += a[c][2 * e] + a[c][2 * e + 1], kept[e] += a[c][2 * e + 1];
+}
+
+/* dare_drop_counts_body with the dtype a compile-time constant (the difference's loop then
+ * vectorises with one rounding). */
+HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
+                                      const uint16_t *RESTRICT expert, int64_t n, int fp16,
+                                      uint32_t limit, uint64_t *RESTRICT states, int64_t block,
+                                      uint8_t *RESTRICT keep, int64_t *RESTRICT all,
+                                      int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
+{
+    if (fp16)
+        dare_drop_counts_body(tau, base, expert, n, 1, limit, states, block, keep, all, kept, raw);
+    else
+        dare_drop_counts_body(tau, base, expert, n, 0, limit, states, block, keep, all, kept, raw);
 }
 
 /* The writing pass of steps.random_drop_ on finite half bits, operation for operation: tau *
  * keep (a dropped entry becomes its sign's zero), then nothing (mode 0), * s (mode 1: the L1
  * rescale's before / after) or / s (mode 2: the keep rate), in float32 and rounded, as torch's
  * half-precision mul_ and div_ by a scalar; s > 0. */
-HOT static void dare_drop_apply_impl(uint16_t *RESTRICT tau, int64_t n, int fp16,
-                                     const uint8_t *RESTRICT keep, int mode, float s)
+INLINE void dare_drop_apply_body(uint16_t *RESTRICT tau, int64_t n, const int fp16,
+                                 const uint8_t *RESTRICT keep, const int mode, float s)
 {
     for (int64_t j = 0; j < n; j++) {
         const uint32_t h = tau[j];
@@ -1802,6 +2045,19 @@ HOT static void dare_drop_apply_impl(uint16_t *RESTRICT tau, int64_t n, int fp16
             v = f32_to_half(half_to_f32(h, fp16) / s, fp16);
         tau[j] = kb ? v : (uint16_t)(h & 0x8000u);
     }
+}
+
+/* dare_drop_apply_body with the dtype and the mode compile-time constants. */
+HOT static void dare_drop_apply_impl(uint16_t *RESTRICT tau, int64_t n, int fp16,
+                                     const uint8_t *RESTRICT keep, int mode, float s)
+{
+#define APPLY(h, md)                                                                            \
+    if (fp16 == h && mode == md) {                                                              \
+        dare_drop_apply_body(tau, n, h, keep, md, s);                                           \
+        return;                                                                                 \
+    }
+    APPLY(0, 0) APPLY(0, 1) APPLY(0, 2) APPLY(1, 0) APPLY(1, 1) APPLY(1, 2)
+#undef APPLY
 }
 
 /* ---- Python bindings -------------------------------------------------------------------- */
@@ -1926,6 +2182,51 @@ static PyObject *py_sum_chunk(PyObject *self, PyObject *args)
     result = PyLong_FromLong(found);
 done:
     release(bufs, 4);
+    return result;
+}
+
+static PyObject *py_half_chunk(PyObject *self, PyObject *args)
+{
+    PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_keeps;
+    int has_base, tau_given, fp16;
+    long long m, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OpppLLOOOO", &o_addr, &has_base, &tau_given, &fp16, &m, &out,
+                          &o_params, &o_scalars, &o_flags, &o_keeps))
+        return NULL;
+    Buf bufs[5];
+    memset(bufs, 0, sizeof bufs);
+    PyObject *result = NULL;
+    const int64_t *addresses, *flags;
+    const float *params, *scalars;
+    if (!(addresses = buffer_of(o_addr, &bufs[0], 8, 0, "addresses"))) goto done;
+    if (!(params = buffer_of(o_params, &bufs[1], 4, 0, "params"))) goto done;
+    if (!(scalars = buffer_of(o_scalars, &bufs[2], 4, 0, "scalars"))) goto done;
+    if (!(flags = buffer_of(o_flags, &bufs[3], 8, 0, "flags"))) goto done;
+    const int64_t *keeps;
+    if (!(keeps = buffer_of(o_keeps, &bufs[4], 8, 0, "keeps"))) goto done;
+    int n = (int)items(&bufs[0]) - (has_base ? 1 : 0);
+    if (n < 1 || items(&bufs[1]) != (Py_ssize_t)n * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
+        items(&bufs[3]) < N_FLAGS || items(&bufs[4]) != n ||
+        (!has_base && (tau_given || flags[F_KIND] != KIND_SUM))) {
+        PyErr_SetString(PyExc_ValueError, "half_chunk: inconsistent arguments");
+        goto done;
+    }
+    float *work = malloc(sizeof(float) * TILE * (size_t)(n + 4));
+    if (!work) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = (fp16 ? half_chunk_fp16 : half_chunk_bf16)(addresses, n, has_base, tau_given,
+                                                       (int64_t)m, (int64_t)out, params, scalars,
+                                                       flags, keeps, work);
+    Py_END_ALLOW_THREADS
+    free(work);
+    result = PyLong_FromLong(found);
+done:
+    release(bufs, 5);
     return result;
 }
 
@@ -2196,7 +2497,8 @@ static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
     if (!(all = buffer_of(o_all, &bufs[2], 8, 1, "all"))) goto done;
     if (!(kept = buffer_of(o_kept, &bufs[3], 8, 1, "kept"))) goto done;
     const int64_t bins = fp16 ? 32 : 256, blocks = block > 0 ? (n + block - 1) / block : 0;
-    if (n < 0 || block <= 0 || block % DROP_TILE || (base == 0) != (expert == 0) || items(&bufs[1]) < (n + 7) / 8 ||
+    if (n < 0 || block <= 0 || block % DROP_TILE || (base == 0) != (expert == 0) ||
+        (address == 0 && base == 0) || items(&bufs[1]) < (n + 7) / 8 ||
         items(&bufs[2]) < bins || items(&bufs[3]) < bins || limit > (1ul << 23) ||
         items(&bufs[0]) < (blocks + DARE_LANES - 1) / DARE_LANES * 4 * DARE_LANES) {
         PyErr_SetString(PyExc_ValueError, "dare_drop_counts: inconsistent argument sizes");
@@ -2339,6 +2641,10 @@ static PyMethodDef methods[] = {
     {"sum_chunk", py_sum_chunk, METH_VARARGS,
      "sum_chunk(addresses, has_base, bf16_in, m, out_address, bf16_out, weights, scalars, "
      "flags) -> NaN/Inf flags"},
+    {"half_chunk", py_half_chunk, METH_VARARGS,
+     "half_chunk(addresses, has_base, tau_given, fp16, m, out_address, params, scalars, flags, "
+     "keeps) "
+     "-> NaN/Inf flags"},
     {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,
      "tau_abs_histograms(addresses, bf16, m, step, run, experts, top_bits, lows, widths, "
      "collect, counts, values, filled)"},

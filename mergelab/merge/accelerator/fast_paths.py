@@ -132,38 +132,43 @@ def _weighted_sum_half(
     lambda_: float,
     normalize: bool,
 ) -> torch.Tensor | None:
-    """linear (no base) and task arithmetic in half precision: the method's own torch ops, in
-    its order and dtype, chunk by chunk on every core, straight from the stored inputs into the
-    output buffer; only where every ``add`` the method makes has alpha 1 (w_i = 1 for i ≥ 1,
-    λ = 1; w_0 and the normalisation are free).
-
-    torch rounds a half-precision ``add(x, y, alpha=a)`` with a ≠ 1 differently in its
-    vectorised loop and its scalar tails, so the method's bits for such weights depend on where
-    each thread's share of the tensor ends
-    (``benchmarks/results/half_precision_linear_findings.json``): no chunked order can repeat
-    them, and the method runs. With alpha 1 (and ``sub``, ``mul`` by a scalar, ``div`` by one)
-    every entry's bits depend on that entry alone."""
-    if any(w != 1 for w in weight[1:]) or lambda_ != 1:
-        return None
+    """linear (no base) and task arithmetic in half precision: steps.half_weighted_sum (then
+    add_scaled_ with a base) in one compiled pass per chunk; ``None`` (the method runs) where
+    the loop declines."""
     dtype = _compute_dtype(ctx, experts[0])
-    numel = experts[0].numel()
-    out = ctx.out.view(-1) if ctx.out is not None else torch.empty(numel, dtype=dtype)
-    flat_base = None if base is None else base.reshape(-1)
-    flat = [e.reshape(-1) for e in experts]
+    cast = _cast(ctx, *([] if base is None else [base]), *experts)
+    b, rows = (None, cast) if base is None else (cast[0], cast[1:])
+    plan = kernels.half_plan(weight, dtype, lambda_=lambda_, normalize=normalize)
+    seen = ([] if base is None else [base]) + list(experts)
+    return _half_compiled(b, rows, ctx, plan, seen=seen)
 
-    def part(s: slice) -> int:
-        b = None if flat_base is None else flat_base[s].to(dtype)
-        xs = (e[s].to(dtype) for e in flat)
-        if b is not None:
-            xs = (x - b for x in xs)  # standard.task_arithmetic's task vectors
-        merged = weighted_sum(xs, weight, normalize)
-        if b is not None:
-            merged = torch.add(b, merged, alpha=lambda_)
-        out[s].copy_(merged)
-        return 0
 
-    chunks.for_chunks(numel, part)
-    return out.view(experts[0].shape)
+def _half_compiled(
+    base: torch.Tensor | None,
+    rows: list[torch.Tensor],
+    ctx: TensorContext,
+    plan: tuple,
+    *,
+    seen: list[torch.Tensor],
+    tau_given: bool = False,
+    drops: list | None = None,
+) -> torch.Tensor | None:
+    """The merge ``plan`` (:func:`.kernels.half_plan`) in one compiled pass per chunk
+    (:func:`.kernels.half_merge`) of ``base`` and ``rows`` (already in the compute dtype), into
+    ``ctx.out`` where it is in that dtype; ``None`` where the loop declines (a NaN or an Inf
+    met): the caller runs the steps. ``seen``: the inputs as the fast path was given them (the
+    loop's finite inputs mean finite ``seen``: casting keeps NaN and Inf), recorded with the
+    result in ``ctx.checks`` so that nobody checks them again."""
+    like = rows[0]
+    out = ctx.out
+    direct = out is not None and out.dtype == like.dtype and out.is_contiguous()
+    target = out.view(like.shape) if direct else torch.empty_like(like)
+    if not kernels.half_merge(base, rows, target, plan, tau_given=tau_given, drops=drops):
+        return None
+    result = target if direct or out is None else out.copy_(target)
+    if result is target:  # a copy into another dtype may overflow: checked by the engine
+        ctx.checks = kernels.LoopChecks.of(0, seen, result)
+    return result
 
 
 def linear(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
@@ -271,12 +276,17 @@ def _ties_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Te
     else:
         kth = _tau_kth(base, experts, _ties_ranks(base.numel(), p), ctx)
         found = [values[0] if values else 0.0 for values in kth]
+    seen = [base, *experts]
     base, *experts = _cast(ctx, base, *experts)
+    plan = kernels.half_plan(p["weight"], base.dtype, lambda_=p["lambda_"], elect=_elect_options(p))
+    plan[0][:, kernels.P_LOW] = [kernels.trim_below(t) for t in found]
+    merged = _half_compiled(base, experts, ctx, plan, seen=seen)
+    if merged is not None:
+        return merged
     stack = task_vectors(base, experts)
     for tau, threshold in zip(stack, found):
         threshold_trim_(tau, threshold)
-    merged = elect_merge(base, stack, p["weight"], **_elect_options(p))
-    return _deliver(ctx, merged)
+    return _deliver(ctx, elect_merge(base, stack, p["weight"], **_elect_options(p)))
 
 
 def ties(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
@@ -333,27 +343,39 @@ def dare_keep_mask(shape: torch.Size, density: float, seed: int, expert: int) ->
     return keep.view(tuple(shape))
 
 
-def _dare_stack(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
-    """``standard.dare``'s stack of dropped and rescaled task vectors, in the compute dtype:
-    each τ_i and its drop in two compiled passes (:func:`.kernels.dare_drop_`), or where those
-    decline (a NaN or an Inf), ``steps.task_vectors``' difference, the integer-compared mask
-    and the method's own step."""
-    stack = torch.empty((len(experts), *base.shape), dtype=base.dtype, device=base.device)
-    for i, (expert, tau, d) in enumerate(zip(experts, stack, p["density"])):
-        drop = (tau, d, ctx.tensor_seed, i, p["rescale"])
-        if d < 1 and kernels.dare_drop_(*drop, inputs=(base, expert)):
-            continue
-        torch.sub(expert, base, out=tau)
-        if d < 1:
-            random_drop_(tau, dare_keep_mask(tau.shape, d, ctx.tensor_seed, i), d, p["rescale"])
-    return stack
-
-
 def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
-    """dare_linear and dare_ties in half precision: the methods' steps, any rescale."""
+    """dare_linear and dare_ties in half precision: the methods' steps, any rescale. Each
+    expert's keep bits and drop in one compiled pass over it (:func:`.kernels.dare_keep_bits`,
+    τ_i formed and not stored), then the merge in one compiled pass that forms τ_i again and
+    drops (:func:`.kernels.half_merge`). Where one of them declines (a NaN or an Inf), the
+    method's steps run: the stack of dropped task vectors, then the merge."""
+    seen = [base, *experts]
     base, *experts = _cast(ctx, base, *experts)
-    stack = _dare_stack(base, experts, ctx, p)
-    if "majority_sign" not in p:  # dare_linear
+    drops = [
+        kernels.dare_keep_bits(None, d, ctx.tensor_seed, i, p["rescale"], inputs=(base, expert))
+        if d < 1
+        else None
+        for i, (expert, d) in enumerate(zip(experts, p["density"]))
+    ]
+    linear = "majority_sign" not in p  # dare_linear
+    elect = None if linear else _elect_options(p)
+    normalize = p["normalize"] if linear else False
+    plan = kernels.half_plan(
+        p["weight"], base.dtype, lambda_=p["lambda_"], normalize=normalize, elect=elect
+    )
+    declined = any(found is None and d < 1 for found, d in zip(drops, p["density"]))
+    if not declined:
+        merged = _half_compiled(base, experts, ctx, plan, seen=seen, drops=drops)
+        if merged is not None:
+            return merged
+    stack = task_vectors(base, experts)
+    for i, (tau, d, found) in enumerate(zip(stack, p["density"], drops)):
+        if found is not None:
+            kernels.apply_keep_bits_(tau, found)
+        elif d < 1:
+            keep = dare_keep_mask(tau.shape, d, ctx.tensor_seed, i)
+            random_drop_(tau, keep, d, p["rescale"])
+    if linear:
         merged = add_scaled_(weighted_sum(stack, p["weight"], p["normalize"]), p["lambda_"], base)
     else:
         merged = elect_merge(base, stack, p["weight"], **_elect_options(p))
@@ -389,7 +411,15 @@ def _breadcrumbs_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> t
     """breadcrumbs in half precision: the method's steps, the band's ends from :func:`_tau_kth`."""
     numel = base.numel()
     found = _tau_kth(base, experts, _breadcrumbs_ranks(numel, p), ctx)
+    seen = [base, *experts]
     base, *experts = _cast(ctx, base, *experts)
+    plan = kernels.half_plan(
+        p["weight"], base.dtype, lambda_=p["lambda_"], normalize=p["normalize"]
+    )
+    _band_columns(plan, numel, p, found)
+    merged = _half_compiled(base, experts, ctx, plan, seen=seen)
+    if merged is not None:
+        return merged
     stack = task_vectors(base, experts)
     for tau, d, g, band in zip(stack, p["density"], p["gamma"], found):
         ranks = outlier_ranks(numel, d, g)
@@ -401,6 +431,20 @@ def _breadcrumbs_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> t
     return _deliver(ctx, merged)
 
 
+def _band_columns(plan: tuple, numel: int, p: dict[str, Any], found: list[list[float]]) -> None:
+    """breadcrumbs' band in a plan's trim columns: τ − hardshrink(τ, largest), trimmed below
+    the smallest kept (nothing kept: everything trimmed; no band: nothing)."""
+    params, _, flags = plan
+    flags[kernels.F_BAND] = 1
+    for i, (d, g, band) in enumerate(zip(p["density"], p["gamma"], found)):
+        ranks = outlier_ranks(numel, d, g)
+        if ranks is None:  # keeps nothing
+            params[i, kernels.P_LOW] = math.inf
+        elif ranks:
+            params[i, kernels.P_LOW] = kernels.trim_below(band[0])
+            params[i, kernels.P_HIGH] = band[1]
+
+
 def breadcrumbs(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor | None:
     if _runs_half(ctx, base, *experts):
         return _breadcrumbs_half(base, experts, ctx, p)
@@ -409,15 +453,7 @@ def breadcrumbs(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.T
     numel = base.numel()
     found = _tau_kth(base, experts, _breadcrumbs_ranks(numel, p), ctx)
     plan = kernels.sum_plan(p["weight"], lambda_=p["lambda_"], normalize=p["normalize"])
-    params, _, flags = plan
-    flags[kernels.F_BAND] = 1
-    for i, (d, g, band) in enumerate(zip(p["density"], p["gamma"], found)):
-        ranks = outlier_ranks(numel, d, g)
-        if ranks is None:  # keeps nothing
-            params[i, kernels.P_LOW] = math.inf
-        elif ranks:  # τ − hardshrink(τ, largest), trimmed below the smallest kept
-            params[i, kernels.P_LOW] = kernels.trim_below(band[0])
-            params[i, kernels.P_HIGH] = band[1]
+    _band_columns(plan, numel, p, found)
     return _merge(base, experts, ctx, plan)
 
 

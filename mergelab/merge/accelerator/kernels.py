@@ -57,7 +57,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..methods.steps import DARE_BLOCK, FLOAT_LAYOUT, round_exact_sum
+from ..methods.steps import DARE_BLOCK, FLOAT_LAYOUT, half_total, in_dtype, round_exact_sum
 from . import chunks, sampling
 from .chunks import scratch
 from .sampling import RUN_HASH
@@ -90,7 +90,7 @@ DARE_LANES = 8
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 8
+LOOPS_VERSION = 9
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION,
     "TILE": TILE,
@@ -277,6 +277,121 @@ def sum_plan(
     return params, scalars, flags
 
 
+def half_plan(
+    weights: Sequence[float],
+    dtype: torch.dtype,
+    *,
+    lambda_: float,
+    normalize: bool = False,
+    elect: dict[str, Any] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """half_chunk's (params, scalars, flags) for a merge computed in ``dtype`` (bfloat16 or
+    float16): Σ w_i τ_i (steps.half_weighted_sum, then add_scaled_), or with ``elect`` (TIES'
+    ``majority_sign``, ``weighted_sign`` and ``divide_by``) elect_sign and disjoint_merge_ in
+    that dtype, then add_scaled_. Every weight is rounded to ``dtype`` as the steps round it
+    (steps.in_dtype); per-expert trim columns are filled in by the caller."""
+    n = len(weights)
+
+    def rounded(values: Sequence[float]) -> list[float]:
+        return [float(in_dtype(float(v), dtype)) for v in values]
+
+    params = np.zeros((n, 9), dtype=np.float32)
+    params[:, P_LOW] = -1.0  # hardshrink with λ < 0 keeps everything
+    params[:, P_HIGH] = np.inf
+    flags = np.zeros(11, dtype=np.int64)
+    scalars = np.array([lambda_, 0.0, 0.0], dtype=np.float32)
+    flags[F_SCALE] = lambda_ != 1
+    if elect is None:
+        flags[F_KIND] = KIND_SUM
+        params[:, P_SUM_W] = rounded(weights)
+        total = half_total(weights, dtype)
+        flags[F_SUM_DIVIDE] = normalize and abs(total) >= 1e-8
+        scalars[S_TOTAL] = total
+        return params, scalars, flags
+    flags[F_KIND] = KIND_ELECT
+    weighted_sign = elect["weighted_sign"]
+    votes = list(weights) if weighted_sign else [1.0] * n
+    if elect["majority_sign"] == "count":
+        votes = [_flip(w) for w in votes]
+    flags[F_VOTE_COUNT] = elect["majority_sign"] == "count"
+    params[:, P_VOTE_W] = rounded(votes)
+    flips = [_flip(w) if weighted_sign else 1.0 for w in weights]
+    params[:, P_FLIP] = flips
+    flags[F_ANY_FLIP] = any(f != 1 for f in flips)
+    params[:, P_MERGE_W] = rounded([w * f for w, f in zip(weights, flips)])
+    flags[F_DIVIDE_BY] = {"none": DIVIDE_NONE, "count": DIVIDE_COUNT}.get(
+        elect["divide_by"], DIVIDE_WEIGHT_SUM
+    )
+    params[:, P_DIVISOR_W] = rounded(weights)
+    flags[F_ALL_POSITIVE] = all(w > 0 for w in weights)
+    scalars[S_MIN_W] = rounded([min(weights)])[0]
+    return params, scalars, flags
+
+
+def half_merge(
+    base: torch.Tensor | None,
+    rows: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    plan: tuple[np.ndarray, np.ndarray, np.ndarray],
+    *,
+    tau_given: bool = False,
+    drops: Sequence[tuple[np.ndarray, int, float] | None] | None = None,
+) -> bool:
+    """half_chunk over every chunk of ``out`` on every core: the merge ``plan``
+    (:func:`half_plan`) of ``base`` (``None``: a sum without one) and ``rows`` (the experts, or
+    with ``tau_given`` their task vectors), computed in ``out``'s dtype, written into ``out``.
+    Every tensor contiguous, on the CPU, in that dtype (bfloat16 or float16), of one size.
+    ``drops``: per row, ``None`` or DARE's drop of that row's task vector
+    (:func:`dare_keep_bits`), applied in the loop after the trim.
+
+    Returns False where it does not apply (the loops not active, another dtype or layout) or
+    where the loop met NaN or Inf in an input, a vote, a sum or a result: ``out`` then holds
+    anything, and the caller runs the steps."""
+    compiled = active_loops()
+    inputs = ([] if base is None else [base]) + list(rows)
+    if compiled is None or out.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not all(
+        x.dtype == out.dtype
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and x.numel() == out.numel()
+        for x in [*inputs, out]
+    ):
+        return False
+    params, scalars, flags = plan
+    drops = list(drops or [None] * len(rows))
+    if any(d is not None for d in drops):
+        params = params.copy()
+        for i, d in enumerate(drops):
+            if d is not None:  # the loop's drop modes: 1 keep only, 2 multiply, 3 divide
+                mode, scale = d[1], d[2]
+                params[i, P_DARE_LIMIT] = {_KEEP_ONLY: 1, _MULTIPLY: 2, _DIVIDE: 3}[mode]
+                params[i, P_DARE_DIVISOR] = scale
+    keeps = np.array([0 if d is None else d[0].ctypes.data for d in drops], dtype=np.int64)
+    fp16 = out.dtype == torch.float16
+    starts = np.array([x.data_ptr() for x in inputs], dtype=np.int64)
+    out_start, item = out.data_ptr(), out.element_size()
+
+    def part(s: slice) -> int:
+        return compiled.half_chunk(
+            starts + s.start * item,
+            base is not None,
+            tau_given,
+            fp16,
+            s.stop - s.start,
+            out_start + s.start * item,
+            params,
+            scalars,
+            flags,
+            np.where(keeps != 0, keeps + s.start // 8, 0),
+        )
+
+    # with drops, chunks start at multiples of DARE_BLOCK: each keep bit is its entry's bit j % 8
+    size = dare_chunk(out.numel(), len(rows)) if keeps.any() else None
+    return not any(chunks.for_chunks(out.numel(), part, size))
+
+
 def trim_below(threshold: float) -> float:
     """The hardshrink λ of steps.threshold_trim_: keep |τ| ≥ ``threshold`` (−1: keep all,
     inf: none)."""
@@ -329,28 +444,69 @@ def dare_drop_(
 ) -> bool:
     """``steps.random_drop_(tau, steps.dare_keep_mask(tau.shape, density, seed, expert),
     density, rescale)`` on a contiguous bfloat16/float16 CPU task vector, the same bits, in two
-    compiled passes over it and no tensor-sized temporaries: one draws each entry's keep bit (a
-    bit each) and sums |τ| and the kept |τ| exactly (``steps.exact_sum_per_exponent``), the
-    other drops and rescales in place, rounding as torch's ``mul_``/``div_`` do. With
-    ``inputs`` (base, expert: contiguous, tau's dtype and size) the first pass writes
-    ``tau = expert − base`` first, as ``torch.sub`` does (``steps.task_vectors``).
+    compiled passes over it and no tensor-sized temporaries: :func:`dare_keep_bits`, then one
+    that drops and rescales in place, rounding as torch's ``mul_``/``div_`` do.
 
-    Returns False where it does not apply (the loops not active, another dtype or layout, a NaN
-    or an Inf in ``tau``, a rescale that is not finite): ``tau`` is then untouched or, with
-    ``inputs``, may hold the difference; the caller runs the method's steps."""
+    Returns False where it does not apply (see :func:`dare_keep_bits`): ``tau`` is then
+    untouched or, with ``inputs``, may hold the difference; the caller runs the method's steps."""
+    drop = dare_keep_bits(tau, density, seed, expert, rescale, inputs)
+    if drop is None:
+        return False
+    apply_keep_bits_(tau, drop)
+    return True
+
+
+def apply_keep_bits_(tau: torch.Tensor, drop: tuple[np.ndarray, int, float]) -> None:
+    """The second pass of :func:`dare_drop_`: ``tau``'s drop (:func:`dare_keep_bits`) in place."""
+    compiled, (keep, mode, scale) = loops(), drop
+    flat, numel = tau.view(-1), tau.numel()
+    address, item, fp16 = flat.data_ptr(), flat.element_size(), tau.dtype == torch.float16
+
+    def apply(part: slice) -> None:
+        bits = keep[part.start // 8 : (part.stop + 7) // 8]
+        start = address + part.start * item
+        compiled.dare_drop_apply(start, part.stop - part.start, fp16, bits, mode, scale)
+
+    chunks.for_chunks(numel, apply, dare_chunk(numel, 1))
+
+
+def dare_keep_bits(
+    tau: torch.Tensor | None,
+    density: float,
+    seed: int,
+    expert: int,
+    rescale: str,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[np.ndarray, int, float] | None:
+    """The first pass of :func:`dare_drop_`: each entry's keep bit (bit j of byte j // 8;
+    ``steps.dare_keep_mask``'s draws, compared as integers) and the drop's mode and scale
+    (``_KEEP_ONLY``; ``_DIVIDE`` by the keep rate; ``_MULTIPLY`` by Σ|τ| / Σ kept |τ|, both
+    summed exactly, ``steps.exact_sum_per_exponent``). With ``inputs`` (base, expert:
+    contiguous, tau's dtype and size) it writes ``tau = expert − base`` first, as ``torch.sub``
+    does (``steps.task_vectors``), or with ``tau`` ``None`` only forms it (a merge that forms
+    it again, :func:`half_merge`, needs no stored copy).
+
+    ``None`` where it does not apply: the loops not active, another dtype or layout, a NaN or
+    an Inf in ``tau``, a rescale that is not finite."""
     compiled = active_loops()
+    if tau is None:  # formed from the inputs, not stored
+        if inputs is None:
+            raise ValueError("dare_keep_bits: no task vector and no inputs to form it from")
+        tau, address = inputs[0], 0
+    else:
+        address = tau.data_ptr()
     if compiled is None or tau.dtype not in (torch.bfloat16, torch.float16):
-        return False
+        return None
     if tau.device.type != "cpu" or not tau.is_contiguous() or not 0 < density < 1:
-        return False
+        return None
     if rescale not in ("keep_rate", "l1", "none"):
-        return False
+        return None
     base_address = expert_address = 0
     if inputs is not None:
         if not all(
             x.dtype == tau.dtype and x.is_contiguous() and x.device.type == "cpu" for x in inputs
         ) or any(x.numel() != tau.numel() for x in inputs):
-            return False
+            return None
         base_address, expert_address = inputs[0].data_ptr(), inputs[1].data_ptr()
     fp16 = tau.dtype == torch.float16
     _, mantissa_bits, bias = FLOAT_LAYOUT[tau.dtype]
@@ -359,7 +515,7 @@ def dare_drop_(
     size = dare_chunk(numel, 1)
     keep = np.empty((numel + 7) // 8, dtype=np.uint8)
     limit = round(density * (1 << 23))
-    address, item = flat.data_ptr(), flat.element_size()
+    item = flat.element_size()
 
     def count(part: slice) -> tuple[np.ndarray, np.ndarray]:
         first, m = part.start // DARE_BLOCK, part.stop - part.start
@@ -369,7 +525,8 @@ def dare_drop_(
             states[b // DARE_LANES, :, b % DARE_LANES] = sfc64_state(seed, expert, first + b)
         every, kept = np.zeros(bins, dtype=np.int64), np.zeros(bins, dtype=np.int64)
         bits = keep[part.start // 8 : (part.stop + 7) // 8]
-        start, offset = address + part.start * item, part.start * item
+        offset = part.start * item
+        start = address + offset if address else 0
         b, e = (base_address + offset, expert_address + offset) if base_address else (0, 0)
         compiled.dare_drop_counts(
             start, b, e, m, fp16, limit, states, DARE_BLOCK, bits, every, kept
@@ -380,7 +537,7 @@ def dare_drop_(
     every = [sum(int(c[0][e]) for c in counted) for e in range(bins)]
     kept = [sum(int(c[1][e]) for c in counted) for e in range(bins)]
     if every[-1]:  # the top exponent: a NaN or an Inf
-        return False
+        return None
     mode, scale = _KEEP_ONLY, 1.0
     if rescale == "keep_rate":
         mode, scale = _DIVIDE, density
@@ -390,15 +547,8 @@ def dare_drop_(
         if before >= 1e-7 and after >= 1e-7:
             mode, scale = _MULTIPLY, float(before / after)
             if not math.isfinite(scale):
-                return False
-
-    def apply(part: slice) -> None:
-        bits = keep[part.start // 8 : (part.stop + 7) // 8]
-        start = address + part.start * item
-        compiled.dare_drop_apply(start, part.stop - part.start, fp16, bits, mode, scale)
-
-    chunks.for_chunks(numel, apply, size)
-    return True
+                return None
+    return keep, mode, scale
 
 
 class ChunkMerger:

@@ -18,6 +18,7 @@ import torch
 from ..registry import Interval, TensorContext, merge_method
 from . import interpolation
 from .steps import (
+    HALF_DTYPES,
     DareRescale,
     DivideBy,
     MajoritySign,
@@ -123,6 +124,8 @@ def task_arithmetic(
     composition.
     """
     task_vector_sum = weighted_sum((e - base for e in experts), weight, normalize)
+    if task_vector_sum.dtype in HALF_DTYPES:  # mergekit's order: λ · Σ rounded, then + θ_b
+        return add_scaled_(task_vector_sum, lambda_, base)
     return torch.add(base, task_vector_sum, alpha=lambda_)
 
 

@@ -19,6 +19,7 @@ for one tensor at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -50,20 +51,69 @@ def weighted_sum(
     """Σ_i w_i x_i into a new tensor, divided by Σ_i w_i when ``normalize``.
 
     Accumulates one tensor at a time, so a generator of task vectors never needs a full stack.
-    A (near-)zero total, |Σ w_i| < 1e-8, is not divided by (mergekit's rule).
+    A (near-)zero total, |Σ w_i| < 1e-8, is not divided by (mergekit's rule). In half precision
+    the sum is mergekit's (:func:`half_weighted_sum`).
     """
-    merged: torch.Tensor | None = None
-    for w, x in zip(weight, tensors):
-        if merged is None:
-            merged = torch.mul(x, w)
-        else:
-            merged.add_(x, alpha=w)
-    assert merged is not None
+    items = iter(tensors)
+    first = next(items)
+    if first.dtype in HALF_DTYPES:
+        return half_weighted_sum(itertools.chain([first], items), weight, normalize)
+    merged = torch.mul(first, weight[0])
+    for w, x in zip(weight[1:], items):
+        merged.add_(x, alpha=w)
     if normalize:
         total = sum(weight)
         if abs(total) >= 1e-8:
             merged.div_(total)
     return merged
+
+
+# The half-precision compute dtypes: their weighted sums are mergekit's (half_weighted_sum), and
+# DARE's L1 rescale sums them exactly (exact_l1_norm).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def in_dtype(w: float, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-d tensor of ``w`` rounded to ``dtype`` (mergekit's ``torch.tensor(weights,
+    dtype=...)``); as a factor, torch multiplies by its float32 value and rounds the product."""
+    return torch.tensor(w, dtype=dtype)
+
+
+def half_weighted_sum(
+    tensors: Iterable[torch.Tensor],
+    weight: Sequence[float] | None,
+    normalize: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_i w_i x_i in a half-precision dtype, as mergekit computes it (``(deltas *
+    weights).sum(dim=0)``): each w_i rounded to the dtype, each product x_i · w_i rounded to
+    it, the products summed in float32 in order and the sum rounded once (torch's ``sum`` of a
+    half-precision stack accumulates in float32). ``normalize`` divides by Σ_i w_i computed the
+    same way (unless |Σ| < 1e-8, mergekit's rule). ``weight`` ``None``: all 1 (no products).
+    Every entry's bits depend on that entry alone, so any chunking of the tensor gives them."""
+    acc: torch.Tensor | None = None
+    dtype = None
+    for i, x in enumerate(tensors):
+        dtype = x.dtype
+        term = x if weight is None else torch.mul(x, in_dtype(weight[i], dtype))
+        acc = term.float() if acc is None else acc.add_(term)
+    assert acc is not None and dtype is not None
+    if normalize and weight is not None:
+        total = half_total(weight, dtype)
+        if abs(total) >= 1e-8:
+            acc = acc.to(dtype).div_(total)
+    merged = acc.to(dtype)
+    return merged if out is None else out.copy_(merged)
+
+
+def half_total(weight: Sequence[float], dtype: torch.dtype) -> float:
+    """Σ_i w_i as :func:`half_weighted_sum` divides by it: the w_i rounded to ``dtype``, summed
+    in float32, rounded to ``dtype`` (mergekit's ``weights.sum(dim=0)``)."""
+    rounded = torch.tensor([float(in_dtype(w, dtype)) for w in weight], dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32)
+    for w in rounded:
+        total += w
+    return float(total.to(dtype))
 
 
 def add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torch.Tensor:
@@ -72,9 +122,6 @@ def add_scaled_(delta: torch.Tensor, lambda_: float, base: torch.Tensor) -> torc
         delta.mul_(lambda_)
     return delta.add_(base)
 
-
-# The half-precision compute dtypes (DARE's L1 rescale sums them exactly: exact_l1_norm).
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # How each float dtype stores a magnitude: (integer view, mantissa bits, exponent bias).
 FLOAT_LAYOUT = {
@@ -572,11 +619,17 @@ MajoritySign = Literal["sum", "count"]
 DivideBy = Literal["count", "weight_sum", "none"]
 
 
+def _all_ones(weights: list[float] | None) -> bool:
+    return weights is None or all(w == 1 for w in weights)
+
+
 def _weighted_rows_sum(
     stack: torch.Tensor, weights: list[float] | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Σ_i w_i stack_i over the first axis (a plain sum when there are no weights or all are 1),
-    into ``out`` when given."""
+    into ``out`` when given. In half precision, mergekit's sum (:func:`half_weighted_sum`)."""
+    if stack.dtype in HALF_DTYPES:
+        return half_weighted_sum(stack, None if _all_ones(weights) else weights, out=out)
     if weights is None or all(w == 1 for w in weights):
         if stack.shape[0] == 1:
             return stack[0].clone() if out is None else out.copy_(stack[0])
@@ -690,4 +743,6 @@ def elect_merge(
     merged = elect_and_merge(
         stack, weight, majority_sign=majority_sign, weighted_sign=weighted_sign, divide_by=divide_by
     )
+    if merged.dtype in HALF_DTYPES:  # mergekit's order: λ · merged rounded, then + θ_b
+        return add_scaled_(merged, lambda_, base)
     return torch.add(base, merged, alpha=lambda_)
