@@ -6,20 +6,18 @@ thresholds and the per-tensor ones in fewer passes (:mod:`.thresholds`).
 Each is registered with :func:`mergelab.merge.registry.register_fast_path` and returns the bits
 of the method it stands for (tests/test_merge_kernels.py: every method × dtype × option, the
 accelerator on and off), or ``None`` where it does not apply (a tensor off the CPU; a compute
-dtype other than float32, bfloat16 and float16; linear and task arithmetic in half precision
-with an ``add`` whose alpha is not 1, :func:`_weighted_sum_half`; DARE's "l1" rescale in float32
-compute): the method then runs.
+dtype other than float32, bfloat16 and float16; DARE's "l1" rescale in float32 compute): the
+method then runs.
 
 In half-precision compute (``dtype: bfloat16`` or ``float16``, what every mergekit example sets)
-linear and task arithmetic with w_i = 1 after the first and λ = 1 run the method's torch ops
-chunk by chunk (:func:`_weighted_sum_half`); TIES, DARE and breadcrumbs run the method's own
-steps in that dtype, in the method's order, with their slow parts replaced: the k-th largest
-|τ_i| from the radix-histogram passes instead of a full selection
-(:func:`.thresholds.tau_kth_largest_abs`, exact, so the same float), and DARE's masks compared
-as integers, u < round(density · 2²³), the comparison ``steps.dare_keep_block`` makes in float
-arithmetic, without its five whole-block passes; DARE's drop and rescale (the L1
-one included: Σ|τ| summed exactly, :func:`..methods.steps.exact_l1_norm`) in two compiled passes over
-each task vector, no mask or |τ| tensors (:func:`.kernels.dare_drop_`).
+the methods' steps are mergekit's order of operations (:func:`..methods.steps.half_weighted_sum`:
+every entry's bits depend on that entry alone), and linear, task arithmetic, TIES, breadcrumbs
+and DARE run as one compiled pass per chunk that repeats them with their rounding
+(:func:`.kernels.half_merge`, through :func:`_half_compiled`): the per-tensor k-th largest |τ_i|
+are the float32 passes' rounded to the dtype (:func:`.thresholds.tau_kth_largest_abs`, exact),
+and DARE's keep bits and rescale come from one compiled pass per expert
+(:func:`.kernels.dare_keep_bits`), the drop applied inside the merge pass. Where a pass meets a
+NaN or an Inf, the methods' own steps run in that dtype.
 """
 
 from __future__ import annotations
