@@ -80,7 +80,7 @@ def test_smollm2_rows_use_the_n150_runs_once_all_three_seeds_are_committed(tmp_p
     old = [json.loads((ROOT / f).read_text()) for f in findings.SMOLLM2_OLD]
     for seed, res in enumerate([old[0], old[1], old[0]]):
         path = tmp_path / findings.SMOLLM2_NEW.format(seed)
-        path.parent.mkdir(parents=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # committed seeds are replaced
         path.write_text(json.dumps(_as_new_run(res)))
     rows = {f.headline: f for f in findings.findings(tmp_path)}
     for name in (
