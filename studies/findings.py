@@ -584,17 +584,23 @@ def smollm2_ta_vs_composition(root: Path) -> Finding:
     )
     n = tests[(0, "math")]["n"]
     verdict = "reproduced" if equivalent else "not reproduced"
+    apart = sorted({f"{b} (seed {s})" for (s, b), p in adj.items() if p <= ALPHA})
+    short = (
+        f"distinguished at n = {n} on " + ", ".join(apart)
+        if apart
+        else f"not distinguished at n = {n}"
+    )
     return Finding(
         "llm smollm2",
         '"Task arithmetic is indistinguishable from the composition" — '
         "restated: composition and task arithmetic are "
-        + ("not " if all(p > ALPHA for p in adj.values()) else "")
+        + ("not " if not apart else "")
         + f"distinguished at n = {n}; "
         f"equivalence within ±{100 * TOST_MARGIN:.0f} points is "
         + ("shown (TOST)" if equivalent else "not shown (TOST)"),
         f"{_smollm2_where(kind, root)}: {text} (composition − task arithmetic)",
         _smollm2_status(kind, verdict),
-        f"not distinguished at n = {n}; TOST " + ("passes" if equivalent else "fails"),
+        f"{short}; TOST " + ("passes" if equivalent else "fails"),
     )
 
 

@@ -75,12 +75,14 @@ def _as_new_run(res: dict, n: int = 20) -> dict:
 
 def test_smollm2_rows_use_the_n150_runs_once_all_three_seeds_are_committed(tmp_path):
     shutil.copytree(ROOT / "results", tmp_path / "results")
+    for seed in (0, 1, 2):  # as before the runs were committed
+        shutil.rmtree((tmp_path / findings.SMOLLM2_NEW.format(seed)).parent, ignore_errors=True)
     pending = findings.smollm2_three_experts(tmp_path)
     assert pending.status == "pending: runs in progress" and "old n = 40" in pending.evidence
     old = [json.loads((ROOT / f).read_text()) for f in findings.SMOLLM2_OLD]
     for seed, res in enumerate([old[0], old[1], old[0]]):
         path = tmp_path / findings.SMOLLM2_NEW.format(seed)
-        path.parent.mkdir(parents=True, exist_ok=True)  # committed seeds are replaced
+        path.parent.mkdir(parents=True)
         path.write_text(json.dumps(_as_new_run(res)))
     rows = {f.headline: f for f in findings.findings(tmp_path)}
     for name in (
@@ -104,3 +106,11 @@ def test_smollm2_rows_use_the_n150_runs_once_all_three_seeds_are_committed(tmp_p
     cause = rows[findings.HEADLINES["smollm2_three_expert_cause"]]
     assert "drop_not_shown 15" in cause.evidence and cause.status == "not reproduced"
     assert "the drop is shown (Holm) in 0" in cause.claim
+
+
+def test_the_committed_smollm2_rows_read_the_n150_runs():
+    """All three n = 150 seeds are committed: no smollm2 row is pending, each cites those files."""
+    rows = {f.headline: f for f in findings.findings(ROOT)}
+    for name in ("smollm2_math_expert", "smollm2_three_experts", "smollm2_three_expert_cause"):
+        f = rows[findings.HEADLINES[name]]
+        assert not f.status.startswith("pending") and "smollm2_n150_seed" in f.evidence, name
