@@ -32,6 +32,7 @@ import torch
 
 from ..methods.steps import (
     DARE_BLOCK,
+    HALF_DTYPES,
     add_scaled_,
     band_trim_,
     elect_merge,
@@ -59,14 +60,11 @@ def _runs(ctx: TensorContext, *inputs: torch.Tensor) -> bool:
     return _compute_dtype(ctx, inputs[0]) == torch.float32 and kernels.usable(*tensors)
 
 
-HALF = (torch.bfloat16, torch.float16)
-
-
 def _runs_half(ctx: TensorContext, *inputs: torch.Tensor) -> bool:
     """Whether the half-precision paths take these inputs: bfloat16/float16 compute, the
     accelerator on, everything on the CPU."""
     tensors = [*inputs, *([] if ctx.out is None else [ctx.out])]
-    return _compute_dtype(ctx, inputs[0]) in HALF and kernels.usable(*tensors)
+    return _compute_dtype(ctx, inputs[0]) in HALF_DTYPES and kernels.usable(*tensors)
 
 
 def _cast(ctx: TensorContext, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -134,10 +132,10 @@ def _weighted_sum_half(
     add_scaled_ with a base) in one compiled pass per chunk; ``None`` (the method runs) where
     the loop declines."""
     dtype = _compute_dtype(ctx, experts[0])
-    cast = _cast(ctx, *([] if base is None else [base]), *experts)
+    seen = ([] if base is None else [base]) + list(experts)
+    cast = _cast(ctx, *seen)
     b, rows = (None, cast) if base is None else (cast[0], cast[1:])
     plan = kernels.half_plan(weight, dtype, lambda_=lambda_, normalize=normalize)
-    seen = ([] if base is None else [base]) + list(experts)
     return _half_compiled(b, rows, ctx, plan, seen=seen)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..methods.steps import TensorTriples, bits_to_float, kept_count
+from ..methods.steps import HALF_DTYPES, TensorTriples, bits_to_float, in_dtype, kept_count
 from . import chunks, kernels, sampling
 from .chunks import _on_worker, as_dtype, scratch
 
@@ -488,22 +488,14 @@ def tau_kth_largest_abs(
     (:class:`KthLargestAbs`). Where :func:`_in_one_call`, the same passes run in one compiled
     call on the calling thread (:func:`kernels.tau_kth`), else chunked on every core."""
     dtype = dtype or base.dtype
-    if dtype in HALF and all(x.dtype == dtype for x in [base, *experts]):
+    if dtype in HALF_DTYPES and all(x.dtype == dtype for x in [base, *experts]):
         # torch forms a half-precision τ in float32 and rounds it: τ = r(τ32), r monotonic and
         # odd, so the k-th largest |τ| is r(the k-th largest |τ32|): the float32 passes', rounded
         wide = tau_kth_largest_abs(base, experts, ranks, torch.float32)
-        return [[_rounded(v, dtype) for v in values] for values in wide]
+        return [[float(in_dtype(v, dtype)) for v in values] for values in wide]
     if dtype == torch.float32 and _in_one_call(base, experts):
         return _one_call_kth(base, experts, ranks)
     return _find_many(base.numel(), ranks, _tau_histograms(base, experts, dtype))
-
-
-HALF = (torch.bfloat16, torch.float16)
-
-
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """A float32 value rounded to ``dtype`` as torch stores a float32 result in it."""
-    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
 
 
 # From this many entries, a tensor's threshold passes called outside the chunk workers run
