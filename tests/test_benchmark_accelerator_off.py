@@ -3,12 +3,11 @@ with the switch as asked, and the results file says they wrote the same bytes.""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import benchmark_modules
 
 from mergelab.merge.accelerator import kernels
 
@@ -17,11 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    module = importlib.import_module("accelerator_off")
-    yield module
-    for name in ("accelerator_off", "merge_speed", "io_floor"):
-        sys.modules.pop(name, None)
+    imported = ("merge_speed", "io_floor")
+    with benchmark_modules(monkeypatch, "accelerator_off", imported=imported) as (module,):
+        yield module
 
 
 @pytest.mark.slow  # about 90 s here: it holds the package's files in memory as the real run does

@@ -3,22 +3,19 @@ mergelab's outputs equal lm-eval's ``hf`` model's, and the results file holds wh
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import benchmark_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def eval_speed(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    module = importlib.import_module("eval_speed")
-    yield module
-    sys.modules.pop("eval_speed", None)
+    with benchmark_modules(monkeypatch, "eval_speed") as (module,):
+        yield module
 
 
 def test_tiny_run_times_every_path_with_identical_outputs(eval_speed, tmp_path):

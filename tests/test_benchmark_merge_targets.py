@@ -4,21 +4,19 @@ tests/test_docs.py.)"""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import benchmark_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def targets(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    yield importlib.import_module("merge_targets")
-    sys.modules.pop("merge_targets", None)
+    with benchmark_modules(monkeypatch, "merge_targets") as (module,):
+        yield module
 
 
 def full_run(targets, over_linear=1.2, speedup=20.0, rss_ratio=0.2, threads="each tool's default"):

@@ -3,23 +3,20 @@ they hold, what they find a tool loads, and what they count as resident."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import benchmark_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    modules = {name: importlib.import_module(name) for name in ("merge_speed", "page_cache_hold")}
-    yield modules
-    for name in modules:
-        sys.modules.pop(name, None)
+    names = ("merge_speed", "page_cache_hold")
+    with benchmark_modules(monkeypatch, *names) as modules:
+        yield dict(zip(names, modules))
 
 
 def test_resident_maps_every_readable_file_and_skips_the_rest(bench, tmp_path):

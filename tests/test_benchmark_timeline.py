@@ -4,22 +4,19 @@ exist)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import benchmark_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def timeline(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    module = importlib.import_module("merge_timeline")
-    yield module
-    for name in ("merge_timeline", "merge_speed", "io_floor"):
-        sys.modules.pop(name, None)
+    imported = ("merge_speed", "io_floor")
+    with benchmark_modules(monkeypatch, "merge_timeline", imported=imported) as (module,):
+        yield module
 
 
 def test_summarise_splits_the_run_at_the_first_merge_and_the_last_write(timeline):

@@ -147,15 +147,10 @@ def test_readme_performance_table_equals_its_results_file():
 def test_performance_table_is_the_latest_run_with_mergekit(monkeypatch):
     """The README shows the latest default-thread run that measured both tools, in the order
     benchmarks/merge_targets.py gives the runs (by the date of the commit each measured)."""
-    import importlib
-    import sys
+    from _benchmarks import benchmark_modules
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    targets = importlib.import_module("merge_targets")
-    try:
+    with benchmark_modules(monkeypatch, "merge_targets") as (targets,):
         runs = targets.collect()["default"]
-    finally:
-        sys.modules.pop("merge_targets", None)
     with_mergekit = [
         r["file"]
         for r in runs

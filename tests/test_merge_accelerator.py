@@ -241,73 +241,23 @@ def refuse(*args, **kwargs):
     raise AssertionError("the method ran where its fast path should have")
 
 
-@needs_loops
-@pytest.mark.parametrize(
-    "stored,compute",
-    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
-    ids=["bf16-in-bf16", "f32-in-f16"],
-)
-def test_half_precision_compute_writes_the_same_bits_on_and_off(
-    tmp_path, monkeypatch, stored, compute
+def assert_on_and_off_write_the_same_bits(
+    tmp_path, monkeypatch, cases, base, experts, stored, compute, step
 ):
-    base, *experts = write_set(tmp_path, stored)
+    """Each (method, options) of ``cases`` merged from the checkpoints with the accelerator on
+    and off, at two torch threads: the same stored bits in every tensor. On, ``step`` (a
+    ``standard`` attribute only the method itself calls) refuses to run: the fast path takes
+    every tensor."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for k, (method, options) in enumerate(HALF_CASES):
+        for k, (method, options) in enumerate(cases):
             outputs = []
             for on in (True, False):
                 monkeypatch.setattr(kernels, "enabled", on)
-                # on, the fast paths take every tensor: the methods must not run
-                monkeypatch.setattr(standard, "task_vectors", refuse if on else steps.task_vectors)
+                monkeypatch.setattr(standard, step, refuse if on else getattr(steps, step))
                 out = tmp_path / f"{k}-{on}"
-                merge_checkpoints(
-                    method, base, experts, output=out, progress=False, dtype=compute, **options
-                )
-                outputs.append(load_file(out / "model-00001-of-00001.safetensors"))
-            on, off = outputs
-            for name in SHAPES:
-                assert on[name].dtype == off[name].dtype == stored
-                bits = torch.int16 if stored == torch.bfloat16 else torch.int32
-                same = on[name].view(bits) == off[name].view(bits)
-                assert bool(same.all()), f"{method} {options}: {name} differs"
-    finally:
-        torch.set_num_threads(before)
-
-
-# linear and task arithmetic in half precision: taken where every add has alpha 1 (w_i = 1 after
-# the first, λ = 1), the method's elsewhere
-HALF_SUM_CASES = [
-    ("linear", {"weights": [1.0, 1.0]}, True),
-    ("linear", {"weights": [-0.5, 1.0], "params": {"normalize": False}}, True),
-    ("task_arithmetic", {"weights": [1.0, 1.0]}, True),
-    ("task_arithmetic", {"weights": [0.3, 1.0], "params": {"normalize": True}}, True),
-    ("task_arithmetic", {"weights": [0.3, 0.7], "params": {"lambda": 0.8}}, False),
-]
-
-
-@needs_loops
-@pytest.mark.parametrize(
-    "stored,compute",
-    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
-    ids=["bf16-in-bf16", "f32-in-f16"],
-)
-def test_half_precision_sums_write_the_same_bits_on_and_off(tmp_path, monkeypatch, stored, compute):
-    base, *experts = write_set(tmp_path, stored)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for k, (method, options, taken) in enumerate(HALF_SUM_CASES):
-            outputs = []
-            for on in (True, False):
-                monkeypatch.setattr(kernels, "enabled", on)
-                # on, where the fast path takes every tensor, the method must not run
-                refused = on and taken
-                monkeypatch.setattr(
-                    standard, "weighted_sum", refuse if refused else steps.weighted_sum
-                )
-                out = tmp_path / f"{k}-{on}"
-                base_ = base if method == "task_arithmetic" else None
+                base_ = None if method == "linear" else base
                 merge_checkpoints(
                     method, base_, experts, output=out, progress=False, dtype=compute, **options
                 )
@@ -320,6 +270,45 @@ def test_half_precision_sums_write_the_same_bits_on_and_off(tmp_path, monkeypatc
                 assert bool(same.all()), f"{method} {options}: {name} differs"
     finally:
         torch.set_num_threads(before)
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    "stored,compute",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-in-bf16", "f32-in-f16"],
+)
+def test_half_precision_compute_writes_the_same_bits_on_and_off(
+    tmp_path, monkeypatch, stored, compute
+):
+    base, *experts = write_set(tmp_path, stored)
+    assert_on_and_off_write_the_same_bits(
+        tmp_path, monkeypatch, HALF_CASES, base, experts, stored, compute, "task_vectors"
+    )
+
+
+# linear and task arithmetic in half precision: the fast path takes every weight and λ
+# (steps.half_weighted_sum is a function of each entry alone)
+HALF_SUM_CASES = [
+    ("linear", {"weights": [1.0, 1.0]}),
+    ("linear", {"weights": [-0.5, 1.0], "params": {"normalize": False}}),
+    ("task_arithmetic", {"weights": [1.0, 1.0]}),
+    ("task_arithmetic", {"weights": [0.3, 1.0], "params": {"normalize": True}}),
+    ("task_arithmetic", {"weights": [0.3, 0.7], "params": {"lambda": 0.8}}),
+]
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    "stored,compute",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-in-bf16", "f32-in-f16"],
+)
+def test_half_precision_sums_write_the_same_bits_on_and_off(tmp_path, monkeypatch, stored, compute):
+    base, *experts = write_set(tmp_path, stored)
+    assert_on_and_off_write_the_same_bits(
+        tmp_path, monkeypatch, HALF_SUM_CASES, base, experts, stored, compute, "weighted_sum"
+    )
 
 
 @needs_loops
