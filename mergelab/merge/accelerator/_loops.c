@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 9
+#define LOOPS_VERSION 10
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1785,16 +1785,15 @@ INLINE void add_half_term(float *RESTRICT acc, const float *RESTRICT x, int64_t 
  * the output in that dtype: the torch operations of the methods' steps in that dtype, each
  * result rounded to it, in their order (steps.task_vectors, threshold_trim_ / band_trim_,
  * half_weighted_sum and add_scaled_ for the sums; elect_sign, disjoint_merge_ and elect_merge's
- * add_scaled_ for the elections). addresses: the base (if has_base) then n experts, or with
- * tau_given the base then n task vectors already formed (DARE's dropped ones). params hold the
- * weights already rounded to the dtype; scalars S_LAMBDA (float32), S_TOTAL and S_MIN_W (in the
- * dtype). keeps: per expert, 0 or the address of its DARE keep bits (bit j of the chunk: entry
- * j; kernels.dare_keep_bits), applied to tau_i as steps.random_drop_ does after the trim (the
- * drop mode in column P_DARE_LIMIT: 1 keep only, 2 times P_DARE_DIVISOR, 3 divided by it; a
- * dropped entry becomes its sign's zero). Returns FOUND_IN_INPUT where an input, a vote, a sum or a divisor is NaN or Inf and
- * FOUND_IN_RESULT where a result is: the caller then runs the steps themselves (their NaN
- * rules are torch's, not repeated here). */
-INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base, int tau_given,
+ * add_scaled_ for the elections). addresses: the base (if has_base) then n experts. params
+ * hold the weights already rounded to the dtype; scalars S_LAMBDA (float32), S_TOTAL and
+ * S_MIN_W (in the dtype). keeps: per expert, 0 or the address of its DARE keep bits (bit j of
+ * the chunk: entry j; kernels.dare_keep_bits), applied to tau_i as steps.random_drop_ does after
+ * the trim (the drop mode in column P_DARE_LIMIT: 1 keep only, 2 times P_DARE_DIVISOR, 3
+ * divided by it; a dropped entry becomes its sign's zero). Returns FOUND_IN_INPUT where an
+ * input, a vote, a sum or a divisor is NaN or Inf and FOUND_IN_RESULT where a result is: the
+ * caller then runs the steps themselves (their NaN rules are torch's, not repeated here). */
+INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base,
                            const int fp16, int64_t m, int64_t out, const float *params,
                            const float *scalars, const int64_t *flags, const int64_t *keeps,
                            float *work)
@@ -1819,7 +1818,7 @@ INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base, int ta
             const float *p = params + (int64_t)i * N_PARAMS;
             load_half(addresses[has_base + i], fp16, t0, cnt, row);
             for (int64_t j = 0; j < cnt; j++) bad |= not_finite(row[j]);
-            if (has_base && !tau_given)
+            if (has_base)
                 for (int64_t j = 0; j < cnt; j++) row[j] = round_half(row[j] - b[j], fp16);
             const float low = p[P_LOW], high = p[P_HIGH];
             if (band) {
@@ -1937,19 +1936,19 @@ INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base, int ta
 
 /* half_chunk_body with the dtype a compile-time constant: each loop then vectorises with one
  * rounding (bfloat16's bit operations, or float16's branches as selects). */
-HOT static int half_chunk_bf16(const int64_t *addresses, int n, int has_base, int tau_given,
+HOT static int half_chunk_bf16(const int64_t *addresses, int n, int has_base,
                                int64_t m, int64_t out, const float *params, const float *scalars,
                                const int64_t *flags, const int64_t *keeps, float *work)
 {
-    return half_chunk_body(addresses, n, has_base, tau_given, 0, m, out, params, scalars, flags,
+    return half_chunk_body(addresses, n, has_base, 0, m, out, params, scalars, flags,
                            keeps, work);
 }
 
-HOT static int half_chunk_fp16(const int64_t *addresses, int n, int has_base, int tau_given,
+HOT static int half_chunk_fp16(const int64_t *addresses, int n, int has_base,
                                int64_t m, int64_t out, const float *params, const float *scalars,
                                const int64_t *flags, const int64_t *keeps, float *work)
 {
-    return half_chunk_body(addresses, n, has_base, tau_given, 1, m, out, params, scalars, flags,
+    return half_chunk_body(addresses, n, has_base, 1, m, out, params, scalars, flags,
                            keeps, work);
 }
 
@@ -2188,10 +2187,10 @@ done:
 static PyObject *py_half_chunk(PyObject *self, PyObject *args)
 {
     PyObject *o_addr, *o_params, *o_scalars, *o_flags, *o_keeps;
-    int has_base, tau_given, fp16;
+    int has_base, fp16;
     long long m, out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OpppLLOOOO", &o_addr, &has_base, &tau_given, &fp16, &m, &out,
+    if (!PyArg_ParseTuple(args, "OppLLOOOO", &o_addr, &has_base, &fp16, &m, &out,
                           &o_params, &o_scalars, &o_flags, &o_keeps))
         return NULL;
     Buf bufs[5];
@@ -2208,7 +2207,7 @@ static PyObject *py_half_chunk(PyObject *self, PyObject *args)
     int n = (int)items(&bufs[0]) - (has_base ? 1 : 0);
     if (n < 1 || items(&bufs[1]) != (Py_ssize_t)n * N_PARAMS || items(&bufs[2]) < N_SCALARS ||
         items(&bufs[3]) < N_FLAGS || items(&bufs[4]) != n ||
-        (!has_base && (tau_given || flags[F_KIND] != KIND_SUM))) {
+        (!has_base && flags[F_KIND] != KIND_SUM)) {
         PyErr_SetString(PyExc_ValueError, "half_chunk: inconsistent arguments");
         goto done;
     }
@@ -2219,7 +2218,7 @@ static PyObject *py_half_chunk(PyObject *self, PyObject *args)
     }
     int found;
     Py_BEGIN_ALLOW_THREADS
-    found = (fp16 ? half_chunk_fp16 : half_chunk_bf16)(addresses, n, has_base, tau_given,
+    found = (fp16 ? half_chunk_fp16 : half_chunk_bf16)(addresses, n, has_base,
                                                        (int64_t)m, (int64_t)out, params, scalars,
                                                        flags, keeps, work);
     Py_END_ALLOW_THREADS
@@ -2642,7 +2641,7 @@ static PyMethodDef methods[] = {
      "sum_chunk(addresses, has_base, bf16_in, m, out_address, bf16_out, weights, scalars, "
      "flags) -> NaN/Inf flags"},
     {"half_chunk", py_half_chunk, METH_VARARGS,
-     "half_chunk(addresses, has_base, tau_given, fp16, m, out_address, params, scalars, flags, "
+     "half_chunk(addresses, has_base, fp16, m, out_address, params, scalars, flags, "
      "keeps) "
      "-> NaN/Inf flags"},
     {"tau_abs_histograms", py_tau_abs_histograms, METH_VARARGS,

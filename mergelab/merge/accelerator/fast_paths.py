@@ -146,7 +146,6 @@ def _half_compiled(
     plan: tuple,
     *,
     seen: list[torch.Tensor],
-    tau_given: bool = False,
     drops: list | None = None,
 ) -> torch.Tensor | None:
     """The merge ``plan`` (:func:`.kernels.half_plan`) in one compiled pass per chunk
@@ -159,7 +158,7 @@ def _half_compiled(
     out = ctx.out
     direct = out is not None and out.dtype == like.dtype and out.is_contiguous()
     target = out.view(like.shape) if direct else torch.empty_like(like)
-    if not kernels.half_merge(base, rows, target, plan, tau_given=tau_given, drops=drops):
+    if not kernels.half_merge(base, rows, target, plan, drops=drops):
         return None
     result = target if direct or out is None else out.copy_(target)
     if result is target:  # a copy into another dtype may overflow: checked by the engine

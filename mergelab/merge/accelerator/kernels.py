@@ -90,7 +90,7 @@ DARE_LANES = 8
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 9
+LOOPS_VERSION = 10
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION,
     "TILE": TILE,
@@ -334,12 +334,11 @@ def half_merge(
     out: torch.Tensor,
     plan: tuple[np.ndarray, np.ndarray, np.ndarray],
     *,
-    tau_given: bool = False,
     drops: Sequence[tuple[np.ndarray, int, float] | None] | None = None,
 ) -> bool:
     """half_chunk over every chunk of ``out`` on every core: the merge ``plan``
-    (:func:`half_plan`) of ``base`` (``None``: a sum without one) and ``rows`` (the experts, or
-    with ``tau_given`` their task vectors), computed in ``out``'s dtype, written into ``out``.
+    (:func:`half_plan`) of ``base`` (``None``: a sum without one) and the experts ``rows``,
+    computed in ``out``'s dtype, written into ``out``.
     Every tensor contiguous, on the CPU, in that dtype (bfloat16 or float16), of one size.
     ``drops``: per row, ``None`` or DARE's drop of that row's task vector
     (:func:`dare_keep_bits`), applied in the loop after the trim.
@@ -377,7 +376,6 @@ def half_merge(
         return compiled.half_chunk(
             starts + s.start * item,
             base is not None,
-            tau_given,
             fp16,
             s.stop - s.start,
             out_start + s.start * item,
