@@ -985,6 +985,56 @@ def test_dare_drop_compiled_equals_the_method(dtype, rescale, scale, numel):
         assert_same_bits(ours, theirs)
 
 
+def exact_total(per_exponent: list[int]) -> int:
+    """A per-exponent sum list's total, in units of the smallest subnormal (as
+    steps.round_exact_sum reads it)."""
+    return sum(s << (max(e, 1) - 1) for e, s in enumerate(per_exponent))
+
+
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dare_counts_sums_are_exact(dtype, spread):
+    """kernels.dare_counts' Σ|τ| and Σ kept |τ| equal the exact sums (steps'
+    exact_sum_per_exponent of |τ| and of the kept |τ|), whichever way each tile is summed: as
+    integers of its smallest exponent (tiles spanning few binades) or entry by entry (with
+    "wide", bfloat16 tiles holding 1e30 next to 1e-30; float16 has no such span), over several
+    DARE blocks and a tail; the keep bits are steps.dare_keep_mask's."""
+    numel = 2 * steps.DARE_BLOCK + 4099
+    tau = dare_task_vector(numel, torch.float32, 3e-3)
+    if spread == "wide" and dtype == torch.bfloat16:
+        tau[::5000] = 1e30
+        tau[7::5000] = -1e-30
+        tau[-3] = 1e-38  # a subnormal in the tail
+    tau = tau.to(dtype)
+    keep, every, kept = kernels.dare_counts(tau, 0.3, 7, 2)
+    mask = steps.dare_keep_mask(tau.shape, 0.3, 7, 2)
+    bits = np.unpackbits(keep, bitorder="little")[:numel].astype(bool)
+    assert np.array_equal(bits, mask.numpy())
+    assert exact_total(every) == exact_total(steps.exact_sum_per_exponent(tau.abs()))
+    kept_tau = torch.where(mask, tau.abs(), torch.zeros_like(tau))
+    assert exact_total(kept) == exact_total(steps.exact_sum_per_exponent(kept_tau))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dare_counts_of_several_experts_equal_one_at_a_time(dtype):
+    """kernels.dare_counts_many (the experts' tiles in turn, the base's read once) gives each
+    expert what dare_counts gives it alone: its own stream (expert number, density), keep bits
+    and exact sums; experts whose τ differ in scale, several DARE blocks and a tail."""
+    base, experts = inputs(3, dtype, seed=5, numel=ROW * 7900)
+    base = base.view(-1)
+    experts = [e.view(-1) for e in experts]
+    experts[1][::7] = 1e-3 * experts[1][::7]  # far from the base: larger τ
+    indices, densities = [0, 2, 5], [0.2, 0.5, 0.9]
+    together = kernels.dare_counts_many(base, experts, densities, 11, indices)
+    for expert, density, index, (keep, every, kept) in zip(experts, densities, indices, together):
+        alone_keep, alone_every, alone_kept = kernels.dare_counts(
+            None, density, 11, index, inputs=(base, expert)
+        )
+        assert np.array_equal(keep, alone_keep)
+        assert exact_total(every) == exact_total(alone_every)
+        assert exact_total(kept) == exact_total(alone_kept)
+
+
 @pytest.mark.parametrize("rescale", ["l1", "keep_rate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_dare_drop_from_the_inputs_equals_the_method(dtype, rescale):

@@ -32,7 +32,7 @@
 #endif
 
 /* Bump when the meaning of an argument or constant changes: kernels.py refuses a stale build. */
-#define LOOPS_VERSION 10
+#define LOOPS_VERSION 12
 
 #define TILE 512       /* positions per tile of the merge loops (their task vectors stay in L1) */
 #define GROUPED 1024   /* entries per tile of a histogram pass */
@@ -1781,6 +1781,16 @@ INLINE void add_half_term(float *RESTRICT acc, const float *RESTRICT x, int64_t 
         for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + round_half(x[j] * w, fp16);
 }
 
+/* keep_masks[k][q]: all ones where bit q of the keep byte k is set, else 0 (filled when the
+ * module loads): a byte of DARE keep bits widened to the merge loops' eight 32-bit masks. */
+static uint32_t keep_masks[256][8];
+
+static void fill_keep_masks(void)
+{
+    for (int k = 0; k < 256; k++)
+        for (int q = 0; q < 8; q++) keep_masks[k][q] = 0u - (((uint32_t)k >> q) & 1u);
+}
+
 /* half_chunk: m positions of a merge computed in bfloat16 (fp16 = 0) or float16, the inputs and
  * the output in that dtype: the torch operations of the methods' steps in that dtype, each
  * result rounded to it, in their order (steps.task_vectors, threshold_trim_ / band_trim_,
@@ -1831,7 +1841,8 @@ INLINE int half_chunk_body(const int64_t *addresses, int n, int has_base,
             if (drop && keeps[i]) { /* t0 is a multiple of TILE: bit j of byte t0 / 8 on */
                 const uint8_t *kb = (const uint8_t *)(intptr_t)keeps[i] + (t0 >> 3);
                 uint32_t *kept = (uint32_t *)divisor; /* all ones where kept (scratch) */
-                for (int64_t j = 0; j < cnt; j++) kept[j] = 0u - ((kb[j >> 3] >> (j & 7)) & 1u);
+                for (int64_t j0 = 0; j0 < cnt; j0 += 8) /* TILE is a multiple of 8 */
+                    memcpy(kept + j0, keep_masks[kb[j0 >> 3]], sizeof keep_masks[0]);
                 const float s = p[P_DARE_DIVISOR];
                 if (drop == 2)
                     for (int64_t j = 0; j < cnt; j++) row[j] = round_half(row[j] * s, fp16);
@@ -1952,79 +1963,138 @@ HOT static int half_chunk_fp16(const int64_t *addresses, int n, int has_base,
                            keeps, work);
 }
 
-#define DROP_TILE 2048 /* entries of each block drawn per round of the streams */
+#define DROP_TILE_BITS 13 /* 2^13 entries of each block drawn per round of the streams (a longer
+                           * run of each input in a row: fewer restarts of the CPU's prefetch) */
+#define DROP_TILE (1 << DROP_TILE_BITS)
+#define SPLIT_BITS 32   /* a bin's exact sum: low part + (high part << SPLIT_BITS) */
 
-/* The first pass of steps.random_drop_ over entries [0, n) of a task vector tau (half bits;
- * entry 0 starts a DARE block of `block` entries), which it leaves as it is or, given the inputs
- * (base and expert, the same dtype; NULL: none), first writes as torch.sub(expert, base) does,
- * the difference in float32 rounded to the half dtype: DARE's keep bits (steps.dare_keep_block's
- * stream and comparison: entry kept iff the low 23 bits of its 32-bit draw < limit; block k's
- * stream is lane k % DARE_LANES of states group k / DARE_LANES), one bit per entry into keep,
- * and steps.exact_sum_per_exponent of |tau| (all) and of the kept entries (kept), [bins] each,
- * added to. NaN/Inf entries land in the top exponent's bin, which steps counts as "not finite". */
-INLINE void dare_drop_counts_body(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
-                                  const uint16_t *RESTRICT expert, int64_t n, const int fp16,
-                                      uint32_t limit, uint64_t *RESTRICT states, int64_t block,
-                                      uint8_t *RESTRICT keep, int64_t *RESTRICT all,
-                                      int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
+/* Adds a tile's exact sum, `units` units of exponent bin e (2^(max(e, 1) - bias - mb)), to bin e
+ * of a histogram whose high parts follow its `bins` low parts. */
+INLINE void add_exact(int64_t *RESTRICT hist, int64_t bins, int e, uint64_t units)
+{
+    hist[e] += (int64_t)(units & ((1ull << SPLIT_BITS) - 1u));
+    hist[bins + e] += (int64_t)(units >> SPLIT_BITS);
+}
+
+/* The first pass of steps.random_drop_ over entries [0, n) of k task vectors (half bits; entry 0
+ * starts a DARE block of `block` entries), each of which it leaves as it is (taus[i]) or, given
+ * the inputs (base and experts[i], the same dtype; 0: none), forms as torch.sub(expert, base)
+ * does, the difference in float32 rounded to the half dtype, writing it to taus[i] where that is
+ * not 0. For each vector i: DARE's keep bits (steps.dare_keep_block's stream and comparison:
+ * entry kept iff the low 23 bits of its 32-bit draw < limits[i]; block b's stream is lane
+ * b % DARE_LANES of vector i's states group b / DARE_LANES), one bit per entry into keeps[i]
+ * (n / 8 bytes, rounded up), and steps.exact_sum_per_exponent of |tau| (all) and of the kept entries (kept), added
+ * to row i: [2 * bins] each, bin e's sum being hist[e] + (hist[bins + e] << SPLIT_BITS) units of
+ * 2^(max(e, 1) - bias - mb). NaN/Inf entries land in the top exponent's bin, which steps counts
+ * as "not finite". The vectors take turns tile by tile, so the base's tile is read from memory
+ * once (a: k scratch histograms).
+ *
+ * The sums are exact either way a tile takes: where its nonzero |tau| span at most
+ * 62 - DROP_TILE_BITS - mb binades (exponents e_lo..e_hi), each entry is an integer number of
+ * e_lo's units below 2^(e_hi - e_lo + mb + 1), so the sum of the tile's 2^DROP_TILE_BITS entries
+ * stays below 2^63 of them: the tile's two totals are summed as integers (a loop that
+ * vectorises) and go to bin e_lo whole; other tiles (and a NaN or an Inf) add each entry's
+ * mantissa to its own exponent's bin. */
+INLINE void dare_drop_counts_body(uint16_t *const *RESTRICT taus, const uint16_t *RESTRICT base,
+                                  const uint16_t *const *RESTRICT experts, int k, int64_t n,
+                                  const int fp16, const int64_t *RESTRICT limits,
+                                  uint64_t *RESTRICT states, int64_t state_stride, int64_t block,
+                                  uint8_t *const *RESTRICT keeps, int64_t *RESTRICT all,
+                                  int64_t *RESTRICT kept,
+                                  uint64_t *RESTRICT raw, int64_t (*RESTRICT a)[4][512])
 {
     const int mb = fp16 ? 10 : 7, bins = fp16 ? 32 : 256;
     const uint32_t fraction = (1u << mb) - 1u;
-    /* a[c][2e + kept]: the mantissas of exponent e, dropped / kept entries apart (one add per
-     * entry); four copies: consecutive entries rarely wait on a bin */
-    int64_t a[4][512];
-    memset(a, 0, sizeof a);
-    memset(keep, 0, (size_t)((n + 7) / 8));
+    memset(a, 0, sizeof(*a) * (size_t)k);
+    for (int i = 0; i < k; i++) memset(keeps[i], 0, (size_t)((n + 7) / 8));
     const int64_t blocks = (n + block - 1) / block, stride = DROP_TILE / 2;
     for (int64_t g = 0; g * DARE_LANES < blocks; g++) {
         for (int64_t off = 0; off < block && g * DARE_LANES * block + off < n; off += DROP_TILE) {
-            sfc64_lanes(states + g * 4 * DARE_LANES, raw, stride, stride);
-            for (int l = 0; l < DARE_LANES; l++) {
-                const int64_t b = g * DARE_LANES + l, start = b * block + off;
-                if (b >= blocks || start >= n) break;
-                const int64_t m = n - start < DROP_TILE ? n - start : DROP_TILE;
-                const uint32_t *r32 = (const uint32_t *)(raw + l * stride); /* low half first */
-                uint16_t local[DROP_TILE];
-                uint16_t *t = tau ? tau + start : local; /* no tau: the difference is not kept */
-                uint8_t *bits = keep + start / 8; /* start is a multiple of 8 */
-                if (base) {
-                    const uint16_t *x = expert + start, *y = base + start;
-                    for (int64_t j = 0; j < m; j++)
-                        t[j] = f32_to_half(half_to_f32(x[j], fp16) - half_to_f32(y[j], fp16), fp16);
-                }
-                for (int64_t j0 = 0; j0 < m; j0 += 8) { /* a byte of keep bits at a time */
-                    uint32_t byte = 0;
-                    const int64_t stop = m - j0 < 8 ? m - j0 : 8;
-                    for (int64_t q = 0; q < stop; q++) {
-                        const int64_t j = j0 + q;
+            for (int i = 0; i < k; i++) { /* a tile of the base, read again from the cache */
+                sfc64_lanes(states + i * state_stride + g * 4 * DARE_LANES, raw, stride, stride);
+                const uint32_t limit = (uint32_t)limits[i];
+                int64_t *hist_all = all + i * 2 * bins, *hist_kept = kept + i * 2 * bins;
+                for (int l = 0; l < DARE_LANES; l++) {
+                    const int64_t b = g * DARE_LANES + l, start = b * block + off;
+                    if (b >= blocks || start >= n) break;
+                    const int64_t m = n - start < DROP_TILE ? n - start : DROP_TILE;
+                    const uint32_t *r32 = (const uint32_t *)(raw + l * stride); /* low half first */
+                    uint16_t local[DROP_TILE];
+                    uint8_t kb[DROP_TILE + 8];
+                    /* no tau: the difference is not kept */
+                    uint16_t *t = taus[i] ? taus[i] + start : local;
+                    uint8_t *bits = keeps[i] + start / 8; /* start is a multiple of 8 */
+                    if (base) {
+                        const uint16_t *x = experts[i] + start, *y = base + start;
+                        for (int64_t j = 0; j < m; j++)
+                            t[j] = f32_to_half(half_to_f32(x[j], fp16) - half_to_f32(y[j], fp16),
+                                               fp16);
+                    }
+                    uint32_t most = 0, least = 0xFFFFu;
+                    for (int64_t j = 0; j < m; j++) {
+                        const uint32_t mag = t[j] & 0x7FFFu;
+                        kb[j] = (r32[j] & 0x7FFFFFu) < limit;
+                        most = mag > most ? mag : most;
+                        least = (mag ? mag : 0xFFFFu) < least ? (mag ? mag : 0xFFFFu) : least;
+                    }
+                    if (m > 0 && m < DROP_TILE) memset(kb + m, 0, 8); /* the tail's last byte */
+                    for (int64_t j0 = 0; j0 < m; j0 += 8) { /* eight 0/1 bytes into one of bits */
+                        uint64_t eight;
+                        memcpy(&eight, kb + j0, 8);
+                        bits[j0 >> 3] = (uint8_t)((eight * 0x0102040810204080ull) >> 56);
+                    }
+                    const int top = (int)(most >> mb);
+                    int bottom = least == 0xFFFFu ? top : (int)(least >> mb);
+                    bottom = bottom < 1 ? 1 : bottom;
+                    if (most == 0) continue; /* all zeros: nothing to add */
+                    if (top < bins - 1 && top - bottom <= 62 - DROP_TILE_BITS - mb) {
+                        uint64_t s_all = 0, s_kept = 0;
+                        for (int64_t j = 0; j < m; j++) {
+                            const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
+                            const uint64_t mant = (mag & fraction) | (e ? 1u << mb : 0u);
+                            const uint64_t units = mant << ((e ? e : 1u) - (uint32_t)bottom);
+                            s_all += units;
+                            s_kept += kb[j] ? units : 0u;
+                        }
+                        add_exact(hist_all, bins, bottom, s_all);
+                        add_exact(hist_kept, bins, bottom, s_kept);
+                        continue;
+                    }
+                    for (int64_t j = 0; j < m; j++) {
                         const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
                         const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
-                        const uint32_t kb = (r32[j] & 0x7FFFFFu) < limit;
-                        a[q & 3][2 * e + kb] += mant;
-                        byte |= kb << q;
+                        a[i][j & 3][2 * e + kb[j]] += mant;
                     }
-                    bits[j0 >> 3] = (uint8_t)byte;
                 }
             }
         }
     }
-    for (int c = 0; c < 4; c++)
-        for (int e = 0; e < bins; e++)
-            all[e] += a[c][2 * e] + a[c][2 * e + 1], kept[e] += a[c][2 * e + 1];
+    for (int i = 0; i < k; i++)
+        for (int c = 0; c < 4; c++)
+            for (int e = 0; e < bins; e++) {
+                all[i * 2 * bins + e] += a[i][c][2 * e] + a[i][c][2 * e + 1];
+                kept[i * 2 * bins + e] += a[i][c][2 * e + 1];
+            }
 }
 
 /* dare_drop_counts_body with the dtype a compile-time constant (the difference's loop then
  * vectorises with one rounding). */
-HOT static void dare_drop_counts_impl(uint16_t *RESTRICT tau, const uint16_t *RESTRICT base,
-                                      const uint16_t *RESTRICT expert, int64_t n, int fp16,
-                                      uint32_t limit, uint64_t *RESTRICT states, int64_t block,
-                                      uint8_t *RESTRICT keep, int64_t *RESTRICT all,
-                                      int64_t *RESTRICT kept, uint64_t *RESTRICT raw)
+HOT static void dare_drop_counts_impl(uint16_t *const *RESTRICT taus,
+                                      const uint16_t *RESTRICT base,
+                                      const uint16_t *const *RESTRICT experts, int k, int64_t n,
+                                      int fp16, const int64_t *RESTRICT limits,
+                                      uint64_t *RESTRICT states, int64_t state_stride,
+                                      int64_t block, uint8_t *const *RESTRICT keeps,
+                                      int64_t *RESTRICT all,
+                                      int64_t *RESTRICT kept, uint64_t *RESTRICT raw,
+                                      int64_t (*RESTRICT a)[4][512])
 {
     if (fp16)
-        dare_drop_counts_body(tau, base, expert, n, 1, limit, states, block, keep, all, kept, raw);
+        dare_drop_counts_body(taus, base, experts, k, n, 1, limits, states, state_stride, block,
+                              keeps, all, kept, raw, a);
     else
-        dare_drop_counts_body(tau, base, expert, n, 0, limit, states, block, keep, all, kept, raw);
+        dare_drop_counts_body(taus, base, experts, k, n, 0, limits, states, state_stride, block,
+                              keeps, all, kept, raw, a);
 }
 
 /* The writing pass of steps.random_drop_ on finite half bits, operation for operation: tau *
@@ -2477,46 +2547,56 @@ done:
 
 static PyObject *py_dare_drop_counts(PyObject *self, PyObject *args)
 {
-    PyObject *o_states, *o_keep, *o_all, *o_kept;
-    long long address, base, expert, n, block;
+    PyObject *o_taus, *o_experts, *o_limits, *o_states, *o_keep, *o_all, *o_kept;
+    long long base, n, block;
     int fp16;
-    unsigned long limit;
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLLLpkOLOOO", &address, &base, &expert, &n, &fp16, &limit,
+    if (!PyArg_ParseTuple(args, "OLOLpOOLOOO", &o_taus, &base, &o_experts, &n, &fp16, &o_limits,
                           &o_states, &block, &o_keep, &o_all, &o_kept))
         return NULL;
-    Buf bufs[4];
+    Buf bufs[7];
     memset(bufs, 0, sizeof bufs);
     PyObject *result = NULL;
+    int64_t *taus, *experts, *limits, *keeps, *all, *kept;
     uint64_t *states;
-    uint8_t *keep;
-    int64_t *all, *kept;
-    if (!(states = buffer_of(o_states, &bufs[0], 8, 1, "states"))) goto done;
-    if (!(keep = buffer_of(o_keep, &bufs[1], 1, 1, "keep"))) goto done;
-    if (!(all = buffer_of(o_all, &bufs[2], 8, 1, "all"))) goto done;
-    if (!(kept = buffer_of(o_kept, &bufs[3], 8, 1, "kept"))) goto done;
-    const int64_t bins = fp16 ? 32 : 256, blocks = block > 0 ? (n + block - 1) / block : 0;
-    if (n < 0 || block <= 0 || block % DROP_TILE || (base == 0) != (expert == 0) ||
-        (address == 0 && base == 0) || items(&bufs[1]) < (n + 7) / 8 ||
-        items(&bufs[2]) < bins || items(&bufs[3]) < bins || limit > (1ul << 23) ||
-        items(&bufs[0]) < (blocks + DARE_LANES - 1) / DARE_LANES * 4 * DARE_LANES) {
+    if (!(taus = buffer_of(o_taus, &bufs[0], 8, 0, "taus"))) goto done;
+    if (!(experts = buffer_of(o_experts, &bufs[1], 8, 0, "experts"))) goto done;
+    if (!(limits = buffer_of(o_limits, &bufs[2], 8, 0, "limits"))) goto done;
+    if (!(states = buffer_of(o_states, &bufs[3], 8, 1, "states"))) goto done;
+    if (!(keeps = buffer_of(o_keep, &bufs[4], 8, 0, "keeps"))) goto done;
+    if (!(all = buffer_of(o_all, &bufs[5], 8, 1, "all"))) goto done;
+    if (!(kept = buffer_of(o_kept, &bufs[6], 8, 1, "kept"))) goto done;
+    const int64_t k = items(&bufs[0]), bins = fp16 ? 32 : 256;
+    const int64_t blocks = block > 0 ? (n + block - 1) / block : 0;
+    const int64_t groups = (blocks + DARE_LANES - 1) / DARE_LANES;
+    int bad = n < 0 || block <= 0 || block % DROP_TILE || k < 1 || items(&bufs[1]) != k ||
+              items(&bufs[2]) != k || items(&bufs[4]) != k ||
+              items(&bufs[5]) < k * 2 * bins || items(&bufs[6]) < k * 2 * bins ||
+              dim(&bufs[3], 0) != k || items(&bufs[3]) < k * groups * 4 * DARE_LANES;
+    for (int64_t i = 0; i < k && !bad; i++)
+        bad = (base == 0) != (experts[i] == 0) || (taus[i] == 0 && base == 0) ||
+              limits[i] < 0 || limits[i] > (1ll << 23) || keeps[i] == 0;
+    if (bad) {
         PyErr_SetString(PyExc_ValueError, "dare_drop_counts: inconsistent argument sizes");
         goto done;
     }
     uint64_t *raw = malloc(sizeof(uint64_t) * DARE_LANES * (DROP_TILE / 2));
-    if (!raw) {
+    int64_t(*a)[4][512] = malloc(sizeof(*a) * (size_t)k);
+    if (!raw || !a) {
+        free(raw), free(a);
         PyErr_NoMemory();
         goto done;
     }
+    const int64_t state_stride = items(&bufs[3]) / k;
     Py_BEGIN_ALLOW_THREADS
-    dare_drop_counts_impl((uint16_t *)(intptr_t)address, (const uint16_t *)(intptr_t)base,
-                          (const uint16_t *)(intptr_t)expert, n, fp16, (uint32_t)limit, states,
-                          block, keep, all, kept, raw);
+    dare_drop_counts_impl((uint16_t *const *)taus, (const uint16_t *)(intptr_t)base,
+                          (const uint16_t *const *)experts, (int)k, n, fp16, limits, states,
+                          state_stride, block, (uint8_t *const *)keeps, all, kept, raw, a);
     Py_END_ALLOW_THREADS
-    free(raw);
+    free(raw), free(a);
     result = Py_NewRef(Py_None);
 done:
-    release(bufs, 4);
+    release(bufs, 7);
     return result;
 }
 
@@ -2660,7 +2740,8 @@ static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(address, bf16, m) -> bool"},
     {"sfc64_fill", py_sfc64_fill, METH_VARARGS, "sfc64_fill(states, rows, steps)"},
     {"dare_drop_counts", py_dare_drop_counts, METH_VARARGS,
-     "dare_drop_counts(address, base, expert, n, fp16, limit, states, block, keep, all, kept)"},
+     "dare_drop_counts(taus, base, experts, n, fp16, limits, states, block, keeps, all, "
+     "kept): addresses in taus, experts and keeps"},
     {"dare_drop_apply", py_dare_drop_apply, METH_VARARGS,
      "dare_drop_apply(address, n, fp16, keep, mode, s)"},
     {NULL, NULL, 0, NULL},
@@ -2677,6 +2758,7 @@ PyMODINIT_FUNC PyInit__loops(void)
     if (!mod) return NULL;
     band_masks = cpu_has_avx2(0);
     vector_loops = cpu_has_avx2(1);
+    fill_keep_masks();
 #ifdef HAVE_MAPPING
     if (PyType_Ready(&MappingType) < 0 || PyModule_AddObjectRef(mod, "Mapping",
                                                                  (PyObject *)&MappingType) < 0) {

@@ -15,8 +15,8 @@ every entry's bits depend on that entry alone), and linear, task arithmetic, TIE
 and DARE run as one compiled pass per chunk that repeats them with their rounding
 (:func:`.kernels.half_merge`, through :func:`_half_compiled`): the per-tensor k-th largest |τ_i|
 are the float32 passes' rounded to the dtype (:func:`.thresholds.tau_kth_largest_abs`, exact),
-and DARE's keep bits and rescale come from one compiled pass per expert
-(:func:`.kernels.dare_keep_bits`), the drop applied inside the merge pass. Where a pass meets a
+and DARE's keep bits and rescale come from one compiled pass over the experts
+(:func:`.kernels.dare_keep_bits_many`), the drop applied inside the merge pass. Where a pass meets a
 NaN or an Inf, the methods' own steps run in that dtype.
 """
 
@@ -339,19 +339,27 @@ def dare_keep_mask(shape: torch.Size, density: float, seed: int, expert: int) ->
 
 
 def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Tensor:
-    """dare_linear and dare_ties in half precision: the methods' steps, any rescale. Each
-    expert's keep bits and drop in one compiled pass over it (:func:`.kernels.dare_keep_bits`,
-    τ_i formed and not stored), then the merge in one compiled pass that forms τ_i again and
-    drops (:func:`.kernels.half_merge`). Where one of them declines (a NaN or an Inf), the
+    """dare_linear and dare_ties in half precision: the methods' steps, any rescale. The
+    dropping experts' keep bits and drops in one compiled pass over them all
+    (:func:`.kernels.dare_keep_bits_many`, each τ_i formed and not stored, the base's tiles read
+    once), then the merge in one compiled pass that forms τ_i again and drops
+    (:func:`.kernels.half_merge`). Where one of them declines (a NaN or an Inf), the
     method's steps run: the stack of dropped task vectors, then the merge."""
     seen = [base, *experts]
     base, *experts = _cast(ctx, base, *experts)
-    drops = [
-        kernels.dare_keep_bits(None, d, ctx.tensor_seed, i, p["rescale"], inputs=(base, expert))
-        if d < 1
-        else None
-        for i, (expert, d) in enumerate(zip(experts, p["density"]))
-    ]
+    dropping = [i for i, d in enumerate(p["density"]) if d < 1]
+    drops: list = [None] * len(experts)
+    if dropping:
+        found = kernels.dare_keep_bits_many(
+            base,
+            [experts[i] for i in dropping],
+            [p["density"][i] for i in dropping],
+            ctx.tensor_seed,
+            dropping,
+            p["rescale"],
+        )
+        for i, drop in zip(dropping, found or [None] * len(dropping)):
+            drops[i] = drop
     linear = "majority_sign" not in p  # dare_linear
     elect = None if linear else _elect_options(p)
     normalize = p["normalize"] if linear else False

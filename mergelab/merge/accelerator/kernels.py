@@ -90,7 +90,7 @@ DARE_LANES = 8
 
 # Constants the C loops were built with, which must be these (a build of an older _loops.c is
 # refused rather than misread: rebuild with `pip install -e .` or `python setup.py build_ext -i`)
-LOOPS_VERSION = 10
+LOOPS_VERSION = 12
 _SHARED_CONSTANTS = {
     "VERSION": LOOPS_VERSION,
     "TILE": TILE,
@@ -421,11 +421,15 @@ def dare_chunk(numel: int, n_dropping: int) -> int:
     return max(1, min(fill, share)) * DARE_BLOCK
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def sfc64_state(seed: int, expert: int, block: int) -> np.ndarray:
     """SFC64's state [a, b, c, counter] for ``SeedSequence(seed, spawn_key=(expert, block))``,
-    the stream steps.dare_keep_block draws from."""
+    the stream steps.dare_keep_block draws from (read-only: every tensor of a merge starts its
+    blocks' streams from the same states, so they are made once)."""
     generator = np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(expert, block)))
-    return np.asarray(generator.state["state"]["state"], dtype=np.uint64)
+    state = np.asarray(generator.state["state"]["state"], dtype=np.uint64)
+    state.flags.writeable = False
+    return state
 
 
 # DARE's drop in half precision: how dare_drop_ scales the kept entries (dare_drop_apply's mode)
@@ -476,77 +480,167 @@ def dare_keep_bits(
     rescale: str,
     inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, int, float] | None:
-    """The first pass of :func:`dare_drop_`: each entry's keep bit (bit j of byte j // 8;
-    ``steps.dare_keep_mask``'s draws, compared as integers) and the drop's mode and scale
-    (``_KEEP_ONLY``; ``_DIVIDE`` by the keep rate; ``_MULTIPLY`` by Σ|τ| / Σ kept |τ|, both
-    summed exactly, ``steps.exact_sum_per_exponent``). With ``inputs`` (base, expert:
-    contiguous, tau's dtype and size) it writes ``tau = expert − base`` first, as ``torch.sub``
-    does (``steps.task_vectors``), or with ``tau`` ``None`` only forms it (a merge that forms
-    it again, :func:`half_merge`, needs no stored copy).
+    """The first pass of :func:`dare_drop_`: each entry's keep bit (:func:`dare_counts`) and
+    the drop's mode and scale (``_KEEP_ONLY``; ``_DIVIDE`` by the keep rate; ``_MULTIPLY`` by
+    Σ|τ| / Σ kept |τ|, both summed exactly and rounded once, as ``steps.random_drop_`` does).
 
     ``None`` where it does not apply: the loops not active, another dtype or layout, a NaN or
     an Inf in ``tau``, a rescale that is not finite."""
-    compiled = active_loops()
-    if tau is None:  # formed from the inputs, not stored
-        if inputs is None:
-            raise ValueError("dare_keep_bits: no task vector and no inputs to form it from")
-        tau, address = inputs[0], 0
-    else:
-        address = tau.data_ptr()
-    if compiled is None or tau.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if tau.device.type != "cpu" or not tau.is_contiguous() or not 0 < density < 1:
-        return None
     if rescale not in ("keep_rate", "l1", "none"):
         return None
-    base_address = expert_address = 0
-    if inputs is not None:
-        if not all(
-            x.dtype == tau.dtype and x.is_contiguous() and x.device.type == "cpu" for x in inputs
-        ) or any(x.numel() != tau.numel() for x in inputs):
-            return None
-        base_address, expert_address = inputs[0].data_ptr(), inputs[1].data_ptr()
-    fp16 = tau.dtype == torch.float16
-    _, mantissa_bits, bias = FLOAT_LAYOUT[tau.dtype]
-    bins = 1 << (15 - mantissa_bits)
-    flat, numel = tau.view(-1), tau.numel()
-    size = dare_chunk(numel, 1)
-    keep = np.empty((numel + 7) // 8, dtype=np.uint8)
-    limit = round(density * (1 << 23))
-    item = flat.element_size()
+    counted = dare_counts(tau, density, seed, expert, inputs)
+    like = tau if tau is not None else inputs[0] if inputs is not None else None
+    return None if counted is None else _drop_of(counted, density, rescale, like.dtype)
 
-    def count(part: slice) -> tuple[np.ndarray, np.ndarray]:
-        first, m = part.start // DARE_BLOCK, part.stop - part.start
-        blocks = -(-m // DARE_BLOCK)
-        states = np.zeros((-(-blocks // DARE_LANES), 4, DARE_LANES), dtype=np.uint64)
-        for b in range(blocks):
-            states[b // DARE_LANES, :, b % DARE_LANES] = sfc64_state(seed, expert, first + b)
-        every, kept = np.zeros(bins, dtype=np.int64), np.zeros(bins, dtype=np.int64)
-        bits = keep[part.start // 8 : (part.stop + 7) // 8]
-        offset = part.start * item
-        start = address + offset if address else 0
-        b, e = (base_address + offset, expert_address + offset) if base_address else (0, 0)
-        compiled.dare_drop_counts(
-            start, b, e, m, fp16, limit, states, DARE_BLOCK, bits, every, kept
-        )
-        return every, kept
 
-    counted = chunks.for_chunks(numel, count, size)
-    every = [sum(int(c[0][e]) for c in counted) for e in range(bins)]
-    kept = [sum(int(c[1][e]) for c in counted) for e in range(bins)]
-    if every[-1]:  # the top exponent: a NaN or an Inf
+def dare_keep_bits_many(
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    densities: Sequence[float],
+    seed: int,
+    indices: Sequence[int],
+    rescale: str,
+) -> list[tuple[np.ndarray, int, float]] | None:
+    """:func:`dare_keep_bits` of τ_i = experts[i] − base for every expert at once (expert
+    number ``indices[i]``, density ``densities[i]``), in one pass that reads each tile of the
+    base once (:func:`dare_counts_many`); ``None`` where any of them does not apply."""
+    if rescale not in ("keep_rate", "l1", "none"):
         return None
+    counted = dare_counts_many(base, experts, densities, seed, indices)
+    if counted is None:
+        return None
+    drops = [_drop_of(c, d, rescale, base.dtype) for c, d in zip(counted, densities)]
+    return None if any(d is None for d in drops) else drops
+
+
+def _drop_of(
+    counted: tuple[np.ndarray, list[int], list[int]], density: float, rescale: str, dtype
+) -> tuple[np.ndarray, int, float] | None:
+    """The drop (keep bits, mode, scale) of one expert's :func:`dare_counts`."""
+    keep, every, kept = counted
     mode, scale = _KEEP_ONLY, 1.0
     if rescale == "keep_rate":
         mode, scale = _DIVIDE, density
     elif rescale == "l1":  # steps.random_drop_'s test and ratio, on the same 0-d tensors
-        before = torch.tensor(round_exact_sum(every, mantissa_bits, bias), dtype=tau.dtype)
-        after = torch.tensor(round_exact_sum(kept, mantissa_bits, bias), dtype=tau.dtype)
+        _, mantissa_bits, bias = FLOAT_LAYOUT[dtype]
+        before = torch.tensor(round_exact_sum(every, mantissa_bits, bias), dtype=dtype)
+        after = torch.tensor(round_exact_sum(kept, mantissa_bits, bias), dtype=dtype)
         if before >= 1e-7 and after >= 1e-7:
             mode, scale = _MULTIPLY, float(before / after)
             if not math.isfinite(scale):
                 return None
     return keep, mode, scale
+
+
+def dare_counts(
+    tau: torch.Tensor | None,
+    density: float,
+    seed: int,
+    expert: int,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[np.ndarray, list[int], list[int]] | None:
+    """One compiled pass over a half-precision task vector: each entry's keep bit (bit j of
+    byte j // 8; ``steps.dare_keep_mask``'s draws, compared as integers) and the exact sums
+    Σ|τ| and Σ kept |τ| as :func:`steps.round_exact_sum` takes them (per exponent bin; a bin
+    may hold a whole tile's sum, so the lists are equal to ``steps.exact_sum_per_exponent``'s
+    in total, not bin by bin). With ``inputs`` (base, expert: contiguous, tau's dtype and size)
+    it writes ``tau = expert − base`` first, as ``torch.sub`` does (``steps.task_vectors``), or
+    with ``tau`` ``None`` only forms it (a merge that forms it again, :func:`half_merge`, needs
+    no stored copy).
+
+    ``None`` where it does not apply: the loops not active, another dtype or layout, a density
+    outside (0, 1), a NaN or an Inf in ``tau``."""
+    if tau is None and inputs is None:
+        raise ValueError("dare_counts: no task vector and no inputs to form it from")
+    base, experts = (None, None) if inputs is None else (inputs[0], [inputs[1]])
+    found = _counts([tau], base, experts, [density], seed, [expert])
+    return None if found is None else found[0]
+
+
+def dare_counts_many(
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    densities: Sequence[float],
+    seed: int,
+    indices: Sequence[int],
+) -> list[tuple[np.ndarray, list[int], list[int]]] | None:
+    """:func:`dare_counts` of τ_i = experts[i] − base (formed, not stored) for every expert in
+    one pass: the experts take turns tile by tile, so each tile of the base is read from memory
+    once. ``None`` where any of them does not apply."""
+    return _counts([None] * len(experts), base, list(experts), densities, seed, indices)
+
+
+def _counts(
+    taus: list[torch.Tensor | None],
+    base: torch.Tensor | None,
+    experts: list[torch.Tensor] | None,
+    densities: Sequence[float],
+    seed: int,
+    indices: Sequence[int],
+) -> list[tuple[np.ndarray, list[int], list[int]]] | None:
+    """``_loops.dare_drop_counts`` over the chunks of k task vectors (stored ``taus``, or
+    formed from ``base`` and ``experts``)."""
+    compiled = active_loops()
+    like = base if base is not None else taus[0]
+    if compiled is None or like.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not all(0 < d < 1 for d in densities):
+        return None
+    tensors = [x for x in [*taus, base, *(experts or [])] if x is not None]
+    if not all(
+        x.dtype == like.dtype and x.is_contiguous() and x.device.type == "cpu" for x in tensors
+    ) or any(x.numel() != like.numel() for x in tensors):
+        return None
+    k, numel = len(taus), like.numel()
+    fp16 = like.dtype == torch.float16
+    _, mantissa_bits, _ = FLOAT_LAYOUT[like.dtype]
+    bins = 1 << (15 - mantissa_bits)
+    size = dare_chunk(numel, 1)
+    keeps = np.empty((k, (numel + 7) // 8), dtype=np.uint8)
+    limits = np.array([round(d * (1 << 23)) for d in densities], dtype=np.int64)
+    item = like.element_size()
+    tau_addresses = [0 if t is None else t.data_ptr() for t in taus]
+    base_address = 0 if base is None else base.data_ptr()
+    expert_addresses = [0] * k if experts is None else [x.data_ptr() for x in experts]
+    keep_addresses = np.array([row.ctypes.data for row in keeps], dtype=np.int64)
+
+    def count(part: slice) -> tuple[np.ndarray, np.ndarray]:
+        first, m = part.start // DARE_BLOCK, part.stop - part.start
+        blocks = -(-m // DARE_BLOCK)
+        states = np.zeros((k, -(-blocks // DARE_LANES), 4, DARE_LANES), dtype=np.uint64)
+        for i, expert in enumerate(indices):
+            for b in range(blocks):
+                states[i, b // DARE_LANES, :, b % DARE_LANES] = sfc64_state(seed, expert, first + b)
+        # bin e's sum: [e] + ([bins + e] << 32), the high parts after the low ones
+        every, kept = np.zeros((k, 2 * bins), dtype=np.int64), np.zeros((k, 2 * bins), np.int64)
+        offset = part.start * item
+
+        def shifted(addresses: list[int]) -> np.ndarray:
+            return np.array([a + offset if a else 0 for a in addresses], dtype=np.int64)
+
+        compiled.dare_drop_counts(
+            shifted(tau_addresses),
+            base_address + offset if base_address else 0,
+            shifted(expert_addresses),
+            m,
+            fp16,
+            limits,
+            states,
+            DARE_BLOCK,
+            keep_addresses + part.start // 8,
+            every,
+            kept,
+        )
+        return every, kept
+
+    counted = chunks.for_chunks(numel, count, size)
+    # a chunk (at most DARE_LANES blocks, 2^21 entries) adds parts below 2^32 per tile of 2^13
+    # entries (or a mantissa below 2^11 per entry): below 2^41 a chunk, so int64 sums are exact
+    sums = [sum(c[j] for c in counted).astype(object) for j in (0, 1)]
+    every, kept = ((s[:, :bins] + (s[:, bins:] << 32)).tolist() for s in sums)
+    if any(row[-1] for row in every):  # the top exponent: a NaN or an Inf
+        return None
+    return [(keeps[i], every[i], kept[i]) for i in range(k)]
 
 
 class ChunkMerger:
