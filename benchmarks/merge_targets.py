@@ -15,8 +15,15 @@ measured, and checks every target on every run:
 * TIES at least 8× and DARE-TIES at least 3× faster than mergekit, where mergekit ran;
 * every method's peak RSS at most mergekit's, where mergekit ran.
 
-It prints one Markdown table per thread setting (a ratio that misses its target is marked ✗)
-and how many runs met each target, and writes the same as JSON (``--results``). Nothing is
+The runs that hold the first table, mergekit-format configs at their own dtype
+(``mergekit_format_rows``, every config of ``FORMAT_CONFIGS``, at full size), are checked
+against that table's targets: every config at least 5× faster than mergekit (wall), every
+config but linear within 2× mergelab's own linear merge of the same config (wall), every peak
+RSS at most mergekit's.
+
+It prints one Markdown table per thread setting and one for the mergekit-format runs (a ratio
+that misses its target is marked ✗) and how many runs met each target, and writes the same as
+JSON (``--results``). Nothing is
 measured here: every number comes from a results file, so the README's count of met targets is
 this script's output, not a hand-kept list.
 """
@@ -62,6 +69,16 @@ TARGETS = [
     Target("dare_ties × mergekit", "dare_ties", "speedup", 3.0, most=False),
 ]
 RSS_LABEL = "largest RSS ÷ mergekit's"  # every row with mergekit: met when at most 1
+
+# The mergekit-format table (merge_speed.py's first): its configs, and the full size its targets
+# are set at (3 × 0.99B parameters; a reduced run, --layers, is left out).
+FORMAT_CONFIGS = ["linear", "ties", "dare_ties", "dare_linear", "breadcrumbs"]
+FULL_SIZE_PARAMS = 0.9e9
+FORMAT_TARGETS = [
+    Target(f"{c} × mergekit", c, "speedup", 5.0, most=False) for c in FORMAT_CONFIGS
+] + [Target(f"{c} ÷ linear", c, "over_linear", 2.0) for c in FORMAT_CONFIGS if c != "linear"]
+FORMAT_LABELS = [t.label for t in FORMAT_TARGETS] + [RSS_LABEL]
+FORMAT_BOUNDS = {t.label: t.bound for t in FORMAT_TARGETS} | {RSS_LABEL: 1.0}
 LABELS = [t.label for t in TARGETS] + [RSS_LABEL]  # the tables' columns, in order
 BOUNDS = {t.label: t.bound for t in TARGETS} | {RSS_LABEL: 1.0}
 
@@ -107,28 +124,68 @@ def check_run(path: Path) -> dict | None:
     }
 
 
-def tally(runs: list[dict]) -> dict[str, dict[str, int]]:
+def check_format_run(path: Path) -> dict | None:
+    """One results file's mergekit-format values and verdicts, or None where it holds no full
+    mergekit-format table at full size."""
+    record = json.loads(path.read_text())
+    rows = {row["variant"]: row for row in record.get("mergekit_format_rows", [])}
+    config = record.get("config", {})
+    if not all(c in rows for c in FORMAT_CONFIGS):
+        return None
+    if (config.get("n_params") or 0) < FULL_SIZE_PARAMS:
+        return None
+    values: dict[str, float | None] = {}
+    met: dict[str, bool | None] = {}
+    for t in FORMAT_TARGETS:
+        value = rows[t.variant].get(t.field)
+        values[t.label] = value
+        met[t.label] = None if value is None else t.met(value)
+    rss = [rows[c]["rss_ratio"] for c in FORMAT_CONFIGS if rows[c].get("rss_ratio") is not None]
+    values[RSS_LABEL] = max(rss) if rss else None
+    met[RSS_LABEL] = None if not rss else max(rss) <= FORMAT_BOUNDS[RSS_LABEL]
+    linear = rows["linear"].get("mergelab") or {}
+    return {
+        "file": path.name,
+        "threads": config.get("threads"),
+        "commit": config.get("commit"),
+        "date": commit_date(config.get("commit")),
+        "cpu": (config.get("cpu") or {}).get("family_model"),
+        "linear_s": linear.get("s"),
+        "values": values,
+        "met": met,
+    }
+
+
+def tally(runs: list[dict], labels: list[str] = LABELS) -> dict[str, dict[str, int]]:
     """Per target: in how many runs it was checked (a value there) and met."""
     return {
         label: {
             "checked": sum(r["met"][label] is not None for r in runs),
             "met": sum(r["met"][label] is True for r in runs),
         }
-        for label in LABELS
+        for label in labels
     }
 
 
 def collect(folder: Path = RESULTS) -> dict[str, list[dict]]:
-    """The full-table runs under folder, grouped "default" / "threads1", oldest commit first."""
-    groups: dict[str, list[dict]] = {"default": [], "threads1": []}
+    """The full-table runs under folder, grouped "default" / "threads1", oldest commit first,
+    and the full-size mergekit-format runs ("mergekit_format")."""
+    groups: dict[str, list[dict]] = {"default": [], "threads1": [], "mergekit_format": []}
     for path in sorted(folder.glob("merge_speed*.json")):
         run = check_run(path)
-        if run is None:
-            continue
-        groups["threads1" if run["threads"] == 1 else "default"].append(run)
+        if run is not None:
+            groups["threads1" if run["threads"] == 1 else "default"].append(run)
+        run = check_format_run(path)
+        if run is not None:
+            groups["mergekit_format"].append(run)
     for runs in groups.values():
         runs.sort(key=lambda r: (r["date"], r["file"]))
     return groups
+
+
+def group_labels(name: str) -> tuple[list[str], dict[str, float]]:
+    """A group's target columns and bounds."""
+    return (FORMAT_LABELS, FORMAT_BOUNDS) if name == "mergekit_format" else (LABELS, BOUNDS)
 
 
 def _cell(value: float | None, met: bool | None, bound: float | None = None) -> str:
@@ -141,16 +198,17 @@ def _cell(value: float | None, met: bool | None, bound: float | None = None) -> 
     return text + (" ✗" if met is False else "")
 
 
-def markdown(runs: list[dict]) -> str:
+def markdown(runs: list[dict], group: str = "default") -> str:
     """A table of the runs (one row each, misses marked ✗) and a last row of the counts."""
-    head = ["run", "CPU", "linear s", *LABELS]
+    labels, bounds = group_labels(group)
+    head = ["run", "CPU", "linear s", *labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         cells = [f"`{r['file']}`", r["cpu"] or "–", _cell(r["linear_s"], None)]
-        cells += [_cell(r["values"][key], r["met"][key], BOUNDS[key]) for key in LABELS]
+        cells += [_cell(r["values"][key], r["met"][key], bounds[key]) for key in labels]
         lines.append("| " + " | ".join(cells) + " |")
-    counts = tally(runs)
-    last = ["met in", "", ""] + [f"{counts[k]['met']} of {counts[k]['checked']}" for k in LABELS]
+    counts = tally(runs, labels)
+    last = ["met in", "", ""] + [f"{counts[k]['met']} of {counts[k]['checked']}" for k in labels]
     lines.append("| " + " | ".join(last) + " |")
     return "\n".join(lines)
 
@@ -161,15 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(RESULTS / "merge_targets.json"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     groups = collect(Path(args.folder))
-    titles = {"default": "Each tool at its default thread count", "threads1": "Both on one thread"}
+    titles = {
+        "default": "Each tool at its default thread count",
+        "threads1": "Both on one thread",
+        "mergekit_format": "mergekit-format configs at their own dtype (the first table)",
+    }
     for name, runs in groups.items():
         print(f"\n{titles[name]} ({len(runs)} runs)\n")
-        print(markdown(runs))
+        print(markdown(runs, name))
+    rss = {"label": RSS_LABEL, "bound": BOUNDS[RSS_LABEL]}
     record = {
-        "targets": [t._asdict() for t in TARGETS]
-        + [{"label": RSS_LABEL, "bound": BOUNDS[RSS_LABEL]}],
+        "targets": [t._asdict() for t in TARGETS] + [rss],
+        "mergekit_format_targets": [t._asdict() for t in FORMAT_TARGETS] + [rss],
         "runs": groups,
-        "tally": {name: tally(runs) for name, runs in groups.items()},
+        "tally": {name: tally(runs, group_labels(name)[0]) for name, runs in groups.items()},
     }
     out = Path(args.results)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,3 +81,41 @@ def test_partial_tables_are_left_out_and_thread_settings_kept_apart(targets, tmp
     assert [r["file"] for r in groups["default"]] == ["merge_speed_x.json"]
     assert [r["file"] for r in groups["threads1"]] == ["merge_speed_threads1_x.json"]
     assert targets.tally(groups["threads1"])["breadcrumbs ÷ linear"]["met"] == 0
+
+
+def format_run(targets, over_linear=1.5, speedup=10.0, rss_ratio=0.2, n_params=993_647_616):
+    """A results file's record with a full mergekit-format table (and no float32 table)."""
+    rows = [
+        {
+            "variant": c,
+            "over_linear": 1.0 if c == "linear" else over_linear,
+            "speedup": speedup,
+            "rss_ratio": rss_ratio,
+            "mergelab": {"s": 1.6},
+        }
+        for c in targets.FORMAT_CONFIGS
+    ]
+    config = {"threads": "each tool's default", "commit": None, "n_params": n_params}
+    return {"config": config, "rows": [], "mergekit_format_rows": rows}
+
+
+def test_mergekit_format_targets_at_their_bounds(targets, tmp_path):
+    """The first table's targets: ≥ 5× mergekit for every config, ≤ 2× mergelab's own linear for
+    every other config, RSS ≤ mergekit's; met at the bounds, missed just past them; a reduced
+    run (fewer layers) and a float32-only run are not in this group."""
+    write(tmp_path, "merge_speed_at.json", format_run(targets, 2.0, 5.0, 1.0))
+    write(tmp_path, "merge_speed_past.json", format_run(targets, 2.001, 4.99, 1.01))
+    write(tmp_path, "merge_speed_reduced.json", format_run(targets, n_params=67_000_000))
+    write(tmp_path, "merge_speed_float32.json", full_run(targets))
+    groups = targets.collect(tmp_path)
+    runs = {r["file"]: r for r in groups["mergekit_format"]}
+    assert set(runs) == {"merge_speed_at.json", "merge_speed_past.json"}
+    assert all(runs["merge_speed_at.json"]["met"].values())
+    assert not any(runs["merge_speed_past.json"]["met"].values())
+    labels = set(runs["merge_speed_at.json"]["met"])
+    assert labels == {f"{c} × mergekit" for c in targets.FORMAT_CONFIGS} | {
+        f"{c} ÷ linear" for c in targets.FORMAT_CONFIGS if c != "linear"
+    } | {targets.RSS_LABEL}
+    assert [r["file"] for r in groups["default"]] == ["merge_speed_float32.json"]
+    table = targets.markdown(groups["mergekit_format"], "mergekit_format")
+    assert "2.001 ✗" in table and "| met in |" in table

@@ -121,27 +121,48 @@ def test_readme_findings_block_is_the_generators_table():
     assert inside.strip() == findings.short_table(findings.findings(ROOT)).strip()
 
 
-def test_readme_performance_table_equals_its_results_file():
+def test_readme_performance_tables_equal_their_results_file():
+    """The README's two merge tables are its results file's: first the mergekit-format configs
+    (`mergekit_format_rows`), then the float32 table (`rows`), every cell."""
     text = block(README.read_text(), "\n## Performance\n", "\n## Documentation\n")
     (path,) = re.findall(r"`(benchmarks/results/merge_speed[^`]*\.json)`", text)
     data = load(path)
     assert data["config"]["threads"] == "each tool's default"
     assert data["config"]["cpu"]["family_model"] in text
     assert f"best of {data['config']['repeats']}" in text
-    rows = {r["variant"]: r for r in data["rows"]}
-    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(table) == 6
-    for line in table:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        variant = cells[0].split(" (")[0]
-        r = rows[variant]
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    heads = [i for i, line in enumerate(lines) if line.startswith(("| config", "| method"))]
+    assert len(heads) == 2
+    first, second = lines[heads[0] + 1 : heads[1]], lines[heads[1] + 1 :]
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    formats = {r["variant"]: r for r in data["mergekit_format_rows"]}
+    assert [cells(line)[0] for line in first] == list(formats)
+    for line in first:
+        r = formats[cells(line)[0]]
         ml, mk = r["mergelab"], r["mergekit"]
-        assert cells[1:] == [
+        assert cells(line)[1:] == [
+            f"{ml['s']:.1f} s",
+            f"{mk['s']:.1f} s",
+            f"{r['speedup']:.1f}×",
+            f"{r['over_linear']:.2f}",
+            f"{ml['rss_mib']:.0f} / {mk['rss_mib']:.0f} MiB",
+        ], line
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert len(second) == 6
+    for line in second:
+        r = rows[cells(line)[0].split(" (")[0]]
+        ml, mk = r["mergelab"], r["mergekit"]
+        assert cells(line)[1:] == [
             f"{ml['s']:.1f} s",
             f"{mk['s']:.1f} s",
             f"{r['speedup']:.1f}×",
             f"{ml['rss_mib']:.0f} / {mk['rss_mib']:.0f} MiB",
         ], line
+    ratios = [r["over_linear_cpu"] for v, r in formats.items() if v != "linear"]
+    assert f"{min(ratios):.2f}–{max(ratios):.2f}× mergelab's linear merge" in text
 
 
 def test_performance_table_is_the_latest_run_with_mergekit(monkeypatch):
