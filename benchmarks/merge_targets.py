@@ -101,27 +101,7 @@ def check_run(path: Path) -> dict | None:
     rows = {row["variant"]: row for row in record.get("rows", []) if "variant" in row}
     if not all(t.variant in rows for t in TARGETS):
         return None
-    config = record.get("config", {})
-    values: dict[str, float | None] = {}
-    met: dict[str, bool | None] = {}
-    for t in TARGETS:
-        value = rows[t.variant].get(t.field)
-        values[t.label] = value
-        met[t.label] = None if value is None else t.met(value)
-    rss = [row["rss_ratio"] for row in rows.values() if row.get("rss_ratio") is not None]
-    values[RSS_LABEL] = max(rss) if rss else None
-    met[RSS_LABEL] = None if not rss else max(rss) <= BOUNDS[RSS_LABEL]
-    linear = rows["linear"].get("mergelab") or {}
-    return {
-        "file": path.name,
-        "threads": config.get("threads"),
-        "commit": config.get("commit"),
-        "date": commit_date(config.get("commit")),
-        "cpu": (config.get("cpu") or {}).get("family_model"),
-        "linear_s": linear.get("s"),
-        "values": values,
-        "met": met,
-    }
+    return _verdicts(path, record, rows, TARGETS)
 
 
 def check_format_run(path: Path) -> dict | None:
@@ -129,20 +109,26 @@ def check_format_run(path: Path) -> dict | None:
     mergekit-format table at full size."""
     record = json.loads(path.read_text())
     rows = {row["variant"]: row for row in record.get("mergekit_format_rows", [])}
-    config = record.get("config", {})
     if not all(c in rows for c in FORMAT_CONFIGS):
         return None
-    if (config.get("n_params") or 0) < FULL_SIZE_PARAMS:
+    if (record.get("config", {}).get("n_params") or 0) < FULL_SIZE_PARAMS:
         return None
+    return _verdicts(path, record, rows, FORMAT_TARGETS)
+
+
+def _verdicts(path: Path, record: dict, rows: dict[str, dict], targets: list[Target]) -> dict:
+    """Each target's value in ``rows`` (a table of ``record``) and whether it is met, with the
+    largest peak RSS ÷ mergekit's over the rows (met when at most 1)."""
+    config = record.get("config", {})
     values: dict[str, float | None] = {}
     met: dict[str, bool | None] = {}
-    for t in FORMAT_TARGETS:
+    for t in targets:
         value = rows[t.variant].get(t.field)
         values[t.label] = value
         met[t.label] = None if value is None else t.met(value)
-    rss = [rows[c]["rss_ratio"] for c in FORMAT_CONFIGS if rows[c].get("rss_ratio") is not None]
+    rss = [row["rss_ratio"] for row in rows.values() if row.get("rss_ratio") is not None]
     values[RSS_LABEL] = max(rss) if rss else None
-    met[RSS_LABEL] = None if not rss else max(rss) <= FORMAT_BOUNDS[RSS_LABEL]
+    met[RSS_LABEL] = None if not rss else max(rss) <= 1.0
     linear = rows["linear"].get("mergelab") or {}
     return {
         "file": path.name,

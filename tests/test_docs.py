@@ -138,29 +138,20 @@ def test_readme_performance_tables_equal_their_results_file():
     def cells(line: str) -> list[str]:
         return [c.strip() for c in line.strip("|").split("|")]
 
+    def expected(r: dict, *middle: str) -> list[str]:
+        ml, mk = r["mergelab"], r["mergekit"]
+        head = [f"{ml['s']:.1f} s", f"{mk['s']:.1f} s", f"{r['speedup']:.1f}×"]
+        return [*head, *middle, f"{ml['rss_mib']:.0f} / {mk['rss_mib']:.0f} MiB"]
+
     formats = {r["variant"]: r for r in data["mergekit_format_rows"]}
     assert [cells(line)[0] for line in first] == list(formats)
     for line in first:
         r = formats[cells(line)[0]]
-        ml, mk = r["mergelab"], r["mergekit"]
-        assert cells(line)[1:] == [
-            f"{ml['s']:.1f} s",
-            f"{mk['s']:.1f} s",
-            f"{r['speedup']:.1f}×",
-            f"{r['over_linear']:.2f}",
-            f"{ml['rss_mib']:.0f} / {mk['rss_mib']:.0f} MiB",
-        ], line
+        assert cells(line)[1:] == expected(r, f"{r['over_linear']:.2f}"), line
     rows = {r["variant"]: r for r in data["rows"]}
     assert len(second) == 6
     for line in second:
-        r = rows[cells(line)[0].split(" (")[0]]
-        ml, mk = r["mergelab"], r["mergekit"]
-        assert cells(line)[1:] == [
-            f"{ml['s']:.1f} s",
-            f"{mk['s']:.1f} s",
-            f"{r['speedup']:.1f}×",
-            f"{ml['rss_mib']:.0f} / {mk['rss_mib']:.0f} MiB",
-        ], line
+        assert cells(line)[1:] == expected(rows[cells(line)[0].split(" (")[0]]), line
     ratios = [r["over_linear_cpu"] for v, r in formats.items() if v != "linear"]
     assert f"{min(ratios):.2f}–{max(ratios):.2f}× mergelab's linear merge" in text
 
