@@ -1968,6 +1968,14 @@ HOT static int half_chunk_fp16(const int64_t *addresses, int n, int has_base,
 #define DROP_TILE (1 << DROP_TILE_BITS)
 #define SPLIT_BITS 32   /* a bin's exact sum: low part + (high part << SPLIT_BITS) */
 
+/* The integer significand of a half-precision magnitude `mag` (mb mantissa bits): its mantissa
+ * with the leading 1 of a normal number (a subnormal has none); the value is that times the
+ * unit of its exponent bin, 2^(max(e, 1) - bias - mb). */
+INLINE uint32_t half_significand(uint32_t mag, const int mb)
+{
+    return (mag & ((1u << mb) - 1u)) | (mag >> mb ? 1u << mb : 0u);
+}
+
 /* Adds a tile's exact sum, `units` units of exponent bin e (2^(max(e, 1) - bias - mb)), to bin e
  * of a histogram whose high parts follow its `bins` low parts. */
 INLINE void add_exact(int64_t *RESTRICT hist, int64_t bins, int e, uint64_t units)
@@ -2004,7 +2012,6 @@ INLINE void dare_drop_counts_body(uint16_t *const *RESTRICT taus, const uint16_t
                                   uint64_t *RESTRICT raw, int64_t (*RESTRICT a)[4][512])
 {
     const int mb = fp16 ? 10 : 7, bins = fp16 ? 32 : 256;
-    const uint32_t fraction = (1u << mb) - 1u;
     memset(a, 0, sizeof(*a) * (size_t)k);
     for (int i = 0; i < k; i++) memset(keeps[i], 0, (size_t)((n + 7) / 8));
     const int64_t blocks = (n + block - 1) / block, stride = DROP_TILE / 2;
@@ -2051,7 +2058,7 @@ INLINE void dare_drop_counts_body(uint16_t *const *RESTRICT taus, const uint16_t
                         uint64_t s_all = 0, s_kept = 0;
                         for (int64_t j = 0; j < m; j++) {
                             const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
-                            const uint64_t mant = (mag & fraction) | (e ? 1u << mb : 0u);
+                            const uint64_t mant = half_significand(mag, mb);
                             const uint64_t units = mant << ((e ? e : 1u) - (uint32_t)bottom);
                             s_all += units;
                             s_kept += kb[j] ? units : 0u;
@@ -2061,9 +2068,8 @@ INLINE void dare_drop_counts_body(uint16_t *const *RESTRICT taus, const uint16_t
                         continue;
                     }
                     for (int64_t j = 0; j < m; j++) {
-                        const uint32_t mag = t[j] & 0x7FFFu, e = mag >> mb;
-                        const int64_t mant = (int64_t)((mag & fraction) | (e ? 1u << mb : 0u));
-                        a[i][j & 3][2 * e + kb[j]] += mant;
+                        const uint32_t mag = t[j] & 0x7FFFu;
+                        a[i][j & 3][2 * (mag >> mb) + kb[j]] += half_significand(mag, mb);
                     }
                 }
             }

@@ -348,7 +348,7 @@ def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Te
     seen = [base, *experts]
     base, *experts = _cast(ctx, base, *experts)
     dropping = [i for i, d in enumerate(p["density"]) if d < 1]
-    drops: list = [None] * len(experts)
+    found: list | None = []
     if dropping:
         found = kernels.dare_keep_bits_many(
             base,
@@ -358,16 +358,16 @@ def _dare_half(base, experts, ctx: TensorContext, p: dict[str, Any]) -> torch.Te
             dropping,
             p["rescale"],
         )
-        for i, drop in zip(dropping, found or [None] * len(dropping)):
-            drops[i] = drop
+    drops: list = [None] * len(experts)  # all None where the pass declined
+    for i, drop in zip(dropping, found or []):
+        drops[i] = drop
     linear = "majority_sign" not in p  # dare_linear
     elect = None if linear else _elect_options(p)
     normalize = p["normalize"] if linear else False
     plan = kernels.half_plan(
         p["weight"], base.dtype, lambda_=p["lambda_"], normalize=normalize, elect=elect
     )
-    declined = any(found is None and d < 1 for found, d in zip(drops, p["density"]))
-    if not declined:
+    if found is not None:
         merged = _half_compiled(base, experts, ctx, plan, seen=seen, drops=drops)
         if merged is not None:
             return merged

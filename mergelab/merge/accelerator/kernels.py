@@ -385,9 +385,8 @@ def half_merge(
             np.where(keeps != 0, keeps + s.start // 8, 0),
         )
 
-    # with drops, chunks start at multiples of DARE_BLOCK: each keep bit is its entry's bit j % 8
-    size = dare_chunk(out.numel(), len(rows)) if keeps.any() else None
-    return not any(chunks.for_chunks(out.numel(), part, size))
+    # chunks (chunks.CHUNK entries) start at multiples of 8: each keep bit is its entry's bit j % 8
+    return not any(chunks.for_chunks(out.numel(), part))
 
 
 def trim_below(threshold: float) -> float:
@@ -488,9 +487,9 @@ def dare_keep_bits(
     an Inf in ``tau``, a rescale that is not finite."""
     if rescale not in ("keep_rate", "l1", "none"):
         return None
-    counted = dare_counts(tau, density, seed, expert, inputs)
-    like = tau if tau is not None else inputs[0] if inputs is not None else None
-    return None if counted is None else _drop_of(counted, density, rescale, like.dtype)
+    counted = dare_counts(tau, density, seed, expert, inputs)  # raises without tau or inputs
+    dtype = (tau if tau is not None else inputs[0]).dtype
+    return None if counted is None else _drop_of(counted, density, rescale, dtype)
 
 
 def dare_keep_bits_many(
